@@ -1,0 +1,66 @@
+"""Every ATOM environment switch, documented in one place.
+
+Values are read when asked for (not at import), and parsed strictly: an unknown or malformed value
+raises :class:`~atom_core.errors.ConfigError` naming the variable, never falls back to a default.
+
+| variable | values | default | effect |
+|---|---|---|---|
+| ``ATOM_DISABLE_VLLM_PLUGIN`` | ``0``/``1`` | ``0`` | ``1``: the vLLM plugin registers nothing; stock vLLM models run. |
+| ``ATOM_KERNEL_BACKEND`` | ``reference``/``triton``/``aiter`` | unset | force one kernel backend for every op (debugging); an op without that backend raises. |
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from atom_core.errors import ConfigError
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+@dataclass(frozen=True)
+class EnvSwitch:
+    name: str
+    doc: str
+
+
+ATOM_DISABLE_VLLM_PLUGIN = EnvSwitch("ATOM_DISABLE_VLLM_PLUGIN", "1 disables the vLLM plugin (stock vLLM runs)")
+ATOM_KERNEL_BACKEND = EnvSwitch("ATOM_KERNEL_BACKEND", "force one kernel backend for every op")
+KERNEL_BACKENDS = ("reference", "triton", "aiter")
+
+ALL_SWITCHES = (ATOM_DISABLE_VLLM_PLUGIN, ATOM_KERNEL_BACKEND)
+
+
+def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+def get_bool(switch: EnvSwitch, default: bool = False, environ: Mapping[str, str] | None = None) -> bool:
+    raw = _env(environ).get(switch.name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(switch.name, raw, "env", f"expected one of {list(_TRUE + _FALSE[:-1])}")
+
+
+def plugin_disabled(environ: Mapping[str, str] | None = None) -> bool:
+    """``ATOM_DISABLE_VLLM_PLUGIN``: whether the vLLM plugin must stay out of the way."""
+    return get_bool(ATOM_DISABLE_VLLM_PLUGIN, False, environ)
+
+
+def forced_kernel_backend(environ: Mapping[str, str] | None = None) -> str | None:
+    """``ATOM_KERNEL_BACKEND``: the backend name forced for every op, or None."""
+    raw = _env(environ).get(ATOM_KERNEL_BACKEND.name)
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().lower()
+    if value not in KERNEL_BACKENDS:
+        raise ConfigError(ATOM_KERNEL_BACKEND.name, raw, "env", f"expected one of {list(KERNEL_BACKENDS)}")
+    return value

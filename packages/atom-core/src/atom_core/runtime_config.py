@@ -1,0 +1,59 @@
+"""Speculative-decoding and cache configs (what vLLM or our own engine passes down)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from atom_core._reader import FieldReader
+from atom_core.errors import ConfigError
+
+SPEC_METHODS = ("mtp",)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """MTP speculative decoding: the draft proposes ``num_speculative_tokens`` tokens per step."""
+
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError("method", self.method, "speculative_config", f"supported methods: {list(SPEC_METHODS)}")
+        if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int):
+            raise ConfigError("num_speculative_tokens", self.num_speculative_tokens, "speculative_config", "expected an integer")
+        if self.num_speculative_tokens < 1:
+            raise ConfigError(
+                "num_speculative_tokens", self.num_speculative_tokens, "speculative_config", "must be >= 1"
+            )
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], source: str = "speculative_config") -> SpeculativeConfig:
+        r = FieldReader(raw, source)
+        return cls(r.str("method", choices=SPEC_METHODS), r.int("num_speculative_tokens", minimum=1))
+
+    @property
+    def num_verify_tokens(self) -> int:
+        """Query tokens per request in a verification step: the last accepted token plus the drafts."""
+        return 1 + self.num_speculative_tokens
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache layout: ``block_size`` tokens per block, ``kv_cache_dtype`` storage."""
+
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ConfigError("block_size", self.block_size, "cache_config", "expected a positive integer")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError("kv_cache_dtype", self.kv_cache_dtype, "cache_config", f"one of {list(KV_CACHE_DTYPES)}")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_cache_dtype.startswith("fp8")
