@@ -27,7 +27,9 @@ class EnvSwitch:
     doc: str
 
 
-ATOM_DISABLE_VLLM_PLUGIN = EnvSwitch("ATOM_DISABLE_VLLM_PLUGIN", "1 disables the vLLM plugin (stock vLLM runs)")
+ATOM_DISABLE_VLLM_PLUGIN = EnvSwitch(
+    "ATOM_DISABLE_VLLM_PLUGIN", "1 disables the vLLM plugin (stock vLLM runs)"
+)
 ATOM_KERNEL_BACKEND = EnvSwitch("ATOM_KERNEL_BACKEND", "force one kernel backend for every op")
 KERNEL_BACKENDS = ("reference", "triton", "aiter")
 

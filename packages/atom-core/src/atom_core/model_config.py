@@ -122,12 +122,16 @@ class Qwen3NextConfig:
         hidden = r.int("hidden_size", minimum=1)
         head_dim = r.int("head_dim", hidden // heads, minimum=1)
         if int(head_dim * partial) % 2:
-            raise r.fail("partial_rotary_factor", partial, f"rotary dim head_dim*factor must be even ({head_dim})")
+            raise r.fail(
+                "partial_rotary_factor", partial, f"rotary dim head_dim*factor must be even ({head_dim})"
+            )
 
         lk_heads = r.int("linear_num_key_heads", minimum=1)
         lv_heads = r.int("linear_num_value_heads", minimum=1)
         if lv_heads % lk_heads:
-            raise r.fail("linear_num_value_heads", lv_heads, f"must be a multiple of linear_num_key_heads={lk_heads}")
+            raise r.fail(
+                "linear_num_value_heads", lv_heads, f"must be a multiple of linear_num_key_heads={lk_heads}"
+            )
 
         num_experts = r.int("num_experts", 0, minimum=0)
         top_k = r.int("num_experts_per_tok", 0, minimum=0)
@@ -183,7 +187,9 @@ def _layer_types(r: FieldReader, n_layers: int) -> tuple[str, ...]:
             raise r.fail("layer_types", list(types), f"expected {n_layers} entries (num_hidden_layers)")
         for t in types:
             if t not in LAYER_TYPES:
-                raise r.fail("layer_types", list(types), f"unknown layer type {t!r}; known: {list(LAYER_TYPES)}")
+                raise r.fail(
+                    "layer_types", list(types), f"unknown layer type {t!r}; known: {list(LAYER_TYPES)}"
+                )
         return types
     interval = r.int("full_attention_interval", minimum=1)
     return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(n_layers))

@@ -22,9 +22,16 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
-            raise ConfigError("method", self.method, "speculative_config", f"supported methods: {list(SPEC_METHODS)}")
+            raise ConfigError(
+                "method", self.method, "speculative_config", f"supported methods: {list(SPEC_METHODS)}"
+            )
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int):
-            raise ConfigError("num_speculative_tokens", self.num_speculative_tokens, "speculative_config", "expected an integer")
+            raise ConfigError(
+                "num_speculative_tokens",
+                self.num_speculative_tokens,
+                "speculative_config",
+                "expected an integer",
+            )
         if self.num_speculative_tokens < 1:
             raise ConfigError(
                 "num_speculative_tokens", self.num_speculative_tokens, "speculative_config", "must be >= 1"
@@ -52,7 +59,9 @@ class CacheConfig:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ConfigError("block_size", self.block_size, "cache_config", "expected a positive integer")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError("kv_cache_dtype", self.kv_cache_dtype, "cache_config", f"one of {list(KV_CACHE_DTYPES)}")
+            raise ConfigError(
+                "kv_cache_dtype", self.kv_cache_dtype, "cache_config", f"one of {list(KV_CACHE_DTYPES)}"
+            )
 
     @property
     def is_fp8(self) -> bool:
