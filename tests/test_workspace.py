@@ -42,7 +42,10 @@ def _imports(src: Path) -> set[str]:
 
 def _declared(pkg: str) -> tuple[set[str], set[str]]:
     meta = tomllib.loads((REPO / "packages" / pkg / "pyproject.toml").read_text())["project"]
-    base = {d.split(";")[0].split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip() for d in meta["dependencies"]}
+    base = {
+        d.split(";")[0].split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip()
+        for d in meta["dependencies"]
+    }
     extras = {
         d.split(";")[0].split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip()
         for deps in meta.get("optional-dependencies", {}).values()
@@ -62,11 +65,15 @@ def test_metadata_matches_imports(pkg):
     assert not unknown, f"{pkg} imports {sorted(unknown)}: add them to DIST_OF and to its pyproject"
     for name in third_party:
         provided = DIST_OF[name] & (base | extras)
-        assert provided or name in OPTIONAL_IMPORTS, f"{pkg} imports {name!r} but does not declare {DIST_OF[name]}"
+        assert provided or name in OPTIONAL_IMPORTS, (
+            f"{pkg} imports {name!r} but does not declare {DIST_OF[name]}"
+        )
     used_dists = set().union(*(DIST_OF[n] for n in third_party)) if third_party else set()
     workspace_deps = {d for d in base if d.startswith("atom-")}
     imported_ws = {m.replace("_", "-") for m in _imports(src) & workspace} - {pkg}
-    assert workspace_deps == imported_ws, f"{pkg} declares {sorted(workspace_deps)} but imports {sorted(imported_ws)}"
+    assert workspace_deps == imported_ws, (
+        f"{pkg} declares {sorted(workspace_deps)} but imports {sorted(imported_ws)}"
+    )
     unused = (base - workspace_deps) - used_dists
     assert not unused, f"{pkg} declares {sorted(unused)} but never imports them"
 
