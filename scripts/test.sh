@@ -11,5 +11,5 @@ uv run --no-sync ruff format --check .
 echo "[test] import-linter"
 uv run --no-sync lint-imports
 echo "[test] pytest"
-uv run --no-sync pytest packages/atom-core/tests packages/atom-kernels/tests packages/atom-models/tests \
-  packages/atom-vllm-plugin/tests tests "$@"
+# testpaths in pyproject.toml: every package's tests/ and the top-level tests/.
+uv run --no-sync pytest "$@"
