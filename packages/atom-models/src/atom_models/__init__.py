@@ -1,1 +1,18 @@
-"""placeholder"""
+"""atom-models: Qwen3-Next target + MTP draft built on atom_kernels, HF checkpoint loading, a standalone engine."""
+
+from atom_models.dense_cores import DenseContext, DenseCoreFactory
+from atom_models.loader import CheckpointError, checkpoint_files, load_mtp, load_target
+from atom_models.qwen3_next import CoreFactory, Qwen3NextForCausalLM
+from atom_models.qwen3_next_mtp import Qwen3NextMTP
+
+__all__ = [
+    "CheckpointError",
+    "CoreFactory",
+    "DenseContext",
+    "DenseCoreFactory",
+    "Qwen3NextForCausalLM",
+    "Qwen3NextMTP",
+    "checkpoint_files",
+    "load_mtp",
+    "load_target",
+]

@@ -1,0 +1,50 @@
+"""Gated full attention of Qwen3-Next (HF ``Qwen3NextAttention``); the cache-touching part is a core."""
+
+from __future__ import annotations
+
+import torch
+from atom_core import Qwen3NextConfig
+from torch import nn
+
+from atom_models.modules import Linear, RMSNorm
+
+
+class Qwen3NextAttention(nn.Module):
+    """q/k/v projections, per-head q/k zero-centred RMSNorm, partial neox RoPE, ``core``, sigmoid output gate.
+
+    ``q_proj`` packs query and gate *per head*: its output viewed as ``[T, Hq, 2 * D]`` is
+    ``[query_h | gate_h]`` for each head h (HF ``torch.chunk(q_proj(x).view(..., Hq, 2D), 2, -1)``).
+    """
+
+    def __init__(self, config: Qwen3NextConfig, layer_idx: int, core: nn.Module, kernels, dtype=None):
+        super().__init__()
+        self.kernels = kernels
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim
+        self.rope_theta = config.rope_theta
+        self.eps = config.rms_norm_eps
+        h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.q_proj = Linear(h, self.num_heads * d * 2, bias=bias, dtype=dtype)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias, dtype=dtype)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias, dtype=dtype)
+        self.o_proj = Linear(self.num_heads * d, h, bias=bias, dtype=dtype)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, kernels, dtype=dtype)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, kernels, dtype=dtype)
+        self.core = core
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx) -> torch.Tensor:
+        t = hidden_states.shape[0]
+        d = self.head_dim
+        qg = self.q_proj(hidden_states).view(t, self.num_heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:]
+        k = self.k_proj(hidden_states).view(t, self.num_kv_heads, d)
+        v = self.v_proj(hidden_states).view(t, self.num_kv_heads, d)
+        q = self.q_norm(q.contiguous())
+        k = self.k_norm(k)
+        q, k = self.kernels.rope(q, k, positions, self.rotary_dim, self.rope_theta)
+        o = self.core(q, k, v, ctx)
+        o = o * torch.sigmoid(gate)
+        return self.o_proj(o.reshape(t, self.num_heads * d))

@@ -1,0 +1,395 @@
+"""Standalone engine: continuous batching over a paged KV cache + GDN state slots, MTP speculative decoding.
+
+Each step runs ONE target forward over a flat batch mixing new prompts (prefill), plain decodes (1 token)
+and verifications (the pending token plus k drafts), then the MTP draft (one varlen pass over the newly
+accepted positions, then k - 1 single-row steps) to propose the next drafts. GDN layers resume from the
+state after the last accepted token through ``num_accepted`` and 1 + k state slots per sequence
+(docs/kernel-api.md), so rejected drafts are never recomputed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from atom_core import Qwen3NextConfig
+from atom_kernels import select_kernels
+
+from atom_models.engine.cache import EngineCaches
+from atom_models.engine.context import AttentionMeta, GDNDecodeGroup, GDNPrefill, StepContext
+from atom_models.engine.cores import EngineCoreFactory
+from atom_models.engine.request import Request, SpecStats
+from atom_models.engine.sampling import SamplingParams, sample_token, verify
+from atom_models.loader import load_mtp, load_target
+from atom_models.qwen3_next import Qwen3NextForCausalLM
+from atom_models.qwen3_next_mtp import Qwen3NextMTP
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_speculative_tokens: int = 0  # k: drafts per verification step (0: no MTP)
+    block_size: int = 16
+    max_num_seqs: int = 16
+    max_model_len: int = 4096
+    num_blocks: int | None = None  # default: enough for max_num_seqs sequences of max_model_len
+    max_num_batched_tokens: int = 8192  # target tokens per step (prompts are not chunked)
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        for name in ("block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one engine step ran (for tests and logs)."""
+
+    num_prefills: int
+    num_decodes: int  # sequences with 1 query token
+    num_verifies: int  # sequences with 1 + k query tokens, k >= 1
+    num_tokens: int
+    num_emitted: int
+    finished: tuple[int, ...]
+
+
+@dataclass
+class GenerationResult:
+    request_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str
+    stats: SpecStats
+    num_steps: int
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: Qwen3NextConfig,
+        engine_config: EngineConfig = EngineConfig(),
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        kernels=None,
+    ):
+        k = engine_config.num_speculative_tokens
+        if k > 0 and config.num_mtp_layers < 1:
+            raise ValueError(f"num_speculative_tokens={k} needs an MTP head, but {config.source} has none")
+        self.config = config
+        self.engine_config = engine_config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.kernels = kernels if kernels is not None else select_kernels(self.device, dtype)
+        ec = engine_config
+        bs = ec.block_size
+        num_blocks = ec.num_blocks or ec.max_num_seqs * math.ceil((ec.max_model_len + 2 * k + 1) / bs)
+        self.caches = EngineCaches(
+            config,
+            num_blocks=num_blocks,
+            block_size=bs,
+            max_num_seqs=ec.max_num_seqs,
+            num_speculative_tokens=k,
+            dtype=dtype,
+            device=self.device,
+            with_mtp=k > 0,
+        )
+        cores = EngineCoreFactory(self.caches, self.kernels)
+        with torch.device(self.device):
+            self.target = Qwen3NextForCausalLM(config, cores, self.kernels, dtype=dtype)
+            self.mtp = (
+                Qwen3NextMTP(
+                    config,
+                    cores,
+                    self.kernels,
+                    self.target.model.embed_tokens,
+                    self.target.lm_head,
+                    dtype=dtype,
+                )
+                if k > 0
+                else None
+            )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._next_id = 0
+
+    @classmethod
+    def from_pretrained(
+        cls, ckpt_dir: str | os.PathLike[str], engine_config: EngineConfig = EngineConfig(), **kwargs
+    ) -> LLMEngine:
+        engine = cls(Qwen3NextConfig.from_hf(ckpt_dir), engine_config, **kwargs)
+        load_target(engine.target, ckpt_dir)
+        if engine.mtp is not None:
+            load_mtp(engine.mtp, ckpt_dir)
+        return engine
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams()) -> int:
+        k_max = self.engine_config.num_speculative_tokens
+        k = k_max if params.num_speculative_tokens is None else params.num_speculative_tokens
+        if not 0 <= k <= k_max:
+            raise ValueError(f"num_speculative_tokens={k}: must be in [0, {k_max}] (the engine's k)")
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids: empty prompt")
+        if any(not 0 <= t < self.config.vocab_size for t in prompt):
+            raise ValueError(f"prompt_ids: token ids must be in [0, {self.config.vocab_size})")
+        if len(prompt) + params.max_tokens > self.engine_config.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds max_model_len "
+                f"{self.engine_config.max_model_len}"
+            )
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(params.seed if params.seed is not None else 1234 + self._next_id)
+        req = Request(self._next_id, prompt, params, k, gen)
+        self._next_id += 1
+        self.waiting.append(req)
+        return req.request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_needed(self, req: Request) -> int:
+        # positions written: prompt + outputs, plus up to 2k speculative positions (verify + MTP drafts)
+        n = len(req.prompt_ids) + req.params.max_tokens + 2 * self.engine_config.num_speculative_tokens + 1
+        return math.ceil(n / self.caches.block_size)
+
+    def _admit(self) -> list[Request]:
+        budget = self.engine_config.max_num_batched_tokens
+        budget -= sum(1 + r.num_spec for r in self.running)
+        admitted = []
+        while self.waiting:
+            req = self.waiting[0]
+            need = self._blocks_needed(req)
+            if (
+                len(self.running) + len(admitted) >= self.engine_config.max_num_seqs
+                or self.caches.slots.num_free == 0
+                or self.caches.blocks.num_free < need
+                or (admitted and len(req.prompt_ids) > budget)
+            ):
+                break
+            self.waiting.popleft()
+            req.blocks = self.caches.blocks.allocate(need)
+            req.slots = self.caches.slots.allocate()
+            budget -= len(req.prompt_ids)
+            admitted.append(req)
+        if not admitted and not self.running and self.waiting:
+            req = self.waiting[0]
+            raise RuntimeError(
+                f"request {req.request_id} needs {self._blocks_needed(req)} KV blocks, the cache has "
+                f"{self.caches.blocks.num_blocks}: raise num_blocks or max_model_len"
+            )
+        return admitted
+
+    def _free(self, req: Request) -> None:
+        self.caches.blocks.free(req.blocks)
+        self.caches.slots.free(req.slots)
+        req.blocks, req.slots = [], []
+
+    # ---- batch description ---------------------------------------------------------------------------
+    def _attn_meta(self, seqs: list[tuple[Request, int, int]]) -> AttentionMeta:
+        """``seqs``: (request, first position, number of query tokens) in batch order."""
+        bs = self.caches.block_size
+        slot_mapping, seq_lens, qsl = [], [], [0]
+        width = max(len(r.blocks) for r, _, _ in seqs)
+        tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for i, (req, start, n) in enumerate(seqs):
+            tables[i, : len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
+            slot_mapping.extend(req.blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            seq_lens.append(start + n)
+            qsl.append(qsl[-1] + n)
+        dev = self.device
+        return AttentionMeta(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+        )
+
+    def _i32(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+    # ---- one step ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> StepInfo:
+        prefills = self._admit()
+        decodes = sorted(self.running, key=lambda r: r.num_spec)  # contiguous groups of equal q_len
+        ids: list[int] = []
+        positions: list[int] = []
+        seqs: list[tuple[Request, int, int]] = []
+        for req in prefills:
+            n = len(req.prompt_ids)
+            ids += req.prompt_ids
+            positions += range(n)
+            seqs.append((req, 0, n))
+        num_prefill_tokens = len(ids)
+        groups: list[GDNDecodeGroup] = []
+        for req in decodes:
+            q = [req.all_ids[-1], *req.drafts]
+            start = req.num_computed
+            ids += q
+            positions += range(start, start + len(q))
+            seqs.append((req, start, len(q)))
+        # GDN decode groups (requests sorted by q_len)
+        offset = num_prefill_tokens
+        i = 0
+        while i < len(decodes):
+            ql = 1 + len(decodes[i].drafts)
+            j = i
+            while j < len(decodes) and 1 + len(decodes[j].drafts) == ql:
+                j += 1
+            grp = decodes[i:j]
+            groups.append(
+                GDNDecodeGroup(
+                    start=offset,
+                    num_seqs=len(grp),
+                    q_len=ql,
+                    state_indices=self._i32([r.slots[:ql] for r in grp]),
+                    conv_indices=self._i32([r.slots[0] for r in grp]),
+                    num_accepted=self._i32([r.num_accepted for r in grp]),
+                )
+            )
+            offset += len(grp) * ql
+            i = j
+        gdn_prefill = None
+        if prefills:
+            cu = [0]
+            for req in prefills:
+                cu.append(cu[-1] + len(req.prompt_ids))
+            gdn_prefill = GDNPrefill(
+                num_tokens=num_prefill_tokens,
+                cu_seqlens=self._i32(cu),
+                state_indices=self._i32([r.slots[0] for r in prefills]),
+                has_initial_state=torch.zeros(len(prefills), dtype=torch.bool, device=self.device),
+            )
+        ctx = StepContext(attn=self._attn_meta(seqs), gdn_prefill=gdn_prefill, gdn_decode=tuple(groups))
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.target(input_ids, pos, ctx)
+        logits = self.target.compute_logits(hidden, torch.float32).cpu()
+
+        # ---- accept / emit ----
+        mtp_rows: list[tuple[Request, int, list[int], torch.Tensor]] = []
+        emitted_total = 0
+        finished: list[Request] = []
+        offset = 0
+        new_ids = {r.request_id for r in prefills}
+        for req, start, n in seqs:
+            rows = logits[offset : offset + n]
+            if req.request_id in new_ids:
+                token, _ = sample_token(rows[-1], req.params, req.generator)
+                accepted_inputs, new = n, [token]  # the whole prompt, then the first sampled token
+            else:
+                a, new = verify(rows, req.drafts, req.draft_probs, req.params, req.generator)
+                if req.drafts:
+                    req.stats.record(len(req.drafts), a)
+                accepted_inputs = a + 1  # the pending token and the accepted drafts
+            req.num_steps += 1
+            req.num_computed = start + accepted_inputs
+            req.num_accepted = 1 if req.request_id in new_ids else accepted_inputs
+            emitted_total += self._emit(req, new)
+            if req.finished:
+                finished.append(req)
+            elif self.mtp is not None and req.num_spec > 0:
+                # MTP rows: target hidden h_i with token t_{i+1}, for every newly accepted position i
+                next_tokens = req.all_ids[start + 1 : req.num_computed + 1]
+                mtp_rows.append((req, start, next_tokens, hidden[offset : offset + accepted_inputs]))
+            req.drafts, req.draft_probs = [], None
+            offset += n
+        self.running = [r for r in self.running if not r.finished] + [r for r in prefills if not r.finished]
+        for req in finished:
+            self._free(req)
+        if mtp_rows:
+            self._propose(mtp_rows)
+        return StepInfo(
+            num_prefills=len(prefills),
+            num_decodes=sum(1 for r, _, n in seqs if r.request_id not in new_ids and n == 1),
+            num_verifies=sum(1 for r, _, n in seqs if r.request_id not in new_ids and n > 1),
+            num_tokens=len(ids),
+            num_emitted=emitted_total,
+            finished=tuple(r.request_id for r in finished),
+        )
+
+    def _emit(self, req: Request, tokens: list[int]) -> int:
+        eos = () if req.params.ignore_eos else self.config.eos_token_id
+        n = 0
+        for t in tokens:
+            req.output_ids.append(t)
+            n += 1
+            if t in eos:
+                req.finished, req.finish_reason = True, "stop"
+                break
+            if len(req.output_ids) >= req.params.max_tokens:
+                req.finished, req.finish_reason = True, "length"
+                break
+        return n
+
+    # ---- drafting ------------------------------------------------------------------------------------
+    def _propose(self, items: list[tuple[Request, int, list[int], torch.Tensor]]) -> None:
+        """First MTP pass over every newly accepted position, then k - 1 single-row steps."""
+        mtp = self.mtp
+        ids = [t for _, _, toks, _ in items for t in toks]
+        pos = [p for _, start, toks, _ in items for p in range(start, start + len(toks))]
+        hidden = torch.cat([h for _, _, _, h in items], dim=0)
+        ctx = StepContext(attn=self._attn_meta([(r, s, len(t)) for r, s, t, _ in items]))
+        out = mtp(self._i64(ids), self._i64(pos), hidden, ctx, spec_step=0)
+        last = torch.tensor([0] + [len(t) for _, _, t, _ in items]).cumsum(0)[1:] - 1
+        h = out[last.to(self.device)]
+        reqs = [r for r, _, _, _ in items]
+        last_pos = [s + len(t) - 1 for _, s, t, _ in items]
+        for req in reqs:
+            req.drafts, req.draft_probs = [], None if req.params.greedy else []
+        step = 0
+        while True:
+            logits = mtp.compute_logits(h, torch.float32).cpu()
+            for i, req in enumerate(reqs):
+                token, probs = sample_token(logits[i], req.params, req.generator)
+                req.drafts.append(token)
+                if probs is not None:
+                    req.draft_probs.append(probs)
+            step += 1
+            keep = [i for i, r in enumerate(reqs) if r.num_spec > step]
+            if not keep:
+                return
+            reqs = [reqs[i] for i in keep]
+            h = h[torch.tensor(keep, device=self.device)]
+            last_pos = [last_pos[i] + 1 for i in keep]
+            ctx = StepContext(attn=self._attn_meta([(r, p, 1) for r, p in zip(reqs, last_pos)]))
+            ids = [r.drafts[-1] for r in reqs]
+            h = mtp(self._i64(ids), self._i64(last_pos), h, ctx, spec_step=step)
+
+    def _i64(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    # ---- convenience ---------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        progress: Callable[[int], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Run every prompt to completion (continuous batching); results in prompt order."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(
+                f"params: expected {len(prompts)} SamplingParams (one per prompt), got {len(plist)}"
+            )
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        reqs = {r.request_id: r for r in self.waiting if r.request_id in set(ids)}
+        while self.has_unfinished():
+            info = self.step()
+            if progress is not None:
+                progress(info.num_emitted)
+        return [
+            GenerationResult(
+                r.request_id, r.prompt_ids, r.output_ids, r.finish_reason or "", r.stats, r.num_steps
+            )
+            for r in (reqs[i] for i in ids)
+        ]

@@ -1,0 +1,99 @@
+"""Sampling and speculative verification (greedy argmax match, or rejection sampling for temperature > 0).
+
+Rejection sampling (Leviathan et al. / Chen et al.): draft token d_j drawn from q_j is accepted with
+probability ``min(1, p_j(d_j) / q_j(d_j))``; at the first rejection a token is drawn from
+``normalize(max(0, p_j - q_j))``; if every draft is accepted a bonus token is drawn from ``p_{k+1}``.
+The emitted tokens are then distributed exactly as sampling from the target alone. ``p`` and ``q`` are
+the *processed* distributions (temperature, top-p) of target and draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    num_speculative_tokens: int | None = None  # None: the engine's k; else 0 <= k <= the engine's k
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``[..., V]`` float32 probabilities after temperature and top-p (nucleus) filtering."""
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
+        drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
+    """One token from ``logits[V]``; returns ``(token, probs)`` (probs None when greedy)."""
+    if params.greedy:
+        return int(torch.argmax(logits).item()), None
+    probs = probs_from_logits(logits, params)
+    return sample(probs, generator), probs
+
+
+def verify(
+    target_logits: torch.Tensor,
+    drafts: list[int],
+    draft_probs: list[torch.Tensor] | None,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[int, list[int]]:
+    """Verify ``k`` drafts against ``target_logits[k + 1, V]``.
+
+    Returns ``(accepted, emitted)``: how many drafts were accepted and the tokens to emit
+    (the accepted drafts followed by one corrected/bonus token, so ``len(emitted) == accepted + 1``).
+    """
+    k = len(drafts)
+    if target_logits.shape[0] != k + 1:
+        raise ValueError(
+            f"target_logits: expected {k + 1} rows (1 + number of drafts), got {target_logits.shape[0]}"
+        )
+    if params.greedy:
+        best = torch.argmax(target_logits, dim=-1).tolist()
+        a = 0
+        while a < k and drafts[a] == best[a]:
+            a += 1
+        return a, drafts[:a] + [best[a]]
+    if draft_probs is None or len(draft_probs) != k:
+        raise ValueError("draft_probs: rejection sampling needs the draft distribution of every draft token")
+    p = probs_from_logits(target_logits, params)
+    for j, d in enumerate(drafts):
+        q = draft_probs[j]
+        u = torch.rand((), generator=generator, device=p.device).item()
+        if q[d] > 0 and u * float(q[d]) < float(p[j, d]):
+            continue
+        residual = torch.clamp(p[j] - q, min=0.0)
+        total = residual.sum()
+        token = sample(residual / total if total > 0 else p[j], generator)
+        return j, drafts[:j] + [token]
+    return k, drafts + [sample(p[k], generator)]

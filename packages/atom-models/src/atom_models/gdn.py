@@ -1,0 +1,80 @@
+"""Gated DeltaNet token mixer of Qwen3-Next (HF ``Qwen3NextGatedDeltaNet``); conv + recurrence live in a core."""
+
+from __future__ import annotations
+
+import torch
+from atom_core import Qwen3NextConfig
+from torch import nn
+
+from atom_models.modules import Linear
+
+
+class DepthwiseConv1dWeights(nn.Module):
+    """The weights of HF's depthwise ``conv1d`` (``weight[C, 1, K]``, no bias); the core runs the conv."""
+
+    def __init__(self, channels: int, kernel_size: int, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, dtype=dtype), requires_grad=False)
+        self.bias = None
+
+
+class GatedRMSNormWeights(nn.Module):
+    """Weight of the GDN output norm ``weight * rms(x) * silu(z)`` (NOT zero-centred)."""
+
+    def __init__(self, dim: int, eps: float, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+
+
+class GatedDeltaNet(nn.Module):
+    """in_proj -> (core: conv1d, gating, L2 norm, gated delta rule with state) -> gated RMSNorm(z) -> out_proj.
+
+    Checkpoint layout (kept as is): ``in_proj_qkvz`` rows are grouped per key head g,
+    ``[q_g (Dk) | k_g (Dk) | v_g (r*Dv) | z_g (r*Dv)]`` with ``r = Hv / Hk``, and ``in_proj_ba`` rows are
+    ``[b_g (r) | a_g (r)]`` per key head (HF ``fix_query_key_value_ordering``). The core receives the
+    pre-conv ``mixed_qkv = [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]`` and ``b``, ``a`` as ``[T, Hv]``.
+    """
+
+    def __init__(self, config: Qwen3NextConfig, layer_idx: int, core: nn.Module, kernels, dtype=None):
+        super().__init__()
+        self.kernels = kernels
+        self.layer_idx = layer_idx
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim = config.linear_key_dim
+        self.value_dim = config.linear_value_dim
+        self.conv_dim = config.linear_conv_dim
+        self.conv_kernel_size = config.linear_conv_kernel_dim
+        self.heads_per_group = self.num_v_heads // self.num_k_heads
+        h = config.hidden_size
+        self.in_proj_qkvz = Linear(h, 2 * self.key_dim + 2 * self.value_dim, dtype=dtype)
+        self.in_proj_ba = Linear(h, 2 * self.num_v_heads, dtype=dtype)
+        self.conv1d = DepthwiseConv1dWeights(self.conv_dim, self.conv_kernel_size, dtype=dtype)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=dtype), requires_grad=False)
+        self.norm = GatedRMSNormWeights(self.head_v_dim, config.rms_norm_eps, dtype=dtype)
+        self.out_proj = Linear(self.value_dim, h, dtype=dtype)
+        self.core = core
+
+    def split_projections(self, qkvz: torch.Tensor, ba: torch.Tensor):
+        """HF's per-key-head-group layout -> ``(mixed_qkv[T, C], z[T, Hv, Dv], b[T, Hv], a[T, Hv])``."""
+        t = qkvz.shape[0]
+        hk, dk, dv, r = self.num_k_heads, self.head_k_dim, self.head_v_dim, self.heads_per_group
+        qkvz = qkvz.view(t, hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
+        ba = ba.view(t, hk, 2 * r)
+        b, a = torch.split(ba, [r, r], dim=-1)
+        mixed_qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return mixed_qkv, z.reshape(t, self.num_v_heads, dv), b.reshape(t, -1), a.reshape(t, -1)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx) -> torch.Tensor:
+        t = hidden_states.shape[0]
+        mixed_qkv, z, b, a = self.split_projections(
+            self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
+        )
+        o = self.core(mixed_qkv, b.contiguous(), a.contiguous(), self, ctx)
+        o = self.kernels.gated_rms_norm(o, z.contiguous(), self.norm.weight, self.norm.eps)
+        return self.out_proj(o.reshape(t, self.value_dim))

@@ -1,0 +1,224 @@
+"""Load HF Qwen3-Next checkpoints (sharded with ``model.safetensors.index.json``, or one ``model.safetensors``).
+
+Everything is validated from the safetensors headers first (missing, unexpected and mis-shaped tensors
+are collected into ONE :class:`CheckpointError`); then tensors are streamed one at a time (``safe_open``)
+straight into the parameters (stacked experts and fused gate/up rows are written in place, no second
+full copy). The renames/fuses/stacks come from :mod:`atom_models.weight_map`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from atom_models.weight_map import Target, map_name, sources_for
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not fit the model; ``problems`` lists every missing/unexpected/mis-shaped tensor."""
+
+    def __init__(self, ckpt_dir: str, problems: list[str]):
+        self.ckpt_dir = ckpt_dir
+        self.problems = list(problems)
+        lines = "\n  ".join(self.problems)
+        super().__init__(f"checkpoint {ckpt_dir}: {len(self.problems)} problem(s):\n  {lines}")
+
+
+def checkpoint_files(ckpt_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """Tensor name -> file name (relative to ``ckpt_dir``)."""
+    d = Path(ckpt_dir)
+    if (d / INDEX_FILE).is_file():
+        weight_map = json.loads((d / INDEX_FILE).read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(str(d), [f"{INDEX_FILE}: no 'weight_map' object"])
+        absent = sorted({f for f in weight_map.values() if not (d / f).is_file()})
+        if absent:
+            raise CheckpointError(
+                str(d), [f"{INDEX_FILE} names file {f}, which does not exist" for f in absent]
+            )
+        return dict(weight_map)
+    if (d / SINGLE_FILE).is_file():
+        with safe_open(str(d / SINGLE_FILE), framework="pt") as f:
+            return dict.fromkeys(f.keys(), SINGLE_FILE)
+    raise CheckpointError(str(d), [f"neither {INDEX_FILE} nor {SINGLE_FILE} found"])
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """How a module's parameter names relate to checkpoint names."""
+
+    param_prefix: str  # e.g. "model." for the target trunk, "" for the MTP head
+    ckpt_prefix: str  # "model." / "mtp."
+    layer_offset: int  # checkpoint layer j is parameter layer j + offset
+
+    def to_ckpt(self, local: str) -> str:
+        return self.ckpt_prefix + _renumber(local, -self.layer_offset)
+
+    def from_ckpt(self, name: str) -> str | None:
+        if not name.startswith(self.ckpt_prefix):
+            return None
+        return _renumber(name[len(self.ckpt_prefix) :], self.layer_offset)
+
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def _renumber(local: str, offset: int) -> str:
+    if not offset:
+        return local
+    return _LAYER.sub(lambda m: f"layers.{int(m.group(1)) + offset}.", local, count=1)
+
+
+@dataclass
+class _Plan:
+    copies: dict[str, list[tuple[str, torch.Tensor]]]  # file -> [(checkpoint name, destination view)]
+
+
+def _dest_view(param: torch.Tensor, t: Target) -> torch.Tensor:
+    view = param
+    if t.expert is not None:
+        view = view[t.expert]
+    if t.shard is not None:
+        part, parts = t.shard
+        rows = view.shape[0] // parts
+        view = view[part * rows : (part + 1) * rows]
+    return view
+
+
+def _plan(
+    module: nn.Module,
+    ckpt_dir: str,
+    files: dict[str, str],
+    scopes: list[_Scope],
+    extra: dict[str, str],
+    skip_params: set[str],
+    ignore: tuple[str, ...],
+    what: str,
+) -> _Plan:
+    """Map every checkpoint tensor in scope to a parameter slice; collect every problem."""
+    params = {n: p for n, p in module.named_parameters() if n not in skip_params}
+    problems: list[str] = []
+    # expected checkpoint names (from the parameters), so that missing ones can be named
+    expected: dict[str, str] = {}
+    for pname, p in params.items():
+        if pname in extra.values():
+            srcs = [k for k, v in extra.items() if v == pname]
+        else:
+            scope = next((s for s in scopes if pname.startswith(s.param_prefix)), None)
+            local = pname[len(scope.param_prefix) :] if scope else pname
+            srcs = [scope.to_ckpt(s) for s in sources_for(local, p.shape[0])] if scope else []
+        if not srcs:
+            problems.append(f"parameter {pname} of the {what} has no checkpoint rule (weight_map.RULES)")
+        for s in srcs:
+            expected[s] = pname
+    copies: dict[str, list[tuple[str, torch.Tensor]]] = defaultdict(list)
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name, fname in files.items():
+        by_file[fname].append(name)
+    for fname in sorted(by_file):
+        with safe_open(os.path.join(ckpt_dir, fname), framework="pt") as f:
+            for name in sorted(by_file[fname]):
+                if name.startswith(ignore):
+                    continue
+                if name in extra:
+                    target: Target | None = Target(extra[name], None, None)
+                else:
+                    scope = next((s for s in scopes if s.from_ckpt(name) is not None), None)
+                    if scope is None:
+                        problems.append(f"unexpected tensor {name} in {fname} (not part of the {what})")
+                        continue
+                    target = map_name(scope.from_ckpt(name))
+                    if target is not None:
+                        target = Target(scope.param_prefix + target.param, target.expert, target.shard)
+                if target is None or target.param not in params or name not in expected:
+                    problems.append(
+                        f"unexpected tensor {name} in {fname} (no parameter of the {what} takes it)"
+                    )
+                    continue
+                view = _dest_view(params[target.param], target)
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(view.shape):
+                    problems.append(
+                        f"tensor {name} in {fname} has shape {list(shape)}, expected {list(view.shape)} "
+                        f"(for {target.param})"
+                    )
+                    continue
+                copies[fname].append((name, view))
+    present = set(files)
+    for name in sorted(set(expected) - present):
+        problems.append(f"missing tensor {name} (for {expected[name]}) in {ckpt_dir}")
+    if problems:
+        raise CheckpointError(ckpt_dir, problems)
+    return _Plan(dict(copies))
+
+
+@torch.no_grad()
+def _execute(ckpt_dir: str, plan: _Plan) -> int:
+    n = 0
+    for fname, items in plan.copies.items():
+        with safe_open(os.path.join(ckpt_dir, fname), framework="pt", device="cpu") as f:
+            for name, view in items:
+                view.copy_(f.get_tensor(name))
+                n += 1
+    return n
+
+
+def _reject_quantized(config, ckpt_dir: str) -> None:
+    if config.quantization is not None:
+        raise CheckpointError(
+            ckpt_dir,
+            [
+                "FP8 checkpoints (config.json quantization_config, quant_method 'fp8') are not supported by "
+                "atom_models yet: load the bf16 checkpoint instead"
+            ],
+        )
+
+
+def load_target(model: nn.Module, ckpt_dir: str | os.PathLike[str]) -> int:
+    """Fill a :class:`Qwen3NextForCausalLM` from a HF checkpoint; ``mtp.*`` tensors are ignored.
+
+    Returns the number of checkpoint tensors read.
+    """
+    ckpt_dir = str(ckpt_dir)
+    config = model.config
+    _reject_quantized(config, ckpt_dir)
+    files = checkpoint_files(ckpt_dir)
+    extra = {} if config.tie_word_embeddings else {"lm_head.weight": "lm_head.weight"}
+    ignore: tuple[str, ...] = ("mtp.",)
+    if config.tie_word_embeddings:
+        ignore += ("lm_head.weight",)  # tied: the embedding is the head
+    plan = _plan(
+        model, ckpt_dir, files, [_Scope("model.", "model.", 0)], extra, set(), ignore, "target model"
+    )
+    return _execute(ckpt_dir, plan)
+
+
+def load_mtp(mtp: nn.Module, ckpt_dir: str | os.PathLike[str]) -> int:
+    """Fill a :class:`Qwen3NextMTP` from the ``mtp.*`` tensors of a HF checkpoint.
+
+    ``mtp.layers.j`` goes to the layer with absolute index ``num_hidden_layers + j``. The shared
+    embedding and lm_head belong to the target (already loaded there) and are not read again.
+    """
+    ckpt_dir = str(ckpt_dir)
+    config = mtp.config
+    _reject_quantized(config, ckpt_dir)
+    files = checkpoint_files(ckpt_dir)
+    mtp_files = {n: f for n, f in files.items() if n.startswith("mtp.")}
+    if not mtp_files:
+        raise CheckpointError(ckpt_dir, ["no mtp.* tensors: this checkpoint has no MTP head"])
+    skip = {n for n, _ in mtp.named_parameters() if n.split(".")[0] in ("embed_tokens", "lm_head")}
+    plan = _plan(
+        mtp, ckpt_dir, mtp_files, [_Scope("", "mtp.", config.num_hidden_layers)], {}, skip, (), "MTP draft"
+    )
+    return _execute(ckpt_dir, plan)

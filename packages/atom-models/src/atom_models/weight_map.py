@@ -1,0 +1,125 @@
+"""The one declarative table of checkpoint -> parameter renames, fuses and stacks.
+
+Names are relative to a *scope*: ``model.`` for the target trunk, ``mtp.`` for the MTP head (whose
+``mtp.layers.j`` become ``layers.{num_hidden_layers + j}``). ``{layer}`` and ``{expert}`` are integers.
+A rule writes the whole checkpoint tensor into ``param`` or, with ``expert``, into ``param[expert]``,
+and with ``shard=(i, n)`` into the i-th of n equal row blocks (dim 0) of that.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rule:
+    src: str  # checkpoint name template (relative to the scope)
+    dst: str  # parameter name template (relative to the module's scope)
+    shard: tuple[int, int] | None = None  # (part, parts) of dim 0 of the destination (after expert indexing)
+
+    @property
+    def stacks_experts(self) -> bool:
+        return "{expert}" in self.src
+
+
+_L = "layers.{layer}."
+
+RULES: tuple[Rule, ...] = (
+    # --- trunk / MTP head -------------------------------------------------------------------------------
+    Rule("embed_tokens.weight", "embed_tokens.weight"),
+    Rule("norm.weight", "norm.weight"),
+    Rule("fc.weight", "fc.weight"),
+    Rule("pre_fc_norm_embedding.weight", "pre_fc_norm_embedding.weight"),
+    Rule("pre_fc_norm_hidden.weight", "pre_fc_norm_hidden.weight"),
+    # --- decoder layer norms ------------------------------------------------------------------------------
+    Rule(_L + "input_layernorm.weight", _L + "input_layernorm.weight"),
+    Rule(_L + "post_attention_layernorm.weight", _L + "post_attention_layernorm.weight"),
+    # --- gated full attention (q_proj keeps HF's per-head [query | gate] packing) ------------------------
+    *(
+        Rule(_L + f"self_attn.{p}_proj.{w}", _L + f"self_attn.{p}_proj.{w}")
+        for p in "qkvo"
+        for w in ("weight", "bias")
+    ),
+    Rule(_L + "self_attn.q_norm.weight", _L + "self_attn.q_norm.weight"),
+    Rule(_L + "self_attn.k_norm.weight", _L + "self_attn.k_norm.weight"),
+    # --- Gated DeltaNet (in_proj_qkvz / in_proj_ba keep HF's per-key-head-group layout) ------------------
+    *(
+        Rule(_L + f"linear_attn.{n}", _L + f"linear_attn.{n}")
+        for n in (
+            "in_proj_qkvz.weight",
+            "in_proj_ba.weight",
+            "conv1d.weight",
+            "A_log",
+            "dt_bias",
+            "norm.weight",
+            "out_proj.weight",
+        )
+    ),
+    # --- MoE: router, per-expert tensors stacked, shared expert gate/up fused ---------------------------
+    Rule(_L + "mlp.gate.weight", _L + "mlp.gate.weight"),
+    Rule(_L + "mlp.experts.{expert}.gate_proj.weight", _L + "mlp.experts.w13", shard=(0, 2)),
+    Rule(_L + "mlp.experts.{expert}.up_proj.weight", _L + "mlp.experts.w13", shard=(1, 2)),
+    Rule(_L + "mlp.experts.{expert}.down_proj.weight", _L + "mlp.experts.w2"),
+    Rule(
+        _L + "mlp.shared_expert.gate_proj.weight", _L + "mlp.shared_expert.gate_up_proj.weight", shard=(0, 2)
+    ),
+    Rule(_L + "mlp.shared_expert.up_proj.weight", _L + "mlp.shared_expert.gate_up_proj.weight", shard=(1, 2)),
+    Rule(_L + "mlp.shared_expert.down_proj.weight", _L + "mlp.shared_expert.down_proj.weight"),
+    Rule(_L + "mlp.shared_expert_gate.weight", _L + "mlp.shared_expert_gate.weight"),
+    # --- dense MLP (mlp_only_layers / decoder_sparse_step) ----------------------------------------------
+    Rule(_L + "mlp.gate_proj.weight", _L + "mlp.gate_up_proj.weight", shard=(0, 2)),
+    Rule(_L + "mlp.up_proj.weight", _L + "mlp.gate_up_proj.weight", shard=(1, 2)),
+    Rule(_L + "mlp.down_proj.weight", _L + "mlp.down_proj.weight"),
+)
+
+
+def _regex(template: str) -> re.Pattern[str]:
+    out = re.escape(template)
+    out = out.replace(re.escape("{layer}"), r"(?P<layer>\d+)").replace(
+        re.escape("{expert}"), r"(?P<expert>\d+)"
+    )
+    return re.compile(out + r"\Z")
+
+
+_SRC = tuple((_regex(r.src), r) for r in RULES)
+_DST = tuple((_regex(r.dst), r) for r in RULES)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: ``param[expert][shard rows]``."""
+
+    param: str
+    expert: int | None
+    shard: tuple[int, int] | None
+
+
+def map_name(name: str) -> Target | None:
+    """Checkpoint name (scope-relative) -> destination, or None if no rule knows it."""
+    for rx, rule in _SRC:
+        m = rx.match(name)
+        if m:
+            groups = m.groupdict()
+            dst = rule.dst.format(layer=groups.get("layer"))
+            expert = int(groups["expert"]) if "expert" in groups else None
+            return Target(dst, expert, rule.shard)
+    return None
+
+
+def sources_for(param: str, num_rows: int) -> list[str]:
+    """The checkpoint names (scope-relative) that together fill parameter ``param``.
+
+    ``num_rows`` is ``param.shape[0]`` (the number of experts for stacked expert parameters).
+    """
+    names: list[str] = []
+    for rx, rule in _DST:
+        m = rx.match(param)
+        if not m:
+            continue
+        layer = m.groupdict().get("layer")
+        if rule.stacks_experts:
+            names.extend(rule.src.format(layer=layer, expert=e) for e in range(num_rows))
+        else:
+            names.append(rule.src.format(layer=layer))
+    return names
