@@ -46,8 +46,8 @@ if compgen -G "$ROOT/.whl/*.whl" > /dev/null; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$ROOT/packages/atom-core/src:$ROOT/packages/atom-kernels/src${PYTHONPATH:+:$PYTHONPATH}
-# Conformance tests pick the device from this variable (reference and GPU backends alike).
-export ATOM_TEST_DEVICE=${ATOM_TEST_DEVICE:-cuda}
+# Conformance tests pick the device from this variable (packages/atom-kernels/tests/conftest.py).
+export ATOM_KERNELS_TEST_DEVICE=${ATOM_KERNELS_TEST_DEVICE:-cuda}
 
 "$PY" - <<'EOF'
 import torch, triton
@@ -64,7 +64,7 @@ echo "=== ceilings"
 "$PY" benchmarks/gpu/common.py --out "$OUTDIR" || STATUS=1
 
 if [[ $RUN_TESTS == 1 ]]; then
-    echo "=== conformance tests (ATOM_TEST_DEVICE=$ATOM_TEST_DEVICE)"
+    echo "=== conformance tests (ATOM_KERNELS_TEST_DEVICE=$ATOM_KERNELS_TEST_DEVICE)"
     [[ ${#TEST_PATHS[@]} -eq 0 ]] && TEST_PATHS=(packages/atom-kernels/tests)
     K_ARGS=()
     [[ -n $PYTEST_K ]] && K_ARGS=(-k "$PYTEST_K")
