@@ -1,0 +1,136 @@
+"""Shared input validation for every op and every backend.
+
+A :class:`Checker` validates the tensors of one call against symbolic shapes: the first tensor that
+mentions a dimension name binds it, later ones must agree. Failures raise ``ValueError`` naming the op,
+the argument and the expected shape with the bound sizes, e.g.
+``rms_norm: weight must have shape [H=64], got (32,)``.
+
+Checks here look only at metadata (shape, dtype, device), never at values, so they cost no device
+synchronisation and are safe under CUDA graph capture. Value checks (index ranges) live in the
+reference implementations, see :func:`values_checkable`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_DTYPES = (torch.float8_e4m3fn,)
+ELLIPSIS = "..."
+
+
+def _fmt_dtypes(dtypes: Sequence[torch.dtype]) -> str:
+    return " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+class Checker:
+    """Validates the arguments of one call of ``op``."""
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+        self.dims: dict[str, int] = {}
+        self.device: torch.device | None = None
+        self.device_arg: str | None = None
+
+    def fail(self, message: str) -> None:
+        raise ValueError(f"{self.op}: {message}")
+
+    def _expected(self, shape: Sequence[str | int]) -> str:
+        parts = []
+        for d in shape:
+            if isinstance(d, int):
+                parts.append(str(d))
+            elif d == ELLIPSIS:
+                parts.append("...")
+            elif d in self.dims:
+                parts.append(f"{d}={self.dims[d]}")
+            else:
+                parts.append(d)
+        return "[" + ", ".join(parts) + "]"
+
+    def tensor(
+        self,
+        name: str,
+        t: object,
+        shape: Sequence[str | int],
+        dtypes: Sequence[torch.dtype] | None = None,
+        same_device: bool = True,
+    ) -> torch.Tensor:
+        """Check ``t`` is a tensor of ``shape`` (names bind sizes; a leading ``"..."`` matches any
+        leading dims), with a dtype in ``dtypes``, on the same device as the earlier tensors."""
+        if not isinstance(t, torch.Tensor):
+            self.fail(
+                f"{name} must be a torch.Tensor of shape {self._expected(shape)}, got {type(t).__name__}"
+            )
+        assert isinstance(t, torch.Tensor)
+        spec = list(shape)
+        actual = tuple(t.shape)
+        if spec and spec[0] == ELLIPSIS:
+            spec = spec[1:]
+            ok = t.dim() >= len(spec)
+            tail = actual[t.dim() - len(spec) :] if ok else ()
+        else:
+            ok = t.dim() == len(spec)
+            tail = actual
+        if ok:
+            for d, n in zip(spec, tail):
+                if isinstance(d, int):
+                    ok = ok and n == d
+                elif d in self.dims:
+                    ok = ok and n == self.dims[d]
+        if not ok:
+            self.fail(f"{name} must have shape {self._expected(shape)}, got {actual}")
+        for d, n in zip(spec, tail):
+            if isinstance(d, str):
+                self.dims.setdefault(d, n)
+        if dtypes is not None and t.dtype not in dtypes:
+            self.fail(f"{name} must have dtype {_fmt_dtypes(dtypes)}, got {t.dtype}")
+        if same_device:
+            if self.device is None:
+                self.device, self.device_arg = t.device, name
+            elif t.device != self.device:
+                self.fail(
+                    f"{name} is on {t.device}, expected {self.device} (the device of {self.device_arg})"
+                )
+        return t
+
+    def optional(
+        self,
+        name: str,
+        t: object,
+        shape: Sequence[str | int],
+        dtypes: Sequence[torch.dtype] | None = None,
+    ) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return self.tensor(name, t, shape, dtypes)
+
+    def dim(self, name: str) -> int:
+        return self.dims[name]
+
+    def require(self, condition: bool, message: str) -> None:
+        if not condition:
+            self.fail(message)
+
+    def positive_int(self, name: str, value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            self.fail(f"{name} must be a positive int, got {value!r}")
+        return int(value)  # type: ignore[arg-type]
+
+    def positive_float(self, name: str, value: object) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            self.fail(f"{name} must be a positive number, got {value!r}")
+        return float(value)  # type: ignore[arg-type]
+
+    def activation(self, value: object) -> str | None:
+        if value not in (None, "silu", "swish"):
+            self.fail(f"activation must be 'silu', 'swish' or None, got {value!r}")
+        return value  # type: ignore[return-value]
+
+
+def values_checkable(*tensors: torch.Tensor) -> bool:
+    """Whether value checks (which synchronise the device) are allowed now: not while capturing a
+    CUDA graph."""
+    return not any(t.is_cuda for t in tensors) or not torch.cuda.is_current_stream_capturing()

@@ -1,0 +1,52 @@
+"""Reference RMS norms (plain torch; statistics and scaling in float32, output in x.dtype)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from atom_kernels.ops.norm.checks import check_gated_rms_norm, check_rms_norm
+
+
+def _normalize(x32: torch.Tensor, eps: float) -> torch.Tensor:
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Zero-centred RMS norm: ``y = x_hat * (1 + weight)`` with ``x_hat = x / sqrt(mean(x^2) + eps)``.
+
+    Args:
+        x: ``[..., H]`` float32/bf16/fp16.
+        weight: ``[H]`` (the checkpoint's zero-centred weight).
+        eps: variance epsilon.
+        residual: optional ``[..., H]`` like ``x``.
+
+    Returns:
+        ``y [..., H]`` in x.dtype; with ``residual``: ``(y, h)`` where ``h = x + residual`` (x.dtype)
+        and ``y = rms_norm(h)``.
+    """
+    check_rms_norm(x, weight, eps, residual)
+    h = x
+    if residual is not None:
+        h = (x.float() + residual.float()).to(x.dtype)
+    y = (_normalize(h.float(), eps) * (1.0 + weight.float())).to(x.dtype)
+    return y if residual is None else (y, h)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GDN output norm, NOT zero-centred: ``weight * x_hat * silu(z)`` (HF ``Qwen3NextRMSNormGated``).
+
+    Args:
+        x: ``[T, Hv, Dv]`` (any leading dims ``[..., Dv]``) float32/bf16/fp16.
+        z: the gate, same shape as ``x``.
+        weight: ``[Dv]``.
+        eps: variance epsilon.
+
+    Returns:
+        ``[..., Dv]`` in x.dtype (all math in float32).
+    """
+    check_gated_rms_norm(x, z, weight, eps)
+    y = _normalize(x.float(), eps) * weight.float() * F.silu(z.float())
+    return y.to(x.dtype)

@@ -1,0 +1,98 @@
+"""moe_router and moe_experts against naive per-token loops in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from atom_kernels.testing import assert_close, randn
+
+# (op, dtype) -> (atol, rtol) against the float64 per-token loop. Measured max abs error in comments.
+TOL = {
+    ("moe_router", torch.float32): (1e-6, 1e-5),  # measured 7.1e-08
+    ("moe_router", torch.bfloat16): (1e-6, 1e-5),  # measured 8.8e-08 (softmax of the bf16 logits in fp32)
+    ("moe_experts", torch.float32): (1e-5, 1e-5),  # measured 5.1e-07; 2.2e-05 at |out| ~ 90 (rel 2.5e-07)
+    ("moe_experts", torch.bfloat16): (3e-2, 2e-2),  # measured 8.9e-03 (rel 6.1e-03, |out| ~ 1.5)
+}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_moe_router(impl, device, dtype, renormalize):
+    fn = impl("moe_router", dtype)
+    logits = randn(63, 32, seed=1, dtype=dtype, device=device, scale=2.0)
+    weights, ids = fn(logits, 4, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and weights.shape == (63, 4)
+    probs = torch.softmax(logits.double().cpu(), -1)
+    expected_w, expected_ids = probs.topk(4, dim=-1)
+    if renormalize:
+        expected_w = expected_w / expected_w.sum(-1, keepdim=True)
+        assert_close(weights.sum(-1), torch.ones(63, dtype=torch.float64), (1e-6, 0), "renormalised sum")
+    assert torch.equal(ids.cpu(), expected_ids), "moe_router picked different experts than softmax top-k"
+    assert_close(weights, expected_w, TOL[("moe_router", dtype)], f"moe_router {dtype}")
+
+
+def naive_moe(x, weights, ids, w13, w2):
+    x, weights, w13, w2 = (t.double().cpu() for t in (x, weights, w13, w2))
+    inter = w2.shape[-1]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = w13[e] @ x[t]
+            out[t] += weights[t, j] * (w2[e] @ (F.silu(h[:inter]) * h[inter:]))
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 65])
+def test_moe_experts_matches_per_token_loop(impl, device, dtype, tokens):
+    router, experts = impl("moe_router", dtype), impl("moe_experts", dtype)
+    num_experts, hidden, inter, top_k = 16, 64, 32, 4
+    x = randn(tokens, hidden, seed=2, dtype=dtype, device=device)
+    w13 = randn(num_experts, 2 * inter, hidden, seed=3, dtype=dtype, device=device, scale=hidden**-0.5)
+    w2 = randn(num_experts, hidden, inter, seed=4, dtype=dtype, device=device, scale=inter**-0.5)
+    logits = randn(tokens, num_experts, seed=5, dtype=dtype, device=device)
+    weights, ids = router(logits, top_k, True)
+    out = experts(x, weights, ids, w13, w2)
+    assert out.dtype == dtype and out.shape == x.shape
+    expected = naive_moe(x, weights, ids.cpu(), w13, w2)
+    assert_close(out, expected, TOL[("moe_experts", dtype)], f"moe_experts {dtype} T={tokens}")
+
+
+def test_moe_experts_int32_ids_and_unused_experts(impl, device):
+    """Only some experts receive tokens; int32 ids give the same result as int64."""
+    experts = impl("moe_experts", torch.float32)
+    x = randn(5, 16, seed=6, dtype=torch.float32, device=device)
+    w13 = randn(8, 16, 16, seed=7, dtype=torch.float32, device=device)
+    w2 = randn(8, 16, 8, seed=8, dtype=torch.float32, device=device)
+    ids = torch.tensor([[3, 5], [5, 3], [3, 3], [7, 5], [5, 7]], device=device)
+    weights = torch.rand(5, 2, generator=torch.Generator().manual_seed(0)).to(device)
+    out64 = experts(x, weights, ids, w13, w2)
+    out32 = experts(x, weights, ids.int(), w13, w2)
+    assert torch.equal(out64, out32)
+    assert_close(
+        out64, naive_moe(x, weights, ids.cpu(), w13, w2), TOL[("moe_experts", torch.float32)], "sparse"
+    )
+
+
+def test_bad_inputs(impl, device):
+    router, experts = impl("moe_router", torch.float32), impl("moe_experts", torch.float32)
+    with pytest.raises(ValueError, match="top_k must be <= E=4"):
+        router(torch.randn(3, 4, device=device), 5, True)
+    x = torch.randn(3, 16, device=device)
+    w13, w2 = torch.randn(4, 8, 16, device=device), torch.randn(4, 16, 4, device=device)
+    ids = torch.zeros(3, 2, dtype=torch.int64, device=device)
+    weights = torch.ones(3, 2, device=device)
+    with pytest.raises(ValueError, match=r"w2 must have shape \[E=4, H=16, I=4\], got \(4, 16, 5\)"):
+        experts(x, weights, ids, w13, torch.randn(4, 16, 5, device=device))
+    with pytest.raises(ValueError, match=r"ids must have shape \[T=3, K=2\]"):
+        experts(x, weights, ids[:, :1], w13, w2)
+    with pytest.raises(ValueError, match="ids must have dtype int64 or int32"):
+        experts(x, weights, ids.float(), w13, w2)
+    with pytest.raises(ValueError, match="w13 must have dtype bfloat16"):
+        experts(x.bfloat16(), weights, ids, w13, w2)
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match=r"ids must lie in \[0, E=4\)"):
+            experts(x, weights, ids + 4, w13, w2)

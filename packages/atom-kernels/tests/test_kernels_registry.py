@@ -1,0 +1,107 @@
+"""The backend registry: fallback, forced selection (argument and env), errors, lazy import logging."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import atom_kernels
+import pytest
+import torch
+from atom_core.errors import ConfigError
+from atom_kernels import registry
+from atom_kernels.kernels import Kernels, select_kernels
+
+
+def test_reference_covers_every_op():
+    kern = select_kernels("cpu", torch.float32, backend="reference")
+    assert isinstance(kern, Kernels)
+    for op in registry.OPS:
+        assert kern.backend_of(op) == "reference"
+        assert getattr(kern, op) is registry.implementations(op)["reference"].fn
+    with pytest.raises(ValueError, match="unknown op 'nope'"):
+        kern.backend_of("nope")
+    with pytest.raises(AttributeError):
+        kern.rms_norm = None  # frozen
+
+
+def test_default_on_cpu_falls_back_to_reference():
+    kern = atom_kernels.select_kernels(torch.device("cpu"), torch.bfloat16, environ={})
+    assert {kern.backend_of(op) for op in registry.OPS} == {"reference"}
+
+
+def test_missing_backend_module_is_unavailable_and_logged_once(monkeypatch, caplog):
+    monkeypatch.setitem(registry.BACKEND_MODULES, "aiter", "atom_kernels._no_such_backend_module")
+    registry.load_backend.cache_clear()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="atom_kernels.registry"):
+            for _ in range(3):
+                kern = select_kernels("cpu", torch.float32, environ={})
+        assert kern.backend_of("rms_norm") == "reference"
+        records = [r for r in caplog.records if "'aiter' unavailable" in r.getMessage()]
+        assert len(records) == 1 and records[0].levelno == logging.DEBUG
+        with pytest.raises(
+            registry.KernelBackendError, match="op 'rms_norm': forced backend 'aiter' is unavailable"
+        ):
+            select_kernels("cpu", torch.float32, backend="aiter")
+    finally:
+        registry.load_backend.cache_clear()
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    """A private copy of the registry with a 'triton' rms_norm available on CPU for float32 only."""
+    monkeypatch.setattr(registry, "_IMPLS", copy.copy({op: dict(v) for op, v in registry._IMPLS.items()}))
+    monkeypatch.setattr(registry, "load_backend", lambda name: None)
+
+    def fast_rms_norm(x, weight, eps, residual=None):
+        raise AssertionError("not called")
+
+    registry.register(
+        "rms_norm", "triton", fast_rms_norm, available=lambda dev, dt: dt == torch.float32, priority=10
+    )
+    return fast_rms_norm
+
+
+def test_priority_and_availability(fake_triton):
+    kern = select_kernels("cpu", torch.float32, environ={})
+    assert kern.backend_of("rms_norm") == "triton" and kern.rms_norm is fake_triton
+    assert kern.backend_of("rope") == "reference"
+    kern_bf16 = select_kernels("cpu", torch.bfloat16, environ={})
+    assert kern_bf16.backend_of("rms_norm") == "reference"
+    forced_ref = select_kernels(
+        "cpu", torch.float32, backend="reference", environ={"ATOM_KERNEL_BACKEND": "triton"}
+    )
+    assert forced_ref.backend_of("rms_norm") == "reference", "the argument overrides the env switch"
+
+
+def test_forcing_a_backend_an_op_lacks_names_the_op(fake_triton):
+    with pytest.raises(
+        registry.KernelBackendError, match="op 'gated_rms_norm' has no 'triton' implementation"
+    ):
+        select_kernels("cpu", torch.float32, backend="triton")
+    with pytest.raises(registry.KernelBackendError, match="op 'gated_rms_norm' has no 'triton'"):
+        select_kernels("cpu", torch.float32, environ={"ATOM_KERNEL_BACKEND": "triton"})
+    with pytest.raises(
+        registry.KernelBackendError, match="'triton' is not available for device=cpu, dtype=torch.bfloat16"
+    ):
+        registry.resolve("rms_norm", torch.device("cpu"), torch.bfloat16, "triton")
+
+
+def test_env_switch(monkeypatch):
+    monkeypatch.setenv("ATOM_KERNEL_BACKEND", "reference")
+    assert select_kernels("cpu", torch.float32).backend_of("moe_experts") == "reference"
+    monkeypatch.setenv("ATOM_KERNEL_BACKEND", "cuda-magic")
+    with pytest.raises(ConfigError, match="ATOM_KERNEL_BACKEND"):
+        select_kernels("cpu", torch.float32)
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        select_kernels("cpu", torch.float32, backend="fast")
+
+
+def test_register_rejects_bad_input():
+    with pytest.raises(ValueError, match="unknown op 'rmsnorm'"):
+        registry.register("rmsnorm", "triton", lambda: None)
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        registry.register("rms_norm", "cuda", lambda: None)
+    with pytest.raises(ValueError, match="already has a 'reference' implementation"):
+        registry.register("rms_norm", "reference", lambda: None)
