@@ -129,7 +129,8 @@ class LLMEngine:
         return engine
 
     # ---- requests ------------------------------------------------------------------------------------
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams()) -> int:
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+        params = SamplingParams() if params is None else params
         k_max = self.engine_config.num_speculative_tokens
         k = k_max if params.num_speculative_tokens is None else params.num_speculative_tokens
         if not 0 <= k <= k_max:
@@ -372,10 +373,11 @@ class LLMEngine:
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> list[GenerationResult]:
         """Run every prompt to completion (continuous batching); results in prompt order."""
+        params = SamplingParams() if params is None else params
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ValueError(
