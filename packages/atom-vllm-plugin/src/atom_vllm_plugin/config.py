@@ -1,0 +1,124 @@
+"""Translate vLLM's ``VllmConfig`` into atom-core configs, separately for the target and the MTP draft.
+
+This is the only place that knows how vLLM describes the draft: for ``method: mtp`` vLLM rewrites the
+draft's HF config to ``model_type: qwen3_next_mtp`` / ``architectures: ["Qwen3NextMTP"]`` and builds it
+under the compilation model tag ``eagle_head``. Each model wrapper translates its own config once, at
+construction, and hands it down explicitly; nothing below the plugin ever sees vLLM's objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from atom_core import CacheConfig, ConfigError, Qwen3NextConfig, SpeculativeConfig
+
+TARGET_ARCH = "Qwen3NextForCausalLM"
+DRAFT_ARCH = "Qwen3NextMTP"
+DRAFT_MODEL_TAG = "eagle_head"
+MAX_SPECULATIVE_TOKENS = 4
+"""vLLM issue #37035: k > 4 is unstable for Qwen3-Next MTP; ATOM caps k at 4 like ROCm/ATOM does."""
+
+Role = Literal["target", "draft"]
+
+
+@dataclass(frozen=True)
+class AtomVllmConfig:
+    """Everything one of our models needs from vLLM, as atom-core values."""
+
+    role: Role
+    model: Qwen3NextConfig
+    speculative: SpeculativeConfig | None
+    cache: CacheConfig
+    dtype: torch.dtype
+    tensor_parallel_size: int
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
+
+
+def _hf_dict(hf_config: Any) -> dict[str, Any]:
+    raw = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+    # transformers 5 keeps the rope settings in `rope_parameters`; older versions in rope_theta/rope_scaling.
+    if "rope_parameters" not in raw and getattr(hf_config, "rope_parameters", None) is not None:
+        raw["rope_parameters"] = dict(hf_config.rope_parameters)
+    return raw
+
+
+def speculative_from_vllm(spec: Any) -> SpeculativeConfig | None:
+    """vLLM's SpeculativeConfig -> atom-core's, or None without speculative decoding."""
+    if spec is None:
+        return None
+    method = getattr(spec, "method", None)
+    if method != "mtp":
+        raise ConfigError(
+            "method",
+            method,
+            "speculative_config",
+            "the ATOM plugin serves Qwen3-Next drafts with method 'mtp' only",
+        )
+    k = spec.num_speculative_tokens
+    if k is None or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(
+            "num_speculative_tokens",
+            k,
+            "speculative_config",
+            f"must be in [1, {MAX_SPECULATIVE_TOKENS}] for Qwen3-Next MTP with the ATOM plugin",
+        )
+    return SpeculativeConfig(method="mtp", num_speculative_tokens=int(k))
+
+
+def cache_from_vllm(cache_config: Any) -> CacheConfig:
+    dtype = str(cache_config.cache_dtype)
+    if dtype != "auto":
+        raise ConfigError(
+            "kv_cache_dtype",
+            dtype,
+            "cache_config",
+            "the ATOM plugin's CPU attention stores the KV cache in the model dtype; use kv_cache_dtype='auto'",
+        )
+    return CacheConfig(block_size=int(cache_config.block_size), kv_cache_dtype="auto")
+
+
+def model_tag() -> str | None:
+    """The compilation model tag vLLM sets while it builds a model (``eagle_head`` for drafts)."""
+    from vllm.compilation.backends import model_tag as tag
+
+    return tag
+
+
+def from_vllm(vllm_config: Any, role: Role) -> AtomVllmConfig:
+    """Build the config of the target (``role='target'``) or of the MTP draft (``role='draft'``)."""
+    spec = speculative_from_vllm(vllm_config.speculative_config)
+    if role == "draft":
+        if spec is None or vllm_config.speculative_config.draft_model_config is None:
+            raise ConfigError(
+                "speculative_config", None, "vllm_config", f"{DRAFT_ARCH} is a draft: it needs method 'mtp'"
+            )
+        hf = vllm_config.speculative_config.draft_model_config.hf_config
+    else:
+        hf = vllm_config.model_config.hf_text_config
+    model = Qwen3NextConfig.from_hf(_hf_dict(hf))
+    if role == "draft" and model.num_mtp_layers < 1:
+        raise ConfigError(
+            "mtp_num_hidden_layers",
+            0,
+            "draft hf_config",
+            "the checkpoint has no MTP head; use it without method 'mtp'",
+        )
+    return AtomVllmConfig(
+        role=role,
+        model=model,
+        speculative=spec,
+        cache=cache_from_vllm(vllm_config.cache_config),
+        dtype=vllm_config.model_config.dtype,
+        tensor_parallel_size=int(vllm_config.parallel_config.tensor_parallel_size),
+    )
+
+
+def with_block_size(cfg: AtomVllmConfig, block_size: int) -> AtomVllmConfig:
+    """The same config with vLLM's final KV block size (vLLM may enlarge it after building the model)."""
+    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, block_size=block_size))

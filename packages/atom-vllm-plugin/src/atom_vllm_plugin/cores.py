@@ -1,0 +1,48 @@
+"""The CoreFactory the plugin gives atom-models: cores bound to vLLM's KV cache and Mamba state."""
+
+from __future__ import annotations
+
+from atom_core import Qwen3NextConfig
+from torch import nn
+
+from atom_vllm_plugin.config import AtomVllmConfig
+from atom_vllm_plugin.layers.attention import AtomAttentionCore
+from atom_vllm_plugin.layers.gdn import AtomGDNCore
+from atom_vllm_plugin.layers.gdn_state import GDNStateSpec
+
+
+class VllmCoreFactory:
+    """Builds one vLLM layer per token mixer, registered in vLLM's forward context under its prefix.
+
+    ``prefix`` comes from atom-models (``model.layers.{i}.self_attn``, ``model.layers.{i}.linear_attn``,
+    ``mtp.layers.{num_hidden_layers + j}.self_attn``), so every layer name carries its absolute index:
+    vLLM binds caches by that index and the draft's layer can never share a target layer's cache.
+    """
+
+    def __init__(self, cfg: AtomVllmConfig, kernels, gdn_state: GDNStateSpec | None) -> None:
+        self.cfg = cfg
+        self.kernels = kernels
+        self.gdn_state = gdn_state
+        self.built: dict[str, nn.Module] = {}
+
+    def attention(self, prefix: str, layer_idx: int, config: Qwen3NextConfig) -> nn.Module:
+        core = AtomAttentionCore(
+            prefix,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_size=config.head_dim,
+            kernels=self.kernels,
+            dtype=self.cfg.dtype,
+            is_draft=self.cfg.role == "draft",
+        )
+        self.built[prefix] = core
+        return core
+
+    def gdn(self, prefix: str, layer_idx: int, config: Qwen3NextConfig) -> nn.Module:
+        if self.gdn_state is None:
+            raise ValueError(
+                f"{prefix}: the {self.cfg.role} model has no GDN state spec (the MTP draft has no GDN)"
+            )
+        core = AtomGDNCore(prefix, self.gdn_state, self.kernels)
+        self.built[prefix] = core
+        return core

@@ -1,0 +1,168 @@
+"""Run one offline vLLM configuration in a fresh process and report JSON (used by tests/ and benchmarks/).
+
+vLLM's ``LLM(...)`` spawns its engine process, so it must be created under ``__main__`` of a process of
+its own; tests and benchmarks therefore call :func:`run` (which starts ``python -m atom_vllm_plugin.harness``)
+rather than building ``LLM`` in-process. One spec = one engine start; a spec can run several prompt sets.
+
+Spec (JSON): ``model``, ``plugin`` (bool: False sets ATOM_DISABLE_VLLM_PLUGIN=1), ``dtype``,
+``num_speculative_tokens`` (0 = no speculative decoding), ``enforce_eager``, ``max_model_len``,
+``tensor_parallel_size``, ``env`` (extra environment), ``llm_kwargs`` (extra LLM arguments) and
+``jobs``: a list of ``{"name", "prompt_token_ids": [[...], ...], "max_tokens"}``.
+Result: per job the generated token ids, wall time and output tokens/s, plus the spec-decode counters
+(``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos``) accumulated over
+that job, and the engine start-up time; or ``{"error": ...}`` with the exception text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+SPEC_METRICS = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+    "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_per_pos",
+}
+
+
+def _spec_counters(llm: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "num_drafts": 0,
+        "num_draft_tokens": 0,
+        "num_accepted_tokens": 0,
+        "accepted_per_pos": [],
+    }
+    for m in llm.get_metrics():
+        key = SPEC_METRICS.get(m.name)
+        if key is None:
+            continue
+        if key == "accepted_per_pos":
+            out[key] = [int(v) for v in m.values]
+        else:
+            out[key] = int(m.value)
+    return out
+
+
+def _diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    per_pos_b = before["accepted_per_pos"] + [0] * (
+        len(after["accepted_per_pos"]) - len(before["accepted_per_pos"])
+    )
+    d = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    d["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], per_pos_b)]
+    return d
+
+
+def summarize(counters: dict[str, Any]) -> dict[str, float | None]:
+    """Acceptance rate (accepted / drafted tokens) and mean acceptance length (1 + accepted / drafts)."""
+    drafts, drafted, accepted = (
+        counters["num_drafts"],
+        counters["num_draft_tokens"],
+        counters["num_accepted_tokens"],
+    )
+    return {
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "per_position_rate": [a / drafts for a in counters["accepted_per_pos"]] if drafts else [],
+    }
+
+
+def _main(spec_path: str, out_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    result: dict[str, Any] = {"spec": {k: v for k, v in spec.items() if k != "jobs"}}
+    try:
+        from vllm import LLM, SamplingParams
+
+        kwargs: dict[str, Any] = {
+            "model": spec["model"],
+            "dtype": spec.get("dtype", "float32"),
+            "enforce_eager": spec.get("enforce_eager", True),
+            "enable_prefix_caching": False,
+            "disable_log_stats": False,
+            "max_model_len": spec.get("max_model_len", 512),
+            "tensor_parallel_size": spec.get("tensor_parallel_size", 1),
+            "seed": 0,
+        }
+        k = spec.get("num_speculative_tokens", 0)
+        if k:
+            kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
+        kwargs.update(spec.get("llm_kwargs", {}))
+        t0 = time.perf_counter()
+        llm = LLM(**kwargs)
+        result["startup_s"] = time.perf_counter() - t0
+        result["jobs"] = {}
+        for job in spec["jobs"]:
+            params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+            prompts = [{"prompt_token_ids": ids} for ids in job["prompt_token_ids"]]
+            before = _spec_counters(llm)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            counters = _diff(_spec_counters(llm), before)
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
+            n_out = sum(len(t) for t in tokens)
+            result["jobs"][job["name"]] = {
+                "token_ids": tokens,
+                "wall_s": wall,
+                "output_tokens": n_out,
+                "output_tokens_per_s": n_out / wall if wall > 0 else None,
+                "spec": counters,
+                **summarize(counters),
+            }
+    except Exception as e:  # reported to the parent, which decides what a failure means
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+def run(
+    spec: dict[str, Any], workdir: str, timeout: float = 900, log_name: str | None = None
+) -> dict[str, Any]:
+    """Run ``spec`` in a fresh ``python -m atom_vllm_plugin.harness`` process; return its JSON result.
+
+    The process's combined output goes to ``<workdir>/<log_name>.log`` (kept for debugging).
+    """
+    os.makedirs(workdir, exist_ok=True)
+    name = log_name or f"run{abs(hash(json.dumps(spec, sort_keys=True, default=str))) % 10**8}"
+    spec_path = os.path.join(workdir, f"{name}.spec.json")
+    out_path = os.path.join(workdir, f"{name}.result.json")
+    log_path = os.path.join(workdir, f"{name}.log")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env["ATOM_DISABLE_VLLM_PLUGIN"] = "0" if spec.get("plugin", True) else "1"
+    env.update({k: str(v) for k, v in spec.get("env", {}).items()})
+    if os.path.exists(out_path):
+        os.remove(out_path)
+    with open(log_path, "w") as log:
+        proc = subprocess.run(
+            [sys.executable, "-m", "atom_vllm_plugin.harness", spec_path, out_path],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=timeout,
+        )
+    if not os.path.exists(out_path):
+        with open(log_path) as f:
+            tail = f.read()[-4000:]
+        return {
+            "error": f"harness exited with {proc.returncode} and no result",
+            "log_tail": tail,
+            "log": log_path,
+        }
+    with open(out_path) as f:
+        result = json.load(f)
+    result["log"] = log_path
+    return result
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2])

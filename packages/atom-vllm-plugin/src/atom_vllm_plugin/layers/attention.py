@@ -1,0 +1,92 @@
+"""Full-attention core for vLLM: a vLLM attention layer over vLLM's paged KV cache, computed by atom_kernels.
+
+atom-models' ``Qwen3NextAttention`` calls ``core(q, k, v, ctx)`` after q/k-norm and RoPE; this core
+writes k/v into the layer's KV cache at vLLM's slot mapping and attends with ``paged_attention`` (causal
+over each request's cached prefix and its new tokens, for any mix of prefill / decode / 1 + k verify).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+
+from atom_vllm_plugin.layers.attention_backend import (
+    AtomAttentionBackend,
+    AtomAttentionMetadata,
+    split_kv_cache,
+)
+from atom_vllm_plugin.layers.forward_context import layer_metadata
+
+
+def register_layer(prefix: str, layer: nn.Module) -> None:
+    """Put ``layer`` into vLLM's static forward context under ``prefix`` (how vLLM finds cache-owning layers)."""
+    ctx = get_current_vllm_config().compilation_config.static_forward_context
+    if prefix in ctx:
+        raise ValueError(f"Duplicate layer name: {prefix} (two layers would share one cache)")
+    ctx[prefix] = layer
+
+
+class AtomAttentionCore(nn.Module, AttentionLayerBase):
+    """One full-attention layer's cache binding; ``forward(q[T, Hq, D], k, v, ctx) -> o[T, Hq, D]``."""
+
+    def __init__(
+        self,
+        prefix: str,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        kernels,
+        dtype: torch.dtype,
+        is_draft: bool = False,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"{prefix}: num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}"
+            )
+        self.layer_name = prefix
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = head_size**-0.5
+        self.kernels = kernels
+        self.dtype = dtype
+        self.is_draft_layer = is_draft
+        self.kv_cache = torch.tensor([])
+        register_layer(prefix, self)
+
+    # ---- vLLM's AttentionLayerBase -----------------------------------------------------------
+    def get_attn_backend(self) -> type[AtomAttentionBackend]:
+        return AtomAttentionBackend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        return FullAttentionSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            dtype=self.dtype,
+        )
+
+    # ---- the core ----------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx=None) -> torch.Tensor:
+        md = layer_metadata(self.layer_name)
+        out = torch.zeros_like(q)
+        if md is None:  # profiling / dummy run: no cache bound yet
+            return out
+        if not isinstance(md, AtomAttentionMetadata):
+            raise TypeError(f"{self.layer_name}: expected AtomAttentionMetadata, got {type(md).__name__}")
+        n = md.num_actual_tokens
+        if n == 0:
+            return out
+        key_cache, value_cache = split_kv_cache(self.kv_cache, self.head_size)
+        self.kernels.kv_cache_write(k[:n], v[:n], key_cache, value_cache, md.slot_mapping[:n])
+        out[:n] = self.kernels.paged_attention(
+            q[:n], key_cache, value_cache, md.block_table, md.seq_lens, md.query_start_loc, self.scale
+        )
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name}, heads={self.num_heads}/{self.num_kv_heads}, head_size={self.head_size}"

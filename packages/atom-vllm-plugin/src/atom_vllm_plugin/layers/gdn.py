@@ -1,0 +1,204 @@
+"""Gated DeltaNet core for vLLM: a vLLM Mamba layer over vLLM's conv / recurrent state, computed by atom_kernels.
+
+atom-models' ``GatedDeltaNet`` calls ``core(mixed_qkv, b, a, layer, ctx)`` with the pre-conv q|k|v.
+State (allocated by vLLM, one page per slot): conv state stored ``[S, K - 1 + k, C]`` (vLLM's "SD" layout;
+the kernels take the transposed ``[S, C, W]`` view) and recurrent state ``[S, Hv, Dv, Dk]``.
+A request owns ``1 + k`` slots (a row of the spec block table); the conv history lives in slot 0 and is
+rolled per atom_kernels' convention, the recurrent state after verify token j lands in slot j, and the
+next step resumes from slot ``num_accepted - 1``: nothing is copied back on rejection.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from atom_vllm_plugin.layers.attention import register_layer
+from atom_vllm_plugin.layers.forward_context import layer_metadata
+from atom_vllm_plugin.layers.gdn_backend import AtomGDNAttentionBackend
+from atom_vllm_plugin.layers.gdn_state import GDNStateSpec
+
+
+class AtomGDNCore(nn.Module, MambaBase):
+    """One GDN layer's state binding; ``forward(mixed_qkv[T, C], b[T, Hv], a[T, Hv], layer, ctx) -> [T, Hv, Dv]``."""
+
+    def __init__(self, prefix: str, state: GDNStateSpec, kernels) -> None:
+        super().__init__()
+        self.layer_name = prefix
+        self.prefix = prefix
+        self.state = state
+        self.kernels = kernels
+        self.kv_cache = (torch.tensor([]), torch.tensor([]))
+        register_layer(prefix, self)
+
+    # ---- vLLM's MambaBase ----------------------------------------------------------------------
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.GDN_ATTN
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.state.shapes()
+
+    def get_state_dtype(self) -> tuple[torch.dtype, torch.dtype]:
+        return self.state.dtypes
+
+    def get_attn_backend(self) -> type[AtomGDNAttentionBackend]:
+        return AtomGDNAttentionBackend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig):
+        return super().get_kv_cache_spec(vllm_config)
+
+    # ---- state views -----------------------------------------------------------------------------
+    def conv_state(self) -> torch.Tensor:
+        """``[S, C, W]`` view of the conv state (vLLM stores ``[S, W, C]`` unless the DS layout is forced)."""
+        conv = self.kv_cache[0]
+        return conv if is_conv_state_dim_first() else conv.transpose(1, 2)
+
+    def ssm_state(self) -> torch.Tensor:
+        return self.kv_cache[1]
+
+    # ---- the core ----------------------------------------------------------------------------------
+    def forward(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, layer: nn.Module, ctx=None):
+        s = self.state
+        out = mixed_qkv.new_zeros(mixed_qkv.shape[0], s.num_v_heads, s.head_v_dim)
+        md = layer_metadata(self.layer_name)
+        if md is None:
+            return out
+        if not isinstance(md, GDNAttentionMetadata):
+            raise TypeError(f"{self.layer_name}: expected GDNAttentionMetadata, got {type(md).__name__}")
+        if md.num_actual_tokens == 0:
+            return out
+        weight = layer.conv1d.weight.view(s.conv_dim, s.conv_kernel)
+        conv_args = (weight, layer.conv1d.bias)
+
+        if md.spec_sequence_masks is None:
+            nd, ndt = md.num_decodes, md.num_decode_tokens
+            if nd > 0:
+                idx = md.non_spec_state_indices_tensor[:nd]
+                out[:ndt] = self._verify(
+                    mixed_qkv[:ndt], b[:ndt], a[:ndt], layer, conv_args, idx.view(nd, 1), None, [1] * nd
+                )
+            if md.num_prefills > 0:
+                lo, hi = ndt, ndt + md.num_prefill_tokens
+                out[lo:hi] = self._prefill(mixed_qkv[lo:hi], b[lo:hi], a[lo:hi], layer, conv_args, md)
+            return out
+
+        # Speculative batch: verification rows (1 + drafts tokens each) and maybe prompt chunks.
+        n_spec = md.num_spec_decodes
+        qsl = md.spec_query_start_loc[: n_spec + 1].tolist()
+        lens = [qsl[i + 1] - qsl[i] for i in range(n_spec)]
+        mixed_only = md.num_prefills == 0 and md.num_decodes == 0
+        if mixed_only:
+            n_tok = qsl[-1]
+            x_s, b_s, a_s = mixed_qkv[:n_tok], b[:n_tok], a[:n_tok]
+        else:
+            ti = md.spec_token_indx.long()
+            x_s, b_s, a_s = mixed_qkv.index_select(0, ti), b.index_select(0, ti), a.index_select(0, ti)
+        o_s = self._verify(
+            x_s,
+            b_s,
+            a_s,
+            layer,
+            conv_args,
+            md.spec_state_indices_tensor[:n_spec],
+            md.num_accepted_tokens,
+            lens,
+        )
+        if mixed_only:
+            out[: o_s.shape[0]] = o_s
+            return out
+        out.index_copy_(0, md.spec_token_indx.long(), o_s)
+        if md.num_prefills > 0:
+            ni = md.non_spec_token_indx.long()
+            o_p = self._prefill(
+                mixed_qkv.index_select(0, ni),
+                b.index_select(0, ni),
+                a.index_select(0, ni),
+                layer,
+                conv_args,
+                md,
+            )
+            out.index_copy_(0, ni, o_p)
+        return out
+
+    def _split_qkv(self, x: torch.Tensor):
+        s = self.state
+        q, k, v = torch.split(x, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        lead = x.shape[:-1]
+        return (
+            q.reshape(*lead, s.num_k_heads, s.head_k_dim),
+            k.reshape(*lead, s.num_k_heads, s.head_k_dim),
+            v.reshape(*lead, s.num_v_heads, s.head_v_dim),
+        )
+
+    def _prefill(self, x, b, a, layer, conv_args, md: GDNAttentionMetadata) -> torch.Tensor:
+        """Prompt chunks (varlen): conv from offset-0 history, chunked delta rule, final states to slot 0."""
+        kern, s = self.kernels, self.state
+        n = md.num_prefills
+        cu = md.prefill_query_start_loc[: n + 1].to(torch.int32)
+        idx = md.prefill_state_indices[:n].to(torch.int32)
+        has_init = md.prefill_has_initial_state[:n]
+        x = kern.causal_conv1d_varlen(x, *conv_args, cu, self.conv_state(), idx, has_init, activation="silu")
+        q, k, v = self._split_qkv(x)
+        g, beta = kern.gdn_gating(layer.A_log, a, layer.dt_bias, b)
+        return kern.gated_delta_rule_chunked(
+            q, k, v, g, beta, cu, self.ssm_state(), idx, has_init, scale=s.scale, use_qk_l2norm=True
+        )
+
+    def _verify(self, x, b, a, layer, conv_args, slots, num_accepted, lens: list[int]) -> torch.Tensor:
+        """Decode / verification rows of ``lens[i]`` tokens each (flat ``x``), padded to a uniform ``[N, Q]``.
+
+        ``slots[i, j]`` receives the recurrent state after token j; padding columns are masked to -1 (not
+        written). Padding tokens come after a row's real tokens, so they never reach its real outputs,
+        and the conv history the next step reads (offset ``num_accepted - 1`` <= real tokens - 1) stays real.
+        """
+        kern, s = self.kernels, self.state
+        n, q_max = len(lens), max(lens)
+        uniform = all(ln == q_max for ln in lens)
+        if uniform:
+            xp, bp, ap = x.view(n, q_max, -1), b.view(n, q_max, -1), a.view(n, q_max, -1)
+            idx = slots[:, :q_max].to(torch.int32)
+        else:
+            rows = torch.tensor(
+                [i for i, ln in enumerate(lens) for _ in range(ln)], dtype=torch.long, device=x.device
+            )
+            cols = torch.tensor([j for ln in lens for j in range(ln)], dtype=torch.long, device=x.device)
+            xp = x.new_zeros(n, q_max, x.shape[-1])
+            bp = b.new_zeros(n, q_max, b.shape[-1])
+            ap = a.new_zeros(n, q_max, a.shape[-1])
+            xp[rows, cols], bp[rows, cols], ap[rows, cols] = x, b, a
+            valid = torch.zeros(n, q_max, dtype=torch.bool, device=x.device)
+            valid[rows, cols] = True
+            idx = torch.where(
+                valid, slots[:, :q_max].to(torch.int32), torch.full_like(valid, -1, dtype=torch.int32)
+            )
+        acc = None if num_accepted is None else num_accepted[:n].to(torch.int32)
+        conv_slots = slots[:, 0].to(torch.int32).contiguous()
+        xc = kern.causal_conv1d_update(xp, *conv_args, self.conv_state(), conv_slots, acc, activation="silu")
+        q, k, v = self._split_qkv(xc)
+        g, beta = kern.gdn_gating(
+            layer.A_log, ap.reshape(n * q_max, -1), layer.dt_bias, bp.reshape(n * q_max, -1)
+        )
+        o = kern.gated_delta_rule_recurrent(
+            q,
+            k,
+            v,
+            g.view(n, q_max, -1),
+            beta.view(n, q_max, -1),
+            self.ssm_state(),
+            idx,
+            acc,
+            scale=s.scale,
+            use_qk_l2norm=True,
+        )
+        if uniform:
+            return o.reshape(n * q_max, s.num_v_heads, s.head_v_dim)
+        return o[rows, cols]
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name}, {self.state}"

@@ -1,0 +1,1 @@
+"""vLLM model classes (constructed by vLLM as ``cls(vllm_config=..., prefix=...)``)."""

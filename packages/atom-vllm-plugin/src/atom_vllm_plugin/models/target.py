@@ -1,0 +1,93 @@
+"""vLLM's ``Qwen3NextForCausalLM`` architecture, served by atom-models' target with vLLM-bound cores."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar, Literal
+
+import torch
+from atom_models import Qwen3NextForCausalLM, load_target
+from torch import nn
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
+
+from atom_vllm_plugin.config import from_vllm
+from atom_vllm_plugin.cores import VllmCoreFactory
+from atom_vllm_plugin.models.common import all_parameter_names, checkpoint_dir, gdn_state_spec, kernels_for
+
+
+class AtomQwen3NextForCausalLM(nn.Module):
+    """The target. vLLM sees ``.model.embed_tokens`` and ``.lm_head`` (the MTP proposer shares both with
+    the draft), the hybrid-model classmethods, ``forward`` -> hidden states and ``compute_logits``.
+    """
+
+    # vLLM's IsHybrid / HasInnerState interfaces (checked by attribute, see vllm.model_executor.models.interfaces)
+    is_hybrid: ClassVar[Literal[True]] = True
+    has_inner_state: ClassVar[Literal[True]] = True
+    supports_pp: ClassVar[Literal[False]] = False
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__()
+        self.atom_config = from_vllm(vllm_config, "target")
+        self.vllm_model_config = vllm_config.model_config
+        kernels = kernels_for(vllm_config, self.atom_config.dtype)
+        self.cores = VllmCoreFactory(self.atom_config, kernels, gdn_state_spec(vllm_config, self.atom_config))
+        self.atom = Qwen3NextForCausalLM(
+            self.atom_config.model, self.cores, kernels, dtype=self.atom_config.dtype
+        )
+
+    # vLLM's proposer reads target.model.embed_tokens and target.lm_head (see _maybe_share_embeddings)
+    @property
+    def model(self) -> nn.Module:
+        return self.atom.model
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.atom.lm_head
+
+    @property
+    def config(self):
+        return self.vllm_model_config.hf_config
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.atom.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        if inputs_embeds is not None or input_ids is None:
+            raise NotImplementedError("ATOM Qwen3-Next: inputs_embeds are not supported; pass token ids")
+        if intermediate_tensors is not None:
+            raise NotImplementedError("ATOM Qwen3-Next: pipeline parallelism is not supported")
+        return self.atom(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.atom.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # atom-models reads the checkpoint itself (and raises one CheckpointError naming every missing,
+        # unexpected or mis-shaped tensor); vLLM's weight iterator is lazy and stays unread.
+        load_target(self.atom, checkpoint_dir(self.vllm_model_config))
+        return all_parameter_names(self)
+
+    # ---- classmethods vLLM calls before building the model (IsHybrid) -----------------------------
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: Any) -> tuple[torch.dtype, torch.dtype]:
+        return gdn_state_spec(vllm_config).dtypes
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return gdn_state_spec(vllm_config).shapes()
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+
+    @classmethod
+    def get_mamba_state_copy_funcs(cls, mamba_types):
+        funcs = cls.get_mamba_state_copy_func()
+        return {t: funcs for t in mamba_types}
