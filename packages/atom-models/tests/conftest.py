@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from atom_core import Qwen3NextConfig
+from atom_kernels import select_kernels
+from atom_models import DenseCoreFactory, Qwen3NextForCausalLM, Qwen3NextMTP, load_mtp, load_target
+from atom_models.paths import default_model_dir, reference_dir
+from safetensors.torch import load_file
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def ref_dir():
+    return reference_dir()
+
+
+@pytest.fixture(scope="session")
+def golden(ref_dir):
+    return load_file(str(ref_dir / "golden.safetensors"))
+
+
+@pytest.fixture(scope="session")
+def greedy_cases(ref_dir):
+    return json.loads((ref_dir / "greedy.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def kernels32():
+    return select_kernels(torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def dense_models(model_dir, kernels32):
+    """(target, mtp) of the fixture in float32 with dense cores."""
+    cfg = Qwen3NextConfig.from_hf(model_dir)
+    cores = DenseCoreFactory(kernels32)
+    target = Qwen3NextForCausalLM(cfg, cores, kernels32)
+    load_target(target, model_dir)
+    mtp = Qwen3NextMTP(cfg, cores, kernels32, target.model.embed_tokens, target.lm_head)
+    load_mtp(mtp, model_dir)
+    return target.eval(), mtp.eval()

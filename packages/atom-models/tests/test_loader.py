@@ -1,0 +1,162 @@
+"""Checkpoint loading: streaming into stacked/fused parameters, and ONE CheckpointError listing every problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from atom_core import Qwen3NextConfig
+from atom_models import (
+    CheckpointError,
+    DenseCoreFactory,
+    Qwen3NextForCausalLM,
+    Qwen3NextMTP,
+    load_mtp,
+    load_target,
+)
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+
+def _build(ckpt, kernels):
+    cfg = Qwen3NextConfig.from_hf(ckpt)
+    target = Qwen3NextForCausalLM(cfg, DenseCoreFactory(kernels), kernels)
+    mtp = Qwen3NextMTP(cfg, DenseCoreFactory(kernels), kernels, target.model.embed_tokens, target.lm_head)
+    return target, mtp
+
+
+def _all_tensors(model_dir) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _single_file_copy(model_dir, dst, edit=None):
+    """Copy the fixture as ONE model.safetensors, after ``edit(tensors)``."""
+    dst.mkdir()
+    shutil.copy(model_dir / "config.json", dst / "config.json")
+    tensors = _all_tensors(model_dir)
+    if edit is not None:
+        edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_loads_stacked_experts_and_fused_rows(model_dir, kernels32):
+    target, mtp = _build(model_dir, kernels32)
+    assert load_target(target, model_dir) == 154
+    assert load_mtp(mtp, model_dir) == 41  # embedding and lm_head are not read again
+    files = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+
+    def tensor(name):
+        with safe_open(str(model_dir / files[name]), framework="pt") as f:
+            return f.get_tensor(name).float()
+
+    moe = target.model.layers[2].mlp
+    inter = moe.experts.w2.shape[-1]
+    assert torch.equal(moe.experts.w13[5, :inter], tensor("model.layers.2.mlp.experts.5.gate_proj.weight"))
+    assert torch.equal(moe.experts.w13[5, inter:], tensor("model.layers.2.mlp.experts.5.up_proj.weight"))
+    assert torch.equal(moe.experts.w2[7], tensor("model.layers.2.mlp.experts.7.down_proj.weight"))
+    shared = moe.shared_expert.gate_up_proj.weight
+    assert torch.equal(
+        shared[shared.shape[0] // 2 :], tensor("model.layers.2.mlp.shared_expert.up_proj.weight")
+    )
+    # mtp.layers.0 lands in the layer with absolute index num_hidden_layers (4)
+    assert torch.equal(
+        mtp.layers["4"].self_attn.q_proj.weight, tensor("mtp.layers.0.self_attn.q_proj.weight")
+    )
+    assert torch.equal(mtp.fc.weight, tensor("mtp.fc.weight"))
+
+
+def test_missing_mtp_tensor_is_named(model_dir, tmp_path, kernels32):
+    ckpt = _single_file_copy(
+        model_dir, tmp_path / "ck", lambda t: t.pop("mtp.layers.0.mlp.experts.3.up_proj.weight")
+    )
+    target, mtp = _build(ckpt, kernels32)
+    load_target(target, ckpt)  # the target does not care about mtp.*
+    with pytest.raises(CheckpointError) as e:
+        load_mtp(mtp, ckpt)
+    print(e.value)
+    assert len(e.value.problems) == 1
+    assert "missing tensor mtp.layers.0.mlp.experts.3.up_proj.weight" in e.value.problems[0]
+
+
+def test_all_problems_in_one_error_with_file_names(model_dir, tmp_path, kernels32):
+    def edit(t):
+        t.pop("model.layers.1.linear_attn.A_log")
+        t["model.layers.0.mlp.experts.1.down_proj.weight"] = torch.zeros(3, 3)
+        t["model.layers.0.mlp.experts.8.up_proj.weight"] = torch.zeros(64, 256)  # only 8 experts
+        t["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(4, 4)  # layer 0 is linear attention
+        t["model.bogus.weight"] = torch.zeros(1)
+
+    ckpt = _single_file_copy(model_dir, tmp_path / "ck", edit)
+    target, _ = _build(ckpt, kernels32)
+    with pytest.raises(CheckpointError) as e:
+        load_target(target, ckpt)
+    msg = str(e.value)
+    print(msg)
+    assert len(e.value.problems) == 5
+    assert "missing tensor model.layers.1.linear_attn.A_log" in msg
+    assert (
+        "tensor model.layers.0.mlp.experts.1.down_proj.weight in model.safetensors has shape [3, 3], expected [256, 64]"
+        in msg
+    )
+    for name in (
+        "model.layers.0.mlp.experts.8.up_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.bogus.weight",
+    ):
+        assert f"unexpected tensor {name} in model.safetensors" in msg
+
+
+def test_wrong_shape_in_sharded_checkpoint_names_the_shard(model_dir, tmp_path, kernels32):
+    ckpt = tmp_path / "ck"
+    shutil.copytree(model_dir, ckpt)
+    mtp_file = ckpt / "model-mtp.safetensors"
+    tensors = load_file(str(mtp_file))
+    tensors["mtp.fc.weight"] = tensors["mtp.fc.weight"][:, :256].contiguous()
+    save_file(tensors, str(mtp_file))
+    target, mtp = _build(ckpt, kernels32)
+    with pytest.raises(
+        CheckpointError,
+        match=r"mtp.fc.weight in model-mtp.safetensors has shape \[256, 256\], expected \[256, 512\]",
+    ):
+        load_mtp(mtp, ckpt)
+
+
+def test_index_naming_absent_file(model_dir, tmp_path, kernels32):
+    ckpt = tmp_path / "ck"
+    shutil.copytree(model_dir, ckpt)
+    (ckpt / "model-00002-of-00002.safetensors").unlink()
+    target, _ = _build(model_dir, kernels32)
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors, which does not exist"):
+        load_target(target, ckpt)
+
+
+def test_fp8_checkpoint_is_rejected_clearly(model_dir, tmp_path, kernels32):
+    ckpt = tmp_path / "ck"
+    shutil.copytree(model_dir, ckpt)
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    target, _ = _build(ckpt, kernels32)
+    with pytest.raises(CheckpointError, match="FP8 checkpoints"):
+        load_target(target, ckpt)
+
+
+def test_checkpoint_without_mtp(model_dir, tmp_path, kernels32):
+    ckpt = _single_file_copy(
+        model_dir, tmp_path / "ck", lambda t: [t.pop(k) for k in [k for k in t if k.startswith("mtp.")]]
+    )
+    target, mtp = _build(ckpt, kernels32)
+    load_target(target, ckpt)
+    with pytest.raises(CheckpointError, match="no mtp"):
+        load_mtp(mtp, ckpt)

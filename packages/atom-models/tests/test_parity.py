@@ -1,0 +1,143 @@
+"""Float32 CPU parity of the target and MTP draft against transformers and the golden outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from atom_core import Qwen3NextConfig
+from atom_models import DenseContext, DenseCoreFactory, Qwen3NextForCausalLM, load_target
+
+transformers = pytest.importorskip("transformers")
+
+# (comparison, dtype) -> atol on logits. Measured max abs error in the comment (float32, CPU, reference kernels).
+TOLERANCES = {
+    ("target_vs_transformers", torch.float32): 1e-4,  # measured 3.7e-5
+    ("target_vs_golden", torch.float32): 1e-4,  # measured 4.4e-5
+    ("mtp_vs_golden", torch.float32): 1e-4,  # measured 4.4e-5
+    ("random_config_vs_transformers", torch.float32): 1e-4,  # measured 9.4e-6
+}
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def _check(name: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.shape == ref.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+    err = _max_err(ours, ref)
+    tol = TOLERANCES[(name, torch.float32)]
+    print(f"{name}: max abs error {err:.3e} (atol {tol:.0e})")
+    assert err <= tol, f"{name}: max abs error {err:.3e} > atol {tol:.0e}"
+
+
+@pytest.fixture(scope="module")
+def our_target_logits(dense_models, golden):
+    """Teacher-forced logits of the three golden rows, run as ONE varlen batch (DenseContext)."""
+    target, _ = dense_models
+    ids = golden["input_ids"]
+    b, t = ids.shape
+    with torch.no_grad():
+        hidden = target(ids.reshape(-1), torch.arange(t).repeat(b), DenseContext((t,) * b))
+        logits = target.compute_logits(hidden)
+    return hidden.view(b, t, -1), logits.view(b, t, -1)
+
+
+def test_target_matches_transformers(model_dir, golden, our_target_logits):
+    hf = transformers.Qwen3NextForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(golden["input_ids"]).logits
+    _check("target_vs_transformers", our_target_logits[1], ref)
+
+
+def test_target_matches_golden(golden, our_target_logits):
+    _check("target_vs_golden", our_target_logits[1], golden["target_logits"])
+
+
+def test_mtp_matches_golden(dense_models, golden, our_target_logits):
+    _, mtp = dense_models
+    hidden, _ = our_target_logits
+    ids = golden["input_ids"]
+    b, t = ids.shape
+    with torch.no_grad():
+        h = mtp(
+            ids[:, 1:].reshape(-1),
+            torch.arange(t - 1).repeat(b),
+            hidden[:, :-1].reshape(-1, hidden.shape[-1]),
+            DenseContext((t - 1,) * b),
+        )
+        logits = mtp.compute_logits(h).view(b, t - 1, -1)
+    _check("mtp_vs_golden", logits, golden["mtp_logits"])
+
+
+def test_mtp_shares_embedding_and_head(dense_models):
+    target, mtp = dense_models
+    assert mtp.embed_tokens is target.model.embed_tokens
+    assert mtp.lm_head is target.lm_head
+    assert mtp.embed_tokens.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()
+    assert list(mtp.layers.keys()) == [str(target.config.num_hidden_layers)]
+
+
+RANDOM_LAYER_TYPES = [
+    "linear_attention",
+    "full_attention",
+    "linear_attention",
+    "linear_attention",
+    "full_attention",
+    "linear_attention",
+]
+
+
+def _random_hf_checkpoint(path) -> None:
+    """A random-weight Qwen3-Next with other shapes than the fixture, saved by transformers itself."""
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=512,
+        hidden_size=96,
+        num_hidden_layers=6,
+        layer_types=RANDOM_LAYER_TYPES,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        attention_bias=True,
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        linear_key_head_dim=32,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=3,
+        intermediate_size=80,
+        num_experts=6,
+        num_experts_per_tok=3,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        decoder_sparse_step=2,  # MoE in layers 1, 3, 5 ...
+        mlp_only_layers=[3],  # ... but not 3: dense MLP in 0, 2, 3, 4
+        norm_topk_prob=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        max_position_embeddings=256,
+        initializer_range=0.08,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(cfg).float()
+    with torch.no_grad():  # zero-initialised norms would hide a wrong (1 + w) convention
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(str(path))
+    return model.eval()
+
+
+def test_random_config_matches_transformers(tmp_path, kernels32):
+    hf = _random_hf_checkpoint(tmp_path)
+    cfg = Qwen3NextConfig.from_hf(tmp_path)
+    assert cfg.layer_types == tuple(RANDOM_LAYER_TYPES)
+    assert [cfg.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
+    ours = Qwen3NextForCausalLM(cfg, DenseCoreFactory(kernels32), kernels32)
+    load_target(ours, tmp_path)
+    torch.manual_seed(1)
+    lens = (37, 70)  # 70 > one 64-token GDN chunk
+    ids = [torch.randint(0, 512, (n,)) for n in lens]
+    with torch.no_grad():
+        ref = torch.cat([hf(x[None]).logits[0] for x in ids])
+        pos = torch.cat([torch.arange(n) for n in lens])
+        logits = ours.compute_logits(ours(torch.cat(ids), pos, DenseContext(lens)))
+    _check("random_config_vs_transformers", logits, ref)
