@@ -25,6 +25,12 @@ class Kernels:
     silu_and_mul: Callable
     moe_router: Callable
     moe_experts: Callable
+    gdn_gating: Callable
+    l2norm: Callable
+    causal_conv1d_varlen: Callable
+    causal_conv1d_update: Callable
+    gated_delta_rule_chunked: Callable
+    gated_delta_rule_recurrent: Callable
     backends: Mapping[str, str] = field(repr=False, compare=False, default_factory=dict)
 
     def backend_of(self, op: str) -> str:

@@ -35,6 +35,12 @@ OPS: tuple[str, ...] = (
     "silu_and_mul",
     "moe_router",
     "moe_experts",
+    "gdn_gating",
+    "l2norm",
+    "causal_conv1d_varlen",
+    "causal_conv1d_update",
+    "gated_delta_rule_chunked",
+    "gated_delta_rule_recurrent",
 )
 """Every op name; :class:`atom_kernels.Kernels` has exactly one attribute per name, in this order."""
 

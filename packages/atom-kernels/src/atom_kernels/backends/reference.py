@@ -6,6 +6,10 @@ Imported by ``import atom_kernels``; priority 0 so any available faster backend 
 from __future__ import annotations
 
 from atom_kernels.ops.activation import reference as activation
+from atom_kernels.ops.conv1d import reference as conv1d
+from atom_kernels.ops.gated_delta_rule import reference as gdr
+from atom_kernels.ops.gdn_gating import reference as gdn_gating
+from atom_kernels.ops.l2norm import reference as l2norm
 from atom_kernels.ops.moe import reference as moe
 from atom_kernels.ops.norm import reference as norm
 from atom_kernels.ops.rope import reference as rope
@@ -21,6 +25,12 @@ REFERENCE_OPS = {
     "silu_and_mul": activation.silu_and_mul,
     "moe_router": moe.moe_router,
     "moe_experts": moe.moe_experts,
+    "gdn_gating": gdn_gating.gdn_gating,
+    "l2norm": l2norm.l2norm,
+    "causal_conv1d_varlen": conv1d.causal_conv1d_varlen,
+    "causal_conv1d_update": conv1d.causal_conv1d_update,
+    "gated_delta_rule_chunked": gdr.gated_delta_rule_chunked,
+    "gated_delta_rule_recurrent": gdr.gated_delta_rule_recurrent,
 }
 
 for _op, _fn in REFERENCE_OPS.items():

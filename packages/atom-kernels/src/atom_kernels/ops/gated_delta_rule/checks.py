@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import torch
+
+from atom_kernels.ops._checks import FLOAT_DTYPES, Checker
+
+INDEX_DTYPES = (torch.int32,)
+
+
+def _common(c: Checker, ssm_state: torch.Tensor, scale: float, use_qk_l2norm: bool) -> None:
+    c.tensor("ssm_state", ssm_state, ("S", "Hv", "Dv", "Dk"), FLOAT_DTYPES)
+    hk, hv = c.dim("Hk"), c.dim("Hv")
+    c.require(hv % hk == 0, f"the value heads Hv={hv} must be a multiple of the key heads Hk={hk}")
+    c.positive_float("scale", scale)
+    c.require(isinstance(use_qk_l2norm, bool), f"use_qk_l2norm must be a bool, got {use_qk_l2norm!r}")
+
+
+def check_gated_delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    chunk_size: int,
+) -> None:
+    c = Checker("gated_delta_rule_chunked")
+    c.tensor("q", q, ("T", "Hk", "Dk"), FLOAT_DTYPES)
+    c.tensor("k", k, ("T", "Hk", "Dk"), (q.dtype,))
+    c.tensor("v", v, ("T", "Hv", "Dv"), FLOAT_DTYPES)
+    c.tensor("g", g, ("T", "Hv"), FLOAT_DTYPES)
+    c.tensor("beta", beta, ("T", "Hv"), FLOAT_DTYPES)
+    c.tensor("state_indices", state_indices, ("N",), INDEX_DTYPES)
+    c.dims["N+1"] = c.dim("N") + 1
+    c.tensor("cu_seqlens", cu_seqlens, ("N+1",), INDEX_DTYPES)
+    c.tensor("has_initial_state", has_initial_state, ("N",), (torch.bool,))
+    _common(c, ssm_state, scale, use_qk_l2norm)
+    c.positive_int("chunk_size", chunk_size)
+
+
+def check_gated_delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    num_accepted: torch.Tensor | None,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> None:
+    c = Checker("gated_delta_rule_recurrent")
+    c.tensor("q", q, ("N", "Q", "Hk", "Dk"), FLOAT_DTYPES)
+    c.tensor("k", k, ("N", "Q", "Hk", "Dk"), (q.dtype,))
+    c.tensor("v", v, ("N", "Q", "Hv", "Dv"), FLOAT_DTYPES)
+    c.tensor("g", g, ("N", "Q", "Hv"), FLOAT_DTYPES)
+    c.tensor("beta", beta, ("N", "Q", "Hv"), FLOAT_DTYPES)
+    c.tensor("state_indices", state_indices, ("N", "Q"), INDEX_DTYPES)
+    c.optional("num_accepted", num_accepted, ("N",), INDEX_DTYPES)
+    _common(c, ssm_state, scale, use_qk_l2norm)

@@ -1,0 +1,209 @@
+"""Reference gated delta rule, float32 math, state layout ``ssm_state[S, Hv, Dv, Dk]`` ("vk").
+
+Per token and value head (key head ``h // (Hv // Hk)``)::
+
+    S_t = S_{t-1} * exp(g_t)
+    S_t = S_t + beta_t * (v_t - S_t k_t) k_t^T      # S: [Dv, Dk], k: [Dk], v: [Dv]
+    o_t = S_t q_t * scale
+
+with q, k L2-normalised first when ``use_qk_l2norm``. The chunked form computes the same thing for
+chunks of ``chunk_size`` tokens with the WY/UT transform (as fla's ``chunk_gated_delta_rule`` and
+transformers' ``torch_chunk_gated_delta_rule``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom_kernels.ops._checks import values_checkable
+from atom_kernels.ops.gated_delta_rule.checks import (
+    check_gated_delta_rule_chunked,
+    check_gated_delta_rule_recurrent,
+)
+from atom_kernels.ops.l2norm.reference import l2norm_f32
+
+
+def _prepare_qk(
+    q: torch.Tensor, k: torch.Tensor, num_v_heads: int, scale: float, use_qk_l2norm: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 q (scaled), k with the key heads repeated to the value heads (head dim -2)."""
+    q32, k32 = q.float(), k.float()
+    if use_qk_l2norm:
+        q32, k32 = l2norm_f32(q32), l2norm_f32(k32)
+    group = num_v_heads // q.shape[-2]
+    if group > 1:
+        q32, k32 = q32.repeat_interleave(group, dim=-2), k32.repeat_interleave(group, dim=-2)
+    return q32 * scale, k32
+
+
+def _check_slots(op: str, name: str, slots: torch.Tensor, num_slots: int) -> None:
+    if values_checkable(slots) and slots.numel() > 0:
+        hi = int(slots.max())
+        if hi >= num_slots:
+            raise ValueError(f"{op}: {name} must be < S={num_slots} (or < 0 to skip), got {hi}")
+
+
+def _read_states(ssm_state: torch.Tensor, slots: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
+    """``[N, Hv, Dv, Dk]`` float32 copies of the slots' states; zeros where ``use`` is False."""
+    states = ssm_state[slots.long().clamp(min=0)].float()
+    return states * use[:, None, None, None].to(states.dtype)
+
+
+def gated_delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Prefill of a flat varlen batch, chunked; vectorised over sequences and heads.
+
+    Args:
+        q, k: ``[T, Hk, Dk]``; v: ``[T, Hv, Dv]``; g (log decay, <= 0), beta: ``[T, Hv]``.
+        cu_seqlens: ``[N+1]`` int32 offsets.
+        ssm_state: ``[S, Hv, Dv, Dk]`` float32/bf16, updated in place.
+        state_indices: ``[N]`` int32 slots (< 0: padding; zero initial state, nothing written).
+        has_initial_state: ``[N]`` bool; where False the initial state is zero.
+        scale: query scale (usually ``Dk ** -0.5``).
+        use_qk_l2norm: L2-normalise q and k (eps 1e-6) first.
+        chunk_size: tokens per chunk.
+
+    Returns:
+        ``o [T, Hv, Dv]`` in q.dtype; each sequence's final state is written to ``ssm_state[slot]``.
+    """
+    check_gated_delta_rule_chunked(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        cu_seqlens,
+        ssm_state,
+        state_indices,
+        has_initial_state,
+        scale,
+        use_qk_l2norm,
+        chunk_size,
+    )
+    op = "gated_delta_rule_chunked"
+    _check_slots(op, "state_indices", state_indices, ssm_state.shape[0])
+    total, num_v_heads, dv = v.shape
+    num_seqs = state_indices.shape[0]
+    device = q.device
+    offsets = cu_seqlens.long()
+    lens = offsets[1:] - offsets[:-1]
+    checkable = num_seqs > 0 and values_checkable(lens)
+    if checkable and (int(lens.min()) < 0 or int(offsets[0]) != 0 or int(offsets[-1]) != total):
+        raise ValueError(f"{op}: cu_seqlens must rise from 0 to T={total}, got {cu_seqlens.tolist()}")
+    max_len = int(lens.max()) if num_seqs > 0 else 0
+    chunk = chunk_size
+    padded = max(chunk, -(-max_len // chunk) * chunk)
+    num_chunks = padded // chunk
+
+    # Scatter the flat tokens into [N, padded] (zero padding at the end of each sequence: with k = 0,
+    # v = 0, beta = 0 and g = 0 padded tokens leave the state unchanged).
+    seq_id = torch.repeat_interleave(torch.arange(num_seqs, device=device), lens)
+    pos = torch.arange(total, device=device) - offsets[seq_id]
+    q32, k32 = _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm)
+
+    def pad(x: torch.Tensor) -> torch.Tensor:  # [T, Hv, ...] -> [N, Hv, num_chunks, chunk, ...]
+        out = x.new_zeros((num_seqs, padded, *x.shape[1:]))
+        out[seq_id, pos] = x
+        out = out.movedim(1, 2)  # [N, Hv, padded, ...]
+        return out.reshape(num_seqs, num_v_heads, num_chunks, chunk, *x.shape[2:])
+
+    qc, kc, vc = pad(q32), pad(k32), pad(v.float())
+    gc, bc = pad(g.float()), pad(beta.float())  # [N, Hv, nC, C]
+
+    v_beta = vc * bc[..., None]
+    k_beta = kc * bc[..., None]
+    cum = gc.cumsum(dim=-1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [.., C, C]
+    # UT transform: (I + strictly_lower(beta K K^T * decay)) [u | w] = [beta V | beta K exp(cum)].
+    system = (k_beta @ kc.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    attn = (qc @ kc.transpose(-1, -2)) * decay  # intra-chunk causal scores, diagonal included
+    q_decayed = qc * cum.exp()[..., None]
+    k_to_end = kc * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [N, Hv, nC, 1, 1]
+
+    # Internal state in "kv" layout [N, Hv, Dk, Dv]; the pool stores its transpose.
+    use_init = has_initial_state & (state_indices >= 0)
+    state = _read_states(ssm_state, state_indices, use_init).transpose(-1, -2)
+    out = torch.empty_like(vc)
+    for i in range(num_chunks):
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        out[:, :, i] = q_decayed[:, :, i] @ state + attn[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
+
+    keep = (state_indices >= 0).nonzero().squeeze(1)
+    ssm_state[state_indices.long()[keep]] = state[keep].transpose(-1, -2).to(ssm_state.dtype)
+    out = out.reshape(num_seqs, num_v_heads, padded, dv).movedim(2, 1)  # [N, padded, Hv, Dv]
+    return out[seq_id, pos].to(q.dtype)
+
+
+def gated_delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    num_accepted: torch.Tensor | None,
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Decode / MTP verify: Q tokens per sequence, the state after every token written to its slot.
+
+    Args:
+        q, k: ``[N, Q, Hk, Dk]``; v: ``[N, Q, Hv, Dv]``; g, beta: ``[N, Q, Hv]``.
+        ssm_state: ``[S, Hv, Dv, Dk]`` float32/bf16, updated in place.
+        state_indices: ``[N, Q]`` int32: the state after token j goes to ``state_indices[n, j]``
+            (entries < 0 are skipped).
+        num_accepted: ``[N]`` int32 in ``[1, Q]`` or None (= 1): the initial state is read from
+            ``state_indices[n, num_accepted[n] - 1]`` (a negative slot there reads zeros).
+        scale: query scale; use_qk_l2norm: L2-normalise q and k first.
+
+    Returns:
+        ``o [N, Q, Hv, Dv]`` in q.dtype. The state is carried in float32 between the tokens of a call
+        and rounded only when stored.
+    """
+    check_gated_delta_rule_recurrent(
+        q, k, v, g, beta, ssm_state, state_indices, num_accepted, scale, use_qk_l2norm
+    )
+    op = "gated_delta_rule_recurrent"
+    num_seqs, q_len, num_v_heads, _ = v.shape
+    _check_slots(op, "state_indices", state_indices, ssm_state.shape[0])
+    slots = state_indices.long()
+    if num_accepted is None:
+        first = torch.zeros(num_seqs, dtype=torch.int64, device=q.device)
+    else:
+        first = num_accepted.long() - 1
+        if values_checkable(first) and num_seqs > 0:
+            lo, hi = int(first.min()) + 1, int(first.max()) + 1
+            if lo < 1 or hi > q_len:
+                raise ValueError(f"{op}: num_accepted must lie in [1, Q={q_len}], got values in [{lo}, {hi}]")
+    init_slots = slots.gather(1, first[:, None]).squeeze(1)
+    state = _read_states(ssm_state, init_slots, init_slots >= 0)  # [N, Hv, Dv, Dk]
+    q32, k32 = _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm)
+    v32, g32, b32 = v.float(), g.float(), beta.float()
+    out = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+    for j in range(q_len):
+        kj = k32[:, j]  # [N, Hv, Dk]
+        state = state * g32[:, j].exp()[..., None, None]
+        delta = b32[:, j, :, None] * (v32[:, j] - (state @ kj[..., None]).squeeze(-1))  # [N, Hv, Dv]
+        state = state + delta[..., :, None] * kj[..., None, :]
+        out[:, j] = (state @ q32[:, j, :, :, None]).squeeze(-1)
+        keep = (slots[:, j] >= 0).nonzero().squeeze(1)
+        ssm_state[slots[keep, j]] = state[keep].to(ssm_state.dtype)
+    return out.to(q.dtype)

@@ -1,0 +1,325 @@
+"""Gated DeltaNet: gating, l2norm, and the chunked / recurrent gated delta rule.
+
+Oracles: a float64 per-token loop written here, self-consistency (chunked == recurrent, varlen == alone,
+one multi-token verify step == the same tokens one at a time, with every per-token state) and
+transformers' torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from atom_kernels.testing import assert_close, gen, randn
+
+# (what, dtype) -> (atol, rtol); dtype is q/k/v's (the state is float32 unless the test says bf16).
+# Measured max abs error (CPU, reference) in the comments; |o| is up to ~1, states up to ~2.
+TOL = {
+    ("gating", torch.float32): (1e-6, 1e-6),  # measured 4.5e-07
+    ("gating", torch.bfloat16): (1e-6, 1e-6),  # measured 5.1e-07 (bf16 inputs, float32 math)
+    ("l2norm", torch.float32): (1e-6, 1e-6),  # measured 6.4e-08
+    ("l2norm", torch.bfloat16): (4e-3, 1e-2),  # measured 1.9e-03
+    ("gdr_vs_naive", torch.float32): (2e-5, 1e-5),  # measured 1.7e-06 (final states), 2.8e-07 (outputs)
+    ("gdr_vs_naive", torch.bfloat16): (3e-3, 1e-2),  # measured 9.2e-04 (bf16 output rounding, |o| < 0.5)
+    ("gdr_self", torch.float32): (2e-5, 1e-5),  # measured 6.6e-07 chunked vs recurrent
+    ("gdr_self", torch.bfloat16): (5e-4, 1e-2),  # measured 6.1e-05
+    ("state_bf16", torch.float32): (1e-2, 1e-2),  # measured 3.9e-03: per-token states stored in bf16
+    ("hf", torch.float32): (2e-5, 1e-5),  # measured 0 (chunk) and 2.4e-07 (recurrent) vs transformers
+}
+DTYPES = [torch.float32, torch.bfloat16]
+HK, HV, DK, DV = 2, 4, 32, 16
+SCALE = DK**-0.5
+
+
+def make_inputs(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: torch.device):
+    """q, k [*shape, HK, DK], v [*shape, HV, DV] in dtype; g, beta [*shape, HV] float32 like the model."""
+    q = randn(*shape, HK, DK, seed=seed, dtype=dtype, device=device)
+    k = randn(*shape, HK, DK, seed=seed + 1, dtype=dtype, device=device)
+    v = randn(*shape, HV, DV, seed=seed + 2, dtype=dtype, device=device)
+    a = randn(*shape, HV, seed=seed + 3, dtype=torch.float32, device=device)
+    g = -torch.exp(torch.linspace(-4.0, 0.5, HV, device=device)) * F.softplus(a)
+    beta = torch.sigmoid(randn(*shape, HV, seed=seed + 4, dtype=torch.float32, device=device))
+    return q, k, v, g, beta
+
+
+def naive(q, k, v, g, beta, state, scale=SCALE, l2=True):
+    """float64 token loop for one sequence: q, k [L, HK, DK]; state [HV, DV, DK]. Returns (o, states)."""
+    q, k, v, g, beta, s = (t.double().cpu() for t in (q, k, v, g, beta, state))
+    if l2:
+        q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    rep = v.shape[1] // q.shape[1]
+    q, k = q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1)
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        s = s * g[t].exp()[:, None, None]
+        kv = torch.einsum("hvk,hk->hv", s, k[t])
+        s = s + torch.einsum("hv,hk->hvk", beta[t][:, None] * (v[t] - kv), k[t])
+        outs.append(torch.einsum("hvk,hk->hv", s, q[t]) * scale)
+        states.append(s)
+    o = torch.stack(outs) if outs else torch.zeros(0, v.shape[1], v.shape[2], dtype=torch.float64)
+    return o, states
+
+
+def test_gdn_gating(impl, device):
+    for dtype in DTYPES:
+        fn = impl("gdn_gating", dtype)
+        a, b = (
+            randn(65, HV, seed=1, dtype=dtype, device=device),
+            randn(65, HV, seed=2, dtype=dtype, device=device),
+        )
+        a_log, dt_bias = (
+            randn(HV, seed=3, dtype=dtype, device=device),
+            randn(HV, seed=4, dtype=dtype, device=device),
+        )
+        g, beta = fn(a_log, a, dt_bias, b)
+        assert g.dtype == torch.float32 and beta.dtype == torch.float32
+        expected_g = -a_log.double().exp() * F.softplus(a.double() + dt_bias.double())
+        assert_close(g, expected_g, TOL[("gating", dtype)], f"gdn_gating g {dtype}")
+        assert_close(beta, torch.sigmoid(b.double()), TOL[("gating", dtype)], f"gdn_gating beta {dtype}")
+        with pytest.raises(ValueError, match=r"dt_bias must have shape \[Hv=4\]"):
+            fn(a_log, a, dt_bias[:3], b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_l2norm(impl, device, dtype):
+    fn = impl("l2norm", dtype)
+    x = randn(63, HK, DK, seed=5, dtype=dtype, device=device)
+    y = fn(x)
+    x64 = x.double()
+    assert y.dtype == dtype
+    assert_close(
+        y, x64 / torch.sqrt((x64 * x64).sum(-1, keepdim=True) + 1e-6), TOL[("l2norm", dtype)], "l2norm"
+    )
+    with pytest.raises(ValueError, match="eps must be a positive number"):
+        fn(x, eps=-1.0)
+
+
+def varlen_batch(lens: list[int], seed: int, dtype, device, num_slots: int):
+    q, k, v, g, beta = make_inputs((sum(lens),), seed, dtype, device)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    pool = randn(num_slots, HV, DV, DK, seed=seed + 9, dtype=torch.float32, device=device, scale=0.3)
+    return q, k, v, g, beta, cu, pool
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens", [[1], [63], [65], [257], [65, 1, 257, 63]])
+def test_chunked_matches_naive(impl, device, dtype, lens):
+    fn = impl("gated_delta_rule_chunked", dtype)
+    q, k, v, g, beta, cu, pool = varlen_batch(lens, 10, dtype, device, num_slots=len(lens) + 2)
+    slots = torch.arange(len(lens), 0, -1, dtype=torch.int32, device=device)  # scrambled slot order
+    has_init = torch.tensor([i % 2 == 0 for i in range(len(lens))], device=device)
+    before = pool.clone()
+    o = fn(q, k, v, g, beta, cu, pool, slots, has_init, SCALE)
+    assert o.dtype == dtype and o.shape == v.shape
+    offs = cu.tolist()
+    for n in range(len(lens)):
+        s, e = offs[n], offs[n + 1]
+        init = before[slots[n]] if has_init[n] else torch.zeros_like(before[0])
+        o_ref, states = naive(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init)
+        assert_close(o[s:e], o_ref, TOL[("gdr_vs_naive", dtype)], f"chunked o seq {n} len {lens[n]} {dtype}")
+        assert_close(pool[slots[n]], states[-1], TOL[("gdr_vs_naive", dtype)], f"chunked final state seq {n}")
+    untouched = [i for i in range(pool.shape[0]) if i not in slots.tolist()]
+    assert torch.equal(pool[untouched], before[untouched]), "slots of no sequence must stay untouched"
+
+
+def test_chunked_varlen_equals_each_alone(impl, device):
+    fn = impl("gated_delta_rule_chunked", torch.float32)
+    lens = [63, 1, 65, 257, 64]
+    q, k, v, g, beta, cu, pool = varlen_batch(lens, 20, torch.float32, device, num_slots=len(lens))
+    slots = torch.arange(len(lens), dtype=torch.int32, device=device)
+    has_init = torch.ones(len(lens), dtype=torch.bool, device=device)
+    pool_alone = pool.clone()
+    o = fn(q, k, v, g, beta, cu, pool, slots, has_init, SCALE)
+    offs = cu.tolist()
+    for n in range(len(lens)):
+        s, e = offs[n], offs[n + 1]
+        cu1 = torch.tensor([0, e - s], dtype=torch.int32, device=device)
+        o1 = fn(
+            q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], cu1, pool_alone, slots[n : n + 1], has_init[:1], SCALE
+        )
+        assert_close(o[s:e], o1, (1e-6, 1e-6), f"varlen vs alone, output of seq {n}")
+    assert_close(pool, pool_alone, (1e-6, 1e-6), "varlen vs alone, final states")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_equals_recurrent(impl, device, dtype):
+    """Three sequences of 65 tokens: the chunked prefill and a 65-token recurrent call agree."""
+    chunked, recurrent = impl("gated_delta_rule_chunked", dtype), impl("gated_delta_rule_recurrent", dtype)
+    n, length = 3, 65
+    q, k, v, g, beta = make_inputs((n, length), 30, dtype, device)
+    pool = randn(4, HV, DV, DK, seed=39, dtype=torch.float32, device=device, scale=0.3)
+    pool_rec = pool.clone()
+    slots = torch.tensor([2, 0, 3], dtype=torch.int32, device=device)
+    cu = torch.arange(0, (n + 1) * length, length, dtype=torch.int32, device=device)
+    flat = [t.reshape(n * length, *t.shape[2:]) for t in (q, k, v, g, beta)]
+    o_chunk = chunked(*flat, cu, pool, slots, torch.ones(n, dtype=torch.bool, device=device), SCALE)
+    o_rec = recurrent(q, k, v, g, beta, pool_rec, slots[:, None].expand(n, length).contiguous(), None, SCALE)
+    tol = TOL[("gdr_self", dtype)]
+    assert_close(o_chunk, o_rec.reshape(n * length, HV, DV), tol, f"chunked vs recurrent outputs {dtype}")
+    assert_close(pool, pool_rec, tol, f"chunked vs recurrent final states {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_recurrent_matches_naive_every_state(impl, device, dtype, state_dtype):
+    fn = impl("gated_delta_rule_recurrent", dtype)
+    n, qlen = 3, 4
+    q, k, v, g, beta = make_inputs((n, qlen), 40, dtype, device)
+    pool = randn(16, HV, DV, DK, seed=49, dtype=torch.float32, device=device, scale=0.3).to(state_dtype)
+    slots = torch.randperm(16, generator=gen(1))[: n * qlen].reshape(n, qlen).to(torch.int32).to(device)
+    slots[2, 3] = -1  # skipped write
+    num_accepted = torch.tensor([1, 3, 2], dtype=torch.int32, device=device)
+    before = pool.clone()
+    o = fn(q, k, v, g, beta, pool, slots, num_accepted, SCALE)
+    assert o.shape == v.shape and o.dtype == dtype
+    tol = TOL[("gdr_vs_naive", dtype)] if state_dtype == torch.float32 else TOL[("state_bf16", torch.float32)]
+    for i in range(n):
+        init = before[slots[i, num_accepted[i] - 1]]
+        o_ref, states = naive(q[i], k[i], v[i], g[i], beta[i], init)
+        assert_close(o[i], o_ref, tol, f"recurrent o seq {i} {dtype} state {state_dtype}")
+        for j in range(qlen):
+            if slots[i, j] >= 0:
+                assert_close(pool[slots[i, j]], states[j], tol, f"recurrent state seq {i} token {j}")
+    unlisted = ~torch.isin(torch.arange(16), slots.cpu())
+    assert torch.equal(pool[unlisted.to(device)], before[unlisted.to(device)]), (
+        "unlisted slots must stay untouched"
+    )
+
+
+def test_multi_token_step_equals_one_at_a_time_with_resumption(impl, device):
+    """A Q=4 verify step == 4 single-token decodes (outputs and every per-token state), and the next
+    step resuming from num_accepted == decoding the accepted tokens then the new ones one by one."""
+    fn = impl("gated_delta_rule_recurrent", torch.float32)
+    n, qlen = 3, 4
+    q, k, v, g, beta = make_inputs((n, 2 * qlen), 50, torch.float32, device)
+    start = randn(n, HV, DV, DK, seed=59, dtype=torch.float32, device=device, scale=0.3)
+    pool = torch.zeros(n * qlen, HV, DV, DK, device=device)
+    rows = torch.arange(n * qlen, dtype=torch.int32, device=device).reshape(n, qlen)
+    pool[rows[:, 0].long()] = start
+    step1 = [t[:, :qlen] for t in (q, k, v, g, beta)]
+    o1 = fn(*step1, pool, rows, None, SCALE)
+    # The same tokens one at a time in a separate pool (one slot per sequence).
+    single = start.clone()
+    one = torch.arange(n, dtype=torch.int32, device=device)[:, None]
+    for j in range(qlen):
+        oj = fn(*[t[:, j : j + 1] for t in (q, k, v, g, beta)], single, one, None, SCALE)
+        assert_close(o1[:, j : j + 1], oj, (1e-6, 1e-6), f"verify vs single decode, output of token {j}")
+        assert_close(
+            pool[rows[:, j].long()], single, (1e-6, 1e-6), f"verify vs single decode, state after {j}"
+        )
+    # Step 2 resumes after accepting a tokens of step 1.
+    accepted = torch.tensor([1, 4, 2], dtype=torch.int32, device=device)
+    step2 = [t[:, qlen:] for t in (q, k, v, g, beta)]
+    o2 = fn(*step2, pool, rows, accepted, SCALE)
+    for i in range(n):
+        a = int(accepted[i])
+        seq = [torch.cat([t[i, :a], t[i, qlen:]]) for t in (q, k, v, g, beta)]
+        o_ref, states = naive(*seq, start[i])
+        assert_close(o2[i], o_ref[a:], TOL[("gdr_vs_naive", torch.float32)], f"resumed step, seq {i} a={a}")
+        for j in range(qlen):
+            assert_close(
+                pool[rows[i, j]], states[a + j], TOL[("gdr_vs_naive", torch.float32)], f"state {i},{j}"
+            )
+
+
+def test_matches_transformers(impl, device):
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    chunked, recurrent = (
+        impl("gated_delta_rule_chunked", torch.float32),
+        impl("gated_delta_rule_recurrent", torch.float32),
+    )
+    length = 65
+    q, k, v, g, beta = make_inputs((1, length), 60, torch.float32, device)
+    init = randn(1, HV, DV, DK, seed=69, dtype=torch.float32, device=device, scale=0.3)
+    rep = HV // HK
+    hf_args = (
+        q.repeat_interleave(rep, 2).cpu(),
+        k.repeat_interleave(rep, 2).cpu(),
+        v.cpu(),
+        g.cpu(),
+        beta.cpu(),
+    )
+    hf_init = init.transpose(-1, -2).cpu()  # [B, H, Dk, Dv]
+    o_hf, s_hf = torch_chunk_gated_delta_rule(
+        *hf_args, chunk_size=64, initial_state=hf_init, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    o_hf_rec, s_hf_rec = torch_recurrent_gated_delta_rule(
+        *hf_args, initial_state=hf_init, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    tol = TOL[("hf", torch.float32)]
+    pool = init.clone()
+    cu = torch.tensor([0, length], dtype=torch.int32, device=device)
+    slot = torch.zeros(1, dtype=torch.int32, device=device)
+    o = chunked(
+        q[0], k[0], v[0], g[0], beta[0], cu, pool, slot, torch.ones(1, dtype=torch.bool, device=device), SCALE
+    )
+    assert_close(o, o_hf[0], tol, "chunked vs transformers chunk output")
+    assert_close(pool[0].transpose(-1, -2), s_hf[0], tol, "chunked vs transformers chunk final state")
+    pool = init.clone()
+    o = recurrent(q, k, v, g, beta, pool, slot[:, None].expand(1, length).contiguous(), None, SCALE)
+    assert_close(o, o_hf_rec, tol, "recurrent vs transformers recurrent output")
+    assert_close(
+        pool[0].transpose(-1, -2), s_hf_rec[0], tol, "recurrent vs transformers recurrent final state"
+    )
+
+
+def test_no_l2norm_and_custom_scale(impl, device):
+    fn = impl("gated_delta_rule_recurrent", torch.float32)
+    q, k, v, g, beta = make_inputs((1, 5), 70, torch.float32, device)
+    k = F.normalize(k, dim=-1) * 0.8
+    pool = torch.zeros(1, HV, DV, DK, device=device)
+    o = fn(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        pool,
+        torch.zeros(1, 5, dtype=torch.int32, device=device),
+        None,
+        0.5,
+        use_qk_l2norm=False,
+    )
+    o_ref, states = naive(q[0], k[0], v[0], g[0], beta[0], torch.zeros(HV, DV, DK), scale=0.5, l2=False)
+    assert_close(o[0], o_ref, TOL[("gdr_vs_naive", torch.float32)], "recurrent without l2norm")
+    assert_close(pool[0], states[-1], TOL[("gdr_vs_naive", torch.float32)], "recurrent without l2norm, state")
+
+
+def test_bad_inputs(impl, device):
+    chunked, recurrent = (
+        impl("gated_delta_rule_chunked", torch.float32),
+        impl("gated_delta_rule_recurrent", torch.float32),
+    )
+    q, k, v, g, beta = make_inputs((6,), 80, torch.float32, device)
+    pool = torch.zeros(2, HV, DV, DK, device=device)
+    cu = torch.tensor([0, 6], dtype=torch.int32, device=device)
+    slot = torch.zeros(1, dtype=torch.int32, device=device)
+    init = torch.zeros(1, dtype=torch.bool, device=device)
+    with pytest.raises(ValueError, match=r"ssm_state must have shape \[S, Hv=4, Dv=16, Dk=32\]"):
+        chunked(q, k, v, g, beta, cu, pool.transpose(-1, -2), slot, init, SCALE)
+    with pytest.raises(ValueError, match=r"cu_seqlens must have shape \[N\+1=2\]"):
+        chunked(q, k, v, g, beta, cu[:1], pool, slot, init, SCALE)
+    with pytest.raises(ValueError, match="cu_seqlens must have dtype int32"):
+        chunked(q, k, v, g, beta, cu.long(), pool, slot, init, SCALE)
+    with pytest.raises(ValueError, match="Hv=4 must be a multiple of the key heads Hk=3"):
+        chunked(q[:, :1].expand(6, 3, DK), k[:, :1].expand(6, 3, DK), v, g, beta, cu, pool, slot, init, SCALE)
+    with pytest.raises(ValueError, match="k must have dtype float32"):
+        chunked(q, k.bfloat16(), v, g, beta, cu, pool, slot, init, SCALE)
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to T=6"):
+            chunked(q, k, v, g, beta, cu - 1, pool, slot, init, SCALE)
+        with pytest.raises(ValueError, match="state_indices must be < S=2"):
+            chunked(q, k, v, g, beta, cu, pool, slot + 2, init, SCALE)
+    q, k, v, g, beta = make_inputs((2, 3), 90, torch.float32, device)
+    slots = torch.zeros(2, 3, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"state_indices must have shape \[N=2, Q=3\]"):
+        recurrent(q, k, v, g, beta, pool, slots[:, 0], None, SCALE)
+    with pytest.raises(ValueError, match=r"g must have shape \[N=2, Q=3, Hv=4\]"):
+        recurrent(q, k, v, g[:, :2], beta, pool, slots, None, SCALE)
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match=r"num_accepted must lie in \[1, Q=3\]"):
+            recurrent(q, k, v, g, beta, pool, slots, torch.tensor([1, 4], dtype=torch.int32), SCALE)
