@@ -34,3 +34,16 @@ def on_gpu(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 # Gated DeltaNet (issue 6): gating, l2norm, causal conv1d, gated delta rule.
+
+# Norms, RoPE, SwiGLU, MoE experts (issue 7).
+from atom_kernels.ops.activation import triton as _activation  # noqa: E402
+from atom_kernels.ops.moe import triton as _moe  # noqa: E402
+from atom_kernels.ops.norm import triton as _norm  # noqa: E402
+from atom_kernels.ops.rope import triton as _rope  # noqa: E402
+
+register("rms_norm", BACKEND, _norm.rms_norm, available=on_gpu, priority=PRIORITY)
+register("gated_rms_norm", BACKEND, _norm.gated_rms_norm, available=on_gpu, priority=PRIORITY)
+register("rope", BACKEND, _rope.rope, available=on_gpu, priority=PRIORITY)
+register("silu_and_mul", BACKEND, _activation.silu_and_mul, available=on_gpu, priority=PRIORITY)
+register("moe_router", BACKEND, _moe.moe_router, available=on_gpu, priority=PRIORITY)
+register("moe_experts", BACKEND, _moe.moe_experts, available=on_gpu, priority=PRIORITY)

@@ -1,0 +1,315 @@
+"""Triton fused MoE experts: sort (token, expert) pairs by expert, two grouped GEMMs, weighted sum.
+
+Three steps, four launches, no host synchronisation (CUDA-graph safe):
+
+1. ``_moe_align_kernel`` (one program): histogram of the expert ids, each expert's segment padded to a
+   multiple of ``BLOCK_M`` rows, the expert of every row block, and the pair indices scattered into
+   their segments (padding rows hold the sentinel ``num_pairs``). Row order inside a segment depends on
+   atomics, but every row is computed independently and summed in a fixed order, so results are
+   deterministic.
+2. ``_moe_gemm1_kernel``: for one row block (one expert) and one column tile of the intermediate size,
+   ``x[token] @ w13[e, gate rows].T`` and ``@ w13[e, up rows].T`` in two float32 accumulators, then
+   ``silu(gate) * up`` in the epilogue (SiLU-and-mul fused: the ``[rows, 2I]`` activation never reaches
+   memory). Row blocks vary fastest in the grid, so blocks of one expert run together and share its
+   weight tiles through L2.
+3. ``_moe_gemm2_kernel``: ``act @ w2[e].T`` written per pair (x.dtype); then ``_moe_sum_kernel`` adds
+   each token's ``K`` pair rows times their routing weights in float32, in order.
+
+Like the reference, the GEMM outputs are rounded to x.dtype before the activation and before weighting.
+Weights stay in the checkpoint layout (``w13 [E, 2I, H]``, ``w2 [E, H, I]``, reduction dim contiguous);
+``BLOCK_K`` divides 128 and ``BLOCK_N`` divides 128, so FP8 block-scaled weights (128 x 128 scale
+blocks) can later load one scale per tile without changing the layout.
+
+The Qwen3-Next shared expert (intermediate 512 = the routed experts') can ride along as expert ``E``:
+stack its weights after the routed ones once at load time and append the column ``(E, sigmoid(gate))``
+to ``(ids, weights)``; see ``benchmarks/gpu/bench_moe.py`` ("routed+shared").
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_kernels.ops.moe.checks import check_moe_experts, check_moe_router
+
+
+@triton.jit
+def _moe_router_kernel(
+    logits_ptr, w_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+    E_P2: tl.constexpr, K_P2: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_P2)
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < num_experts, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    p = tl.exp(x - m)
+    p = p / tl.sum(p, 0)
+    slots = tl.arange(0, K_P2)
+    top_w = tl.zeros([K_P2], tl.float32)
+    top_i = tl.zeros([K_P2], tl.int64)
+    for j in tl.static_range(TOP_K):  # K rounds of argmax: descending order; on exact ties (bf16 logits)
+        v = tl.max(p, 0)  # the highest index first, as torch.topk on CPU orders them
+        i = tl.max(tl.where(p == v, offs, -1), 0)
+        top_w = tl.where(slots == j, v, top_w)
+        top_i = tl.where(slots == j, i.to(tl.int64), top_i)
+        p = tl.where(offs == i, -1.0, p)
+    if RENORM:
+        top_w = top_w / tl.sum(tl.where(slots < TOP_K, top_w, 0.0), 0)
+    tl.store(w_ptr + t * TOP_K + slots, top_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + slots, top_i, mask=slots < TOP_K)
+
+
+@triton.jit
+def _moe_align_kernel(
+    ids_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    cursor_ptr,
+    num_pairs,
+    num_experts,
+    max_blocks,
+    E_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BCHUNK: tl.constexpr,
+):
+    offs_e = tl.arange(0, E_P2)
+    e_ok = offs_e < num_experts
+    counts = tl.zeros([E_P2], tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        m = offs < num_pairs
+        e = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+        counts += tl.histogram(e, E_P2, mask=m)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    tl.store(cursor_ptr + offs_e, ends - padded, mask=e_ok)
+    for b0 in range(0, max_blocks, BCHUNK):
+        b = b0 + tl.arange(0, BCHUNK)
+        row0 = b * BLOCK_M
+        owner = tl.sum(((ends[None, :] <= row0[:, None]) & e_ok[None, :]).to(tl.int32), 1)
+        owner = tl.where(row0 < total, owner, -1)
+        tl.store(block_expert_ptr + b, owner, mask=b < max_blocks)
+    for s0 in range(0, max_blocks * BLOCK_M, CHUNK):
+        offs = s0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + offs, tl.zeros([CHUNK], tl.int32) + num_pairs, mask=offs < max_blocks * BLOCK_M)
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        m = offs < num_pairs
+        e = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+        pos = tl.atomic_add(cursor_ptr + e, tl.full([CHUNK], 1, tl.int32), mask=m)
+        tl.store(sorted_ptr + pos, offs, mask=m)
+
+
+@triton.jit
+def _moe_gemm1_kernel(
+    x_ptr,
+    w_ptr,
+    act_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_pairs,
+    H,
+    inter,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_at,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    tok = (pair // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
+    g_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + inter * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = (k0 + offs_k) < H
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        wu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
+        acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    dt = act_ptr.dtype.element_ty
+    g = acc_g.to(dt).to(tl.float32)
+    u = acc_u.to(dt).to(tl.float32)
+    h = g * tl.sigmoid(g) * u
+    out = act_ptr + rows[:, None].to(tl.int64) * stride_at + offs_n[None, :]
+    tl.store(out, h.to(dt), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_gemm2_kernel(
+    act_ptr,
+    w_ptr,
+    y_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_pairs,
+    H,
+    inter,
+    stride_at,
+    stride_we,
+    stride_wn,
+    stride_yt,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + offs_k[None, :]
+    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = (k0 + offs_k) < inter
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PREC)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = y_ptr + pair[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(
+    y_ptr, topw_ptr, out_ptr, H, stride_yt, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < H
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        rw = tl.load(topw_ptr + t * TOP_K + j).to(tl.float32)
+        acc += rw * tl.load(y_ptr + (t * TOP_K + j) * stride_yt + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def moe_router(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax (float32) over experts, top-k, optional renormalisation: one launch, one program per token."""
+    check_moe_router(logits, top_k, renormalize)
+    num_tokens, num_experts = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=logits.device)
+    if num_tokens:
+        _moe_router_kernel[(num_tokens,)](
+            logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k, RENORM=bool(renormalize),
+            E_P2=triton.next_power_of_2(num_experts), K_P2=triton.next_power_of_2(top_k), num_warps=4,
+        )  # fmt: skip
+    return weights, ids
+
+
+def plan(num_tokens: int, top_k: int, num_experts: int, config: dict | None = None) -> dict:
+    """Tile sizes from shapes alone. Few rows per expert (decode): 16-row blocks and narrow column
+    tiles for enough programs to stream the weights; many rows (prefill): 64-row blocks."""
+    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    if rows_per_expert < 24:
+        cfg = dict(BLOCK_M=16, N1=32, K1=128, W1=4, S1=4, N2=64, K2=128, W2=4, S2=4)
+    else:
+        cfg = dict(BLOCK_M=64, N1=64, K1=64, W1=4, S1=4, N2=128, K2=64, W2=8, S2=4)
+    if config:
+        cfg.update(config)
+    return cfg
+
+
+def moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * (silu_and_mul(x[t] @ w13[e].T) @ w2[e].T)``, ``e = ids[t, j]``.
+
+    Ids must lie in ``[0, E)`` (checked only on CPU: on a GPU the check would synchronise). ``config`` overrides
+    the tile plan (keys of :func:`plan`); benchmarks use it.
+    """
+    check_moe_experts(x, weights, ids, w13, w2)
+    num_tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("moe_experts (triton): w13 and w2 need a unit last-dim stride")
+    if x.device.type == "cpu":  # Triton's interpreter: checking values costs no device sync here
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"moe_experts: ids must lie in [0, E={num_experts}), got values in [{lo}, {hi}]")
+    cfg = plan(num_tokens, top_k, num_experts, config)
+    bm = cfg["BLOCK_M"]
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 inputs: exact products, no TF32
+    dev = x.device
+    flat_ids = ids.reshape(-1)
+    flat_w = weights.reshape(-1)
+    if not flat_ids.is_contiguous():
+        flat_ids = flat_ids.contiguous()
+    if not flat_w.is_contiguous():
+        flat_w = flat_w.contiguous()
+    max_blocks = num_pairs // bm + min(num_pairs, num_experts) + 1
+    sorted_ids = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    _moe_align_kernel[(1,)](
+        flat_ids, sorted_ids, block_expert, cursor, num_pairs, num_experts, max_blocks,
+        E_P2=triton.next_power_of_2(num_experts), BLOCK_M=bm, CHUNK=1024, BCHUNK=16, num_warps=8,
+    )  # fmt: skip
+    act = torch.empty((max_blocks * bm, inter), dtype=x.dtype, device=dev)
+    _moe_gemm1_kernel[(max_blocks, triton.cdiv(inter, cfg["N1"]))](
+        x, w13, act, sorted_ids, block_expert, num_pairs, hidden, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_M=bm, BLOCK_N=cfg["N1"], BLOCK_K=cfg["K1"], PREC=prec,
+        num_warps=cfg["W1"], num_stages=cfg["S1"],
+    )  # fmt: skip
+    y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=dev)
+    _moe_gemm2_kernel[(max_blocks, triton.cdiv(hidden, cfg["N2"]))](
+        act, w2, y, sorted_ids, block_expert, num_pairs, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=cfg["K2"], PREC=prec, num_warps=cfg["W2"], num_stages=cfg["S2"],
+    )  # fmt: skip
+    block = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        y, flat_w, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4
+    )
+    return out

@@ -1,0 +1,134 @@
+"""Triton RMS norms: ``rms_norm`` (zero-centred weight, optional fused residual add) and ``gated_rms_norm``.
+
+Both are one pass over rows: each program normalises ``ROWS`` rows of width ``H`` held in registers
+(statistics in float32, output in x.dtype). The residual variant reads ``x`` and ``residual`` once and
+writes ``h = x + residual`` and ``y = rms_norm(h)`` in the same pass (the unfused pair reads ``h`` back);
+like the reference, ``y`` is computed from ``h`` rounded to x.dtype. Only ``tl`` primitives: also
+compiles for ROCm.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_kernels.ops.norm.checks import check_gated_rms_norm, check_rms_norm
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    y_ptr,
+    h_ptr,
+    num_rows,
+    H,
+    eps,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_h,
+    HAS_RES: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_H)
+    rows64 = rows.to(tl.int64)
+    mask = (rows < num_rows)[:, None] & (cols < H)[None, :]
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(h_ptr + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
+        x = h
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 1) / H + eps)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    y = xf * inv[:, None] * (1.0 + w)[None, :]
+    tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr,
+    z_ptr,
+    w_ptr,
+    y_ptr,
+    num_rows,
+    D,
+    eps,
+    stride_x,
+    stride_z,
+    stride_y,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    rows64 = rows.to(tl.int64)
+    mask = (rows < num_rows)[:, None] & (cols < D)[None, :]
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + rows64[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    y = x * inv[:, None] * w[None, :] * (z * tl.sigmoid(z))
+    tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_2d(t: torch.Tensor) -> torch.Tensor:
+    """``[..., H]`` as ``[R, H]`` with a unit last stride (a view where possible)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _launch_shape(num_rows: int, width: int) -> tuple[int, int, int, int]:
+    block = triton.next_power_of_2(max(width, 1))
+    rows = max(1, min(64, 4096 // block, triton.next_power_of_2(max(num_rows, 1))))
+    warps = 4 if block * rows <= 4096 else 8
+    return block, rows, warps, triton.cdiv(num_rows, rows)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Zero-centred RMS norm ``x_hat * (1 + weight)``; with ``residual`` returns ``(y, x + residual)``."""
+    check_rms_norm(x, weight, eps, residual)
+    hidden = x.shape[-1]
+    x2 = _rows_2d(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, hidden)
+    num_rows = x2.shape[0]
+    if residual is not None:
+        r2 = _rows_2d(residual)
+        h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        h2 = h.view(-1, hidden)
+    else:
+        r2 = h2 = x2
+    if num_rows:
+        block, rows, warps, grid = _launch_shape(num_rows, hidden)
+        _rms_norm_kernel[(grid,)](
+            x2, r2, weight, y2, h2, num_rows, hidden, float(eps),
+            x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
+            HAS_RES=residual is not None, ROWS=rows, BLOCK_H=block, num_warps=warps,
+        )  # fmt: skip
+    return y if residual is None else (y, h)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GDN output norm (NOT zero-centred): ``weight * x_hat * silu(z)``."""
+    check_gated_rms_norm(x, z, weight, eps)
+    width = x.shape[-1]
+    x2, z2 = _rows_2d(x), _rows_2d(z)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, width)
+    num_rows = x2.shape[0]
+    if num_rows:
+        block, rows, warps, grid = _launch_shape(num_rows, width)
+        _gated_rms_norm_kernel[(grid,)](
+            x2, z2, weight, y2, num_rows, width, float(eps), x2.stride(0), z2.stride(0), y2.stride(0),
+            ROWS=rows, BLOCK_D=block, num_warps=warps,
+        )  # fmt: skip
+    return y

@@ -1,0 +1,191 @@
+"""Triton partial neox RoPE, and RoPE fused with the per-head q/k RMS norm.
+
+``rope`` matches the reference op: one program rotates a block of heads of one token for q and k (one
+launch for both), computing ``inv_freq``, ``cos`` and ``sin`` in float32 with the accurate libdevice
+``pow``/``cos``/``sin`` (positions reach tens of thousands of radians, where fast approximations fail).
+The unrotated channels ``[rotary_dim, D)`` are copied.
+
+``qk_norm_rope`` is the fused form Qwen3-Next's attention wants: zero-centred RMS norm of every q and k
+head over ``D`` (weights ``[D]``), then RoPE, in one pass (the unfused pair writes and re-reads q and k
+once more). The normed values are rounded to q.dtype before rotation, as the unfused reference does.
+Only ``tl`` and libdevice calls: also compiles for ROCm.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from atom_kernels.ops.norm.checks import check_rms_norm
+from atom_kernels.ops.rope.checks import check_rope
+
+
+@triton.jit
+def _interp_pow(a, b):
+    return tl.exp2(b * tl.log2(a))
+
+
+@triton.jit
+def _interp_cos(a):
+    return tl.cos(a)
+
+
+@triton.jit
+def _interp_sin(a):
+    return tl.sin(a)
+
+
+# Triton's CPU interpreter (TRITON_INTERPRET=1, used to debug on CPU) has no libdevice: numpy math there.
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _pow, _cos, _sin = _interp_pow, _interp_cos, _interp_sin
+else:
+    _pow, _cos, _sin = libdevice.pow, libdevice.cos, libdevice.sin
+
+
+@triton.jit
+def _rope_heads(
+    src_ptr,
+    dst_ptr,
+    w_ptr,
+    t,
+    head0,
+    num_heads,
+    stride_st,
+    stride_sh,
+    stride_dt,
+    stride_dh,
+    pos_f,
+    theta,
+    eps,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HALF: tl.constexpr,
+    ROT: tl.constexpr,
+    HB: tl.constexpr,
+    NORM: tl.constexpr,
+):
+    heads = head0 + tl.arange(0, HB)
+    cols = tl.arange(0, BLOCK_D)
+    h_ok = heads < num_heads
+    mask = h_ok[:, None] & (cols < D)[None, :]
+    in_rot = cols < ROT
+    partner = tl.where(cols < HALF, cols + HALF, cols - HALF)
+    partner = tl.where(in_rot, partner, cols)
+    row = src_ptr + t.to(tl.int64) * stride_st + heads[:, None] * stride_sh
+    x = tl.load(row + cols[None, :], mask=mask, other=0.0)
+    xp = tl.load(row + partner[None, :], mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    xpf = xp.to(tl.float32)
+    if NORM:
+        inv = tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=cols < D, other=0.0).to(tl.float32)
+        xf = (xf * inv[:, None] * (1.0 + w)[None, :]).to(x.dtype).to(tl.float32)
+        xpf = (xpf * inv[:, None] * (1.0 + wp)[None, :]).to(x.dtype).to(tl.float32)
+    # inv_freq[i] = 1 / theta ** (2i / ROT), as the reference computes it (float32 pow, then reciprocal)
+    fi = tl.where(cols < HALF, cols, cols - HALF)
+    expo = tl.div_rn((2 * fi).to(tl.float32), tl.full([BLOCK_D], ROT, tl.float32))
+    inv_freq = tl.div_rn(
+        tl.full([BLOCK_D], 1.0, tl.float32), _pow(tl.zeros([BLOCK_D], tl.float32) + theta, expo)
+    )
+    freq = pos_f * inv_freq
+    c = _cos(freq)
+    s = _sin(freq)
+    sign = tl.where(cols < HALF, -1.0, 1.0)
+    y = tl.where(in_rot[None, :], xf * c[None, :] + sign[None, :] * xpf * s[None, :], xf)
+    out = dst_ptr + t.to(tl.int64) * stride_dt + heads[:, None] * stride_dh + cols[None, :]
+    tl.store(out, y.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    qo_ptr,
+    ko_ptr,
+    qw_ptr,
+    kw_ptr,
+    pos_ptr,
+    num_q_heads,
+    num_k_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    theta,
+    eps,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HALF: tl.constexpr,
+    ROT: tl.constexpr,
+    HB: tl.constexpr,
+    NORM: tl.constexpr,
+):
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    pos_f = tl.load(pos_ptr + t).to(tl.float32)
+    q_blocks = tl.cdiv(num_q_heads, HB)
+    if hb < q_blocks:
+        _rope_heads(q_ptr, qo_ptr, qw_ptr, t, hb * HB, num_q_heads, stride_qt, stride_qh, stride_qot,
+                    stride_qoh, pos_f, theta, eps, D, BLOCK_D, HALF, ROT, HB, NORM)  # fmt: skip
+    else:
+        _rope_heads(k_ptr, ko_ptr, kw_ptr, t, (hb - q_blocks) * HB, num_k_heads, stride_kt, stride_kh,
+                    stride_kot, stride_koh, pos_f, theta, eps, D, BLOCK_D, HALF, ROT, HB, NORM)  # fmt: skip
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch(q, k, positions, rotary_dim, theta, q_weight=None, k_weight=None, eps=0.0):
+    q, k = _unit_last(q), _unit_last(k)
+    num_tokens, num_q, d = q.shape
+    num_k = k.shape[1]
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return qo, ko
+    block_d = triton.next_power_of_2(d)
+    hb = max(1, min(16, 4096 // block_d))
+    grid = (num_tokens, triton.cdiv(num_q, hb) + triton.cdiv(num_k, hb))
+    norm = q_weight is not None
+    _rope_kernel[grid](
+        q, k, qo, ko, q_weight if norm else q, k_weight if norm else k, positions, num_q, num_k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0), qo.stride(1), ko.stride(0),
+        ko.stride(1), float(theta), float(eps),
+        D=d, BLOCK_D=block_d, HALF=rotary_dim // 2, ROT=rotary_dim, HB=hb, NORM=norm, num_warps=4,
+    )  # fmt: skip
+    return qo, ko
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox RoPE on the first ``rotary_dim`` channels of every q and k head (new tensors)."""
+    check_rope(q, k, positions, rotary_dim, theta)
+    return _launch(q, k, positions, rotary_dim, theta)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    rotary_dim: int,
+    theta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), ...)`` in one pass (per-head norm)."""
+    check_rope(q, k, positions, rotary_dim, theta)
+    check_rms_norm(q, q_weight, eps, None)
+    check_rms_norm(k, k_weight, eps, None)
+    return _launch(q, k, positions, rotary_dim, theta, q_weight, k_weight, eps)
