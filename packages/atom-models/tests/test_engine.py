@@ -1,0 +1,116 @@
+"""Standalone engine: lossless MTP speculative decoding, mixed batches, slot freeing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from atom_models.engine import EngineConfig, LLMEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir):
+    """One float32 engine per k (built lazily, reused by the tests of this module)."""
+    cache: dict[tuple, LLMEngine] = {}
+
+    def get(k: int, **kw) -> LLMEngine:
+        key = (k, tuple(sorted(kw.items())))
+        if key not in cache:
+            cfg = EngineConfig(num_speculative_tokens=k, **{"max_model_len": 256, "max_num_seqs": 8, **kw})
+            cache[key] = LLMEngine.from_pretrained(model_dir, cfg, dtype=torch.float32)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 4])
+def test_greedy_lossless(engines, greedy_cases, k):
+    """float32 greedy with k drafts reproduces transformers' greedy continuations token for token."""
+    cases = greedy_cases["cases"]
+    eng = engines(k)
+    params = SamplingParams(max_tokens=greedy_cases["max_new_tokens"], ignore_eos=True)
+    results = eng.generate([c["prompt_ids"] for c in cases], params)
+    for i, (r, c) in enumerate(zip(results, cases)):
+        if r.output_ids != c["greedy_ids"]:
+            j = next(j for j, (a, b) in enumerate(zip(r.output_ids, c["greedy_ids"])) if a != b)
+            pytest.fail(
+                f"k={k} case {i}: first mismatch at token {j} (reference margin {c['top1_margin'][j]:.4f})"
+            )
+    if k:
+        drafts = sum(r.stats.num_drafts for r in results)
+        accepted = sum(r.stats.num_accepted_tokens for r in results)
+        assert accepted > 0.2 * drafts, (
+            f"k={k}: implausibly low acceptance {accepted}/{drafts} for a trained MTP head"
+        )
+        assert all(len(r.stats.accepted_per_position) == k for r in results)
+        # fewer target steps than tokens: speculation really skipped steps
+        assert sum(r.num_steps for r in results) < sum(len(r.output_ids) for r in results)
+    assert eng.caches.blocks.num_free == eng.caches.blocks.num_blocks
+    assert eng.caches.slots.num_free == eng.caches.slots.num_groups
+
+
+def test_mixed_batch_equals_separate(engines, greedy_cases):
+    """One step holding a prefill, a plain decode and a verification gives the same tokens as running
+    the three requests alone."""
+    cases = greedy_cases["cases"]
+    eng = engines(2)
+    prompts = [cases[0]["prompt_ids"][:20], cases[1]["prompt_ids"][:35], cases[2]["prompt_ids"]]
+    params = [
+        SamplingParams(max_tokens=12, ignore_eos=True, num_speculative_tokens=0),  # plain decodes
+        SamplingParams(max_tokens=15, ignore_eos=True),  # verifications with 2 drafts
+        SamplingParams(max_tokens=10, ignore_eos=True, num_speculative_tokens=1),  # joins later: a prefill
+    ]
+    alone = [eng.generate([p], sp)[0].output_ids for p, sp in zip(prompts, params)]
+
+    ids = [eng.add_request(prompts[0], params[0]), eng.add_request(prompts[1], params[1])]
+    first = eng.step()
+    assert (first.num_prefills, first.num_decodes, first.num_verifies) == (2, 0, 0)
+    ids.append(eng.add_request(prompts[2], params[2]))
+    mixed = eng.step()
+    assert (mixed.num_prefills, mixed.num_decodes, mixed.num_verifies) == (1, 1, 1), mixed
+    assert mixed.num_tokens == len(prompts[2]) + 1 + 3
+    reqs = {r.request_id: r for r in eng.running}
+    while eng.has_unfinished():
+        eng.step()
+    together = [reqs[i].output_ids for i in ids]
+    assert together == alone
+
+
+def test_requests_finish_at_different_steps_and_free_slots(engines, greedy_cases):
+    cases = greedy_cases["cases"]
+    eng = engines(3, max_num_seqs=2, num_blocks=40)
+    blocks, groups = eng.caches.blocks, eng.caches.slots
+    lens = [(13, 2), (48, 20), (30, 7)]  # (prompt length, max_tokens)
+    ids = [
+        eng.add_request(c["prompt_ids"][:n], SamplingParams(max_tokens=m, ignore_eos=True))
+        for c, (n, m) in zip(cases, lens)
+    ]
+    finished_at: dict[int, int] = {}
+    admitted_at: dict[int, int] = {}
+    step = 0
+    while eng.has_unfinished():
+        info = eng.step()
+        step += 1
+        for r in eng.running:
+            admitted_at.setdefault(r.request_id, step)
+        for rid in info.finished:
+            finished_at[rid] = step
+            admitted_at.setdefault(rid, step)
+        # everything not held by a running request is back in the free lists
+        assert blocks.num_free == blocks.num_blocks - sum(len(r.blocks) for r in eng.running)
+        assert groups.num_free == groups.num_groups - len(eng.running)
+        assert len(eng.running) <= 2
+    assert set(finished_at) == set(ids)
+    # request 0 finishes first; request 2 only gets in once a slot group was freed
+    assert finished_at[ids[0]] < finished_at[ids[1]]
+    assert admitted_at[ids[2]] > finished_at[ids[0]] - 1
+    assert blocks.num_free == blocks.num_blocks and groups.num_free == groups.num_groups
+
+
+def test_temperature_sampling_is_seeded_and_speculation_keeps_running(engines, greedy_cases):
+    prompt = greedy_cases["cases"][3]["prompt_ids"]
+    eng = engines(2)
+    sp = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    a = eng.generate([prompt], sp)[0]
+    b = eng.generate([prompt], sp)[0]
+    assert a.output_ids == b.output_ids and len(a.output_ids) == 24
+    assert a.stats.num_drafts > 0
