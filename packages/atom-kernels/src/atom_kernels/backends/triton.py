@@ -12,12 +12,17 @@ CPU tensors, so the conformance tests run these kernels through Triton's interpr
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
 import triton  # noqa: F401  (an ImportError here marks the whole backend unavailable)
 
-from atom_kernels.registry import register  # noqa: F401  (used by the register lines below)
+from atom_kernels.ops.conv1d import triton as conv1d
+from atom_kernels.ops.gated_delta_rule import triton as gdr
+from atom_kernels.ops.gdn_gating import triton as gdn_gating
+from atom_kernels.ops.l2norm import triton as l2norm
+from atom_kernels.registry import register
 
 BACKEND = "triton"
 PRIORITY = 10
@@ -33,7 +38,26 @@ def on_gpu(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def on_gpu_with_fla(device: torch.device, dtype: torch.dtype) -> bool:
+    """:func:`on_gpu` on a real GPU (fla-core autotunes, so not under the interpreter), fla-core installed."""
+    return device.type == "cuda" and on_gpu(device, dtype) and importlib.util.find_spec("fla") is not None
+
+
 # Gated DeltaNet (issue 6): gating, l2norm, causal conv1d, gated delta rule.
+register("gdn_gating", BACKEND, gdn_gating.gdn_gating, available=on_gpu, priority=PRIORITY)
+register("l2norm", BACKEND, l2norm.l2norm, available=on_gpu, priority=PRIORITY)
+register("causal_conv1d_varlen", BACKEND, conv1d.causal_conv1d_varlen, available=on_gpu, priority=PRIORITY)
+register("causal_conv1d_update", BACKEND, conv1d.causal_conv1d_update, available=on_gpu, priority=PRIORITY)
+register(
+    "gated_delta_rule_recurrent", BACKEND, gdr.gated_delta_rule_recurrent, available=on_gpu, priority=PRIORITY
+)
+register(
+    "gated_delta_rule_chunked",
+    BACKEND,
+    gdr.gated_delta_rule_chunked,
+    available=on_gpu_with_fla,
+    priority=PRIORITY,
+)
 
 # Norms, RoPE, SwiGLU, MoE experts (issue 7).
 from atom_kernels.ops.activation import triton as _activation  # noqa: E402
@@ -47,3 +71,9 @@ register("rope", BACKEND, _rope.rope, available=on_gpu, priority=PRIORITY)
 register("silu_and_mul", BACKEND, _activation.silu_and_mul, available=on_gpu, priority=PRIORITY)
 register("moe_router", BACKEND, _moe.moe_router, available=on_gpu, priority=PRIORITY)
 register("moe_experts", BACKEND, _moe.moe_experts, available=on_gpu, priority=PRIORITY)
+
+# Paged KV cache write and paged attention (issue 7).
+from atom_kernels.ops.paged_attention import triton as _paged  # noqa: E402
+
+register("kv_cache_write", BACKEND, _paged.kv_cache_write, available=on_gpu, priority=PRIORITY)
+register("paged_attention", BACKEND, _paged.paged_attention, available=on_gpu, priority=PRIORITY)

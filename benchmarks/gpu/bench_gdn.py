@@ -1,0 +1,618 @@
+"""Gated DeltaNet kernels at the Qwen3-Next-80B-A3B layer shape (TP 1): correctness and speed.
+
+Shape: 16 key heads and 32 value heads of dim 128, conv kernel 4 over 2*16*128 + 32*128 = 8192
+channels, bf16 activations, recurrent state float32 or bf16 in the ``[S, Hv, Dv, Dk]`` pool.
+
+Cases: decode (Q = 1) and verify (Q = 1 + k, k = 1..4) at B = 1, 8, 64, 256; prefill 1 x 4096 and
+16 x 512; conv1d update and varlen prefill; gating. Implementations in the same run: ``triton`` (ours),
+``reference`` (atom-kernels' torch spec, on the GPU), fla-core's ``fused_recurrent_gated_delta_rule``
+and ``chunk_gated_delta_rule`` (dense states, final state only), and ``triton-final``: our verify
+kernel with only the last token's slot valid (the traffic of a design that keeps only the final state).
+
+Every case is first checked against the reference run in float32 (inputs upcast, float32 state):
+outputs and every per-token state of a verify step, with the tolerances in :data:`TOL`.
+Timing: decode/verify through CUDA-graph replay (how vLLM runs decode), prefill eagerly; both median.
+
+Writes ``<out>/gdn.json`` and ``<out>/gdn.png``; exits non-zero if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+BF16, FP32 = torch.bfloat16, torch.float32
+MAX_K = 4  # speculative tokens the conv state pool is sized for
+
+
+@dataclass(frozen=True)
+class Shape:
+    hk: int = 16
+    hv: int = 32
+    dk: int = 128
+    dv: int = 128
+    kw: int = 4
+    batches: tuple[int, ...] = (1, 8, 64, 256)
+    qs: tuple[int, ...] = (1, 2, 3, 4, 5)
+    prefills: tuple[tuple[int, int], ...] = ((1, 4096), (16, 512))
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.hk * self.dk + self.hv * self.dv
+
+    @property
+    def scale(self) -> float:
+        return self.dk**-0.5
+
+
+QWEN3_NEXT_80B = Shape()
+QUICK = replace(QWEN3_NEXT_80B, batches=(1, 64, 256), qs=(1, 4))
+# tiny shapes to exercise this script's plumbing on CPU (TRITON_INTERPRET=1); no timings
+SMOKE = Shape(hk=2, hv=4, dk=16, dv=32, batches=(1, 3), qs=(1, 3), prefills=((1, 70), (3, 20)))
+
+# (what, state dtype) -> (atol, rtol) of the bf16-activation Triton result against the float32 reference.
+# Measured max abs errors on the H200 are in the comments (filled from benchmarks/results/gdn.json).
+TOL = {
+    ("recurrent_out", FP32): (2e-2, 2e-2),
+    ("recurrent_state", FP32): (1e-4, 1e-4),
+    ("recurrent_out", BF16): (3e-2, 3e-2),
+    ("recurrent_state", BF16): (3e-2, 2e-2),
+    ("chunked_out", FP32): (3e-2, 3e-2),
+    ("chunked_state", FP32): (3e-2, 3e-2),
+    ("chunked_out", BF16): (3e-2, 3e-2),
+    ("chunked_state", BF16): (4e-2, 3e-2),
+    ("conv_out", BF16): (2e-2, 1e-2),
+    ("conv_state", BF16): (0.0, 0.0),
+    ("gating", FP32): (1e-5, 1e-5),
+}
+
+
+def get_impl(op: str, backend: str, device: torch.device, dtype: torch.dtype):
+    from atom_kernels import registry
+
+    try:
+        return registry.resolve(op, device, dtype, backend).fn
+    except registry.KernelBackendError as exc:
+        print(f"[skip] {op}/{backend}: {exc}")
+        return None
+
+
+def fla_ops():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except ImportError as exc:
+        print(f"[skip] fla-core not importable: {exc}")
+        return None, None
+    return fused_recurrent_gated_delta_rule, chunk_gated_delta_rule
+
+
+def max_err(a: torch.Tensor, e: torch.Tensor) -> float:
+    return (a.double() - e.double()).abs().max().item() if a.numel() else 0.0
+
+
+def close(a: torch.Tensor, e: torch.Tensor, tol: tuple[float, float]) -> bool:
+    a, e = a.double(), e.double()
+    return bool((((a - e).abs() <= tol[0] + tol[1] * e.abs()) & ~a.isnan()).all())
+
+
+class Run:
+    def __init__(self, out: Path, device: torch.device, shape: Shape, quick: bool) -> None:
+        self.out, self.device, self.shape, self.quick = out, device, shape, quick
+        self.timed = device.type == "cuda"
+        self.ceil = common.ceilings(out, device) if self.timed else {"copy_gbps": 1.0, "matmul_tflops": 1.0}
+        self.rows: list[dict] = []
+        self.checks: list[dict] = []
+        self.failed = False
+        self.fla_rec, self.fla_chunk = fla_ops()
+
+    def time(self, fn, graph: bool) -> tuple[float | None, str]:
+        if not self.timed:
+            return None, "not timed (cpu)"
+        try:
+            fn()  # compile / autotune outside the timed region
+            torch.cuda.synchronize()
+            if graph:
+                try:
+                    return common.time_ms(fn, graph=True), "graph"
+                except Exception:  # not capturable (host syncs): time eagerly
+                    torch.cuda.synchronize()
+            return common.time_ms(fn), "eager"
+        except Exception as exc:
+            traceback.print_exc()
+            return None, f"error: {type(exc).__name__}: {exc}"[:200]
+
+    def add(self, bench, case, impl, fn, nbytes, flops=0.0, graph=True, **extra):
+        ms, mode = self.time(fn, graph)
+        print(
+            f"  {bench:12s} {case:26s} {impl:20s} {ms if ms is None else round(ms, 4)} ms ({mode})",
+            flush=True,
+        )
+        self.rows.append(
+            common.row(
+                bench=bench,
+                case=case,
+                impl=impl,
+                ms=ms,
+                ceil=self.ceil,
+                nbytes=nbytes,
+                flops=flops,
+                timing=mode,
+                **extra,
+            )
+        )
+
+    def check(self, what, sd, case, got, ref) -> None:
+        tol = TOL[(what, sd)]
+        err = max_err(got, ref)
+        ok = close(got, ref, tol)
+        self.checks.append(
+            {
+                "what": what,
+                "state_dtype": str(sd),
+                "case": case,
+                "max_abs_err": err,
+                "atol": tol[0],
+                "rtol": tol[1],
+                "ok": ok,
+            }
+        )
+        if not ok:
+            self.failed = True
+            print(f"[FAIL] {what} {sd} {case}: max abs err {err:.3e} > atol {tol[0]} rtol {tol[1]}")
+
+    # ---------------------------------------------------------------- recurrent (decode / verify)
+    def recurrent(self, sd: torch.dtype, B: int, Q: int) -> None:
+        dev = self.device
+        sh = self.shape
+        HK, HV, DK, DV, SCALE = sh.hk, sh.hv, sh.dk, sh.dv, sh.scale
+        gen = torch.Generator(device=dev).manual_seed(1000 * B + Q)
+
+        def rn(*s, scale=1.0):
+            return torch.randn(*s, generator=gen, device=dev) * scale
+
+        q, k = rn(B, Q, HK, DK).to(BF16), rn(B, Q, HK, DK).to(BF16)
+        v = rn(B, Q, HV, DV).to(BF16)
+        g = -torch.rand(B, Q, HV, generator=gen, device=dev) * 0.5
+        beta = torch.rand(B, Q, HV, generator=gen, device=dev)
+        S = B * Q
+        idx = torch.randperm(S, generator=gen, device=dev).to(torch.int32).view(B, Q)
+        na = torch.randint(1, Q + 1, (B,), generator=gen, device=dev, dtype=torch.int32)
+        pool = rn(S, HV, DV, DK, scale=0.5).to(sd)
+        case = f"B={B} Q={Q} state={str(sd)[6:]}"
+        tri = get_impl("gated_delta_rule_recurrent", "triton", dev, BF16)
+        ref = get_impl("gated_delta_rule_recurrent", "reference", dev, BF16)
+        ref32 = get_impl("gated_delta_rule_recurrent", "reference", dev, FP32)
+        if tri is None or ref32 is None:
+            return
+        # correctness: every output and every per-token state against the float32 reference
+        pool_t, pool_r = pool.clone(), pool.float()
+        o_t = tri(q, k, v, g, beta, pool_t, idx, na, SCALE, True)
+        o_r = ref32(q.float(), k.float(), v.float(), g, beta, pool_r, idx, na, SCALE, True)
+        self.check("recurrent_out", sd, case, o_t, o_r)
+        written = idx.flatten().long()
+        self.check("recurrent_state", sd, case, pool_t[written].float(), pool_r[written])
+        del pool_r
+        sbytes = HV * DV * DK * pool.element_size() * B
+        act = B * Q * (2 * HK * DK * 2 + 2 * HV * DV * 2 + 2 * HV * 4)
+        extra = dict(B=B, Q=Q, state_dtype=str(sd)[6:])
+        self.add(
+            "recurrent",
+            case,
+            "triton",
+            lambda: tri(q, k, v, g, beta, pool, idx, na, SCALE, True),
+            (1 + Q) * sbytes + act,
+            **extra,
+        )
+        idx_f = idx.clone()
+        idx_f[:, :-1] = -1
+        na_f = torch.full_like(na, Q)
+        self.add(
+            "recurrent",
+            case,
+            "triton-final",
+            lambda: tri(q, k, v, g, beta, pool, idx_f, na_f, SCALE, True),
+            2 * sbytes + act,
+            **extra,
+        )
+        if self.fla_rec is not None:
+            h0 = pool[idx[:, 0].long()].contiguous()
+            fla = self.fla_rec
+            self.add(
+                "recurrent",
+                case,
+                "fla-fused_recurrent",
+                lambda: fla(
+                    q,
+                    k,
+                    v,
+                    g,
+                    beta,
+                    scale=SCALE,
+                    initial_state=h0,
+                    output_final_state=True,
+                    use_qk_l2norm_in_kernel=True,
+                    state_v_first=True,
+                ),
+                2 * sbytes + act,
+                **extra,
+            )
+        if ref is not None and not self.quick:
+            self.add(
+                "recurrent",
+                case,
+                "reference",
+                lambda: ref(q, k, v, g, beta, pool, idx, na, SCALE, True),
+                (1 + Q) * sbytes + act,
+                graph=False,
+                **extra,
+            )
+
+    # ---------------------------------------------------------------- chunked prefill
+    def chunked(self, sd: torch.dtype, N: int, L: int) -> None:
+        dev = self.device
+        sh = self.shape
+        HK, HV, DK, DV, SCALE = sh.hk, sh.hv, sh.dk, sh.dv, sh.scale
+        gen = torch.Generator(device=dev).manual_seed(7 * N + L)
+        T = N * L
+        q = torch.randn(T, HK, DK, generator=gen, device=dev).to(BF16)
+        k = torch.randn(T, HK, DK, generator=gen, device=dev).to(BF16)
+        v = torch.randn(T, HV, DV, generator=gen, device=dev).to(BF16)
+        g = -torch.rand(T, HV, generator=gen, device=dev) * 0.5
+        beta = torch.rand(T, HV, generator=gen, device=dev)
+        cu = torch.arange(0, T + 1, L, device=dev, dtype=torch.int32)
+        S = 2 * N
+        idx = torch.randperm(S, generator=gen, device=dev)[:N].to(torch.int32)
+        has = torch.arange(N, device=dev) % 2 == 1
+        pool = (torch.randn(S, HV, DV, DK, generator=gen, device=dev) * 0.5).to(sd)
+        case = f"{N}x{L} state={str(sd)[6:]}"
+        tri = get_impl("gated_delta_rule_chunked", "triton", dev, BF16)
+        ref = get_impl("gated_delta_rule_chunked", "reference", dev, BF16)
+        ref32 = get_impl("gated_delta_rule_chunked", "reference", dev, FP32)
+        if tri is None or ref32 is None:
+            return
+        pool_t, pool_r = pool.clone(), pool.float()
+        o_t = tri(q, k, v, g, beta, cu, pool_t, idx, has, SCALE, True, 64)
+        o_r = ref32(q.float(), k.float(), v.float(), g, beta, cu, pool_r, idx, has, SCALE, True, 64)
+        self.check("chunked_out", sd, case, o_t, o_r)
+        self.check("chunked_state", sd, case, pool_t[idx.long()].float(), pool_r[idx.long()])
+        del pool_r
+        sbytes = HV * DV * DK * pool.element_size() * N
+        nbytes = 2 * sbytes + T * (2 * HK * DK * 2 + 2 * HV * DV * 2 + 2 * HV * 4)
+        # matmul FLOPs of the chunked form (chunk C=64): per token and value head ~ 6*Dk*Dv + 8*C*D
+        flops = T * HV * (6 * DK * DV + 8 * 64 * DK)
+        extra = dict(N=N, L=L, state_dtype=str(sd)[6:])
+        self.add(
+            "chunked",
+            case,
+            "triton",
+            lambda: tri(q, k, v, g, beta, cu, pool, idx, has, SCALE, True, 64),
+            nbytes,
+            flops,
+            graph=False,
+            **extra,
+        )
+        if self.fla_chunk is not None:
+            h0 = pool[idx.long()].contiguous()
+            cu64 = cu.long()
+            fla = self.fla_chunk
+            self.add(
+                "chunked",
+                case,
+                "fla-chunk",
+                lambda: fla(
+                    q[None],
+                    k[None],
+                    v[None],
+                    g[None],
+                    beta[None],
+                    scale=SCALE,
+                    initial_state=h0,
+                    output_final_state=True,
+                    use_qk_l2norm_in_kernel=True,
+                    state_v_first=True,
+                    cu_seqlens=cu64,
+                ),
+                nbytes,
+                flops,
+                graph=False,
+                **extra,
+            )
+        if ref is not None and not self.quick:
+            self.add(
+                "chunked",
+                case,
+                "reference",
+                lambda: ref(q, k, v, g, beta, cu, pool, idx, has, SCALE, True, 64),
+                nbytes,
+                flops,
+                graph=False,
+                **extra,
+            )
+
+    # ---------------------------------------------------------------- conv1d
+    def conv_update(self, B: int, Q: int) -> None:
+        dev = self.device
+        sh = self.shape
+        KW, CONV_DIM = sh.kw, sh.conv_dim
+        gen = torch.Generator(device=dev).manual_seed(31 * B + Q)
+        W = KW - 1 + MAX_K
+        x = torch.randn(B, Q, CONV_DIM, generator=gen, device=dev).to(BF16)
+        w = (torch.randn(CONV_DIM, KW, generator=gen, device=dev) * 0.5).to(BF16)
+        bias = None
+        S = B + 3
+        state = torch.randn(S, W, CONV_DIM, generator=gen, device=dev).to(BF16).transpose(1, 2)  # vLLM layout
+        idx = torch.randperm(S, generator=gen, device=dev)[:B].to(torch.int32)
+        na = torch.randint(1, MAX_K + 1, (B,), generator=gen, device=dev, dtype=torch.int32)
+        case = f"B={B} Q={Q}"
+        tri = get_impl("causal_conv1d_update", "triton", dev, BF16)
+        ref = get_impl("causal_conv1d_update", "reference", dev, BF16)
+        ref32 = get_impl("causal_conv1d_update", "reference", dev, FP32)
+        if tri is None or ref32 is None:
+            return
+        st_t, st_r = state.clone(), state.float()
+        o_t = tri(x, w, bias, st_t, idx, na, "silu")
+        o_r = ref32(x.float(), w.float(), bias, st_r, idx, na, "silu")
+        self.check("conv_out", BF16, case, o_t, o_r)
+        self.check("conv_state", BF16, case, st_t.float(), st_r)
+        nbytes = B * CONV_DIM * 2 * (2 * Q + (KW - 1) + (KW - 2 + Q)) + CONV_DIM * KW * 2
+        extra = dict(B=B, Q=Q)
+        self.add(
+            "conv_update", case, "triton", lambda: tri(x, w, bias, state, idx, na, "silu"), nbytes, **extra
+        )
+        if ref is not None and not self.quick:
+            self.add(
+                "conv_update",
+                case,
+                "reference",
+                lambda: ref(x, w, bias, state, idx, na, "silu"),
+                nbytes,
+                graph=False,
+                **extra,
+            )
+
+    def conv_varlen(self, N: int, L: int) -> None:
+        dev = self.device
+        sh = self.shape
+        KW, CONV_DIM = sh.kw, sh.conv_dim
+        gen = torch.Generator(device=dev).manual_seed(97 * N + L)
+        T = N * L
+        W = KW - 1 + MAX_K
+        x = torch.randn(T, CONV_DIM, generator=gen, device=dev).to(BF16)
+        w = (torch.randn(CONV_DIM, KW, generator=gen, device=dev) * 0.5).to(BF16)
+        bias = None
+        cu = torch.arange(0, T + 1, L, device=dev, dtype=torch.int32)
+        S = 2 * N
+        state = torch.randn(S, W, CONV_DIM, generator=gen, device=dev).to(BF16).transpose(1, 2)
+        idx = torch.randperm(S, generator=gen, device=dev)[:N].to(torch.int32)
+        has = torch.arange(N, device=dev) % 2 == 1
+        case = f"{N}x{L}"
+        tri = get_impl("causal_conv1d_varlen", "triton", dev, BF16)
+        ref = get_impl("causal_conv1d_varlen", "reference", dev, BF16)
+        ref32 = get_impl("causal_conv1d_varlen", "reference", dev, FP32)
+        if tri is None or ref32 is None:
+            return
+        st_t, st_r = state.clone(), state.float()
+        o_t = tri(x, w, bias, cu, st_t, idx, has, "silu")
+        o_r = ref32(x.float(), w.float(), bias, cu, st_r, idx, has, "silu")
+        self.check("conv_out", BF16, case, o_t, o_r)
+        self.check("conv_state", BF16, case, st_t.float(), st_r)
+        nbytes = 2 * T * CONV_DIM * 2 + 2 * N * (KW - 1) * CONV_DIM * 2
+        extra = dict(N=N, L=L)
+        self.add(
+            "conv_varlen",
+            case,
+            "triton",
+            lambda: tri(x, w, bias, cu, state, idx, has, "silu"),
+            nbytes,
+            graph=False,
+            **extra,
+        )
+        if ref is not None and not self.quick:
+            self.add(
+                "conv_varlen",
+                case,
+                "reference",
+                lambda: ref(x, w, bias, cu, state, idx, has, "silu"),
+                nbytes,
+                graph=False,
+                **extra,
+            )
+
+    # ---------------------------------------------------------------- gating
+    def gating(self, T: int) -> None:
+        dev = self.device
+        sh = self.shape
+        HV = sh.hv
+        gen = torch.Generator(device=dev).manual_seed(T)
+        A_log = torch.randn(HV, generator=gen, device=dev)
+        dt = torch.randn(HV, generator=gen, device=dev)
+        a = (torch.randn(T, HV, generator=gen, device=dev) * 4).to(BF16)
+        b = (torch.randn(T, HV, generator=gen, device=dev) * 4).to(BF16)
+        tri = get_impl("gdn_gating", "triton", dev, BF16)
+        ref = get_impl("gdn_gating", "reference", dev, BF16)
+        if tri is None or ref is None:
+            return
+        g_t, b_t = tri(A_log, a, dt, b)
+        g_r, b_r = ref(A_log, a.float(), dt, b.float())
+        case = f"T={T}"
+        self.check("gating", FP32, case + " g", g_t, g_r)
+        self.check("gating", FP32, case + " beta", b_t, b_r)
+        nbytes = T * HV * (2 + 2 + 4 + 4)
+        self.add("gating", case, "triton", lambda: tri(A_log, a, dt, b), nbytes, T=T)
+        if not self.quick:
+            self.add("gating", case, "reference", lambda: ref(A_log, a, dt, b), nbytes, graph=False, T=T)
+
+    def guarded(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            traceback.print_exc()
+            self.failed = True
+            self.checks.append({"what": fn.__name__, "case": str(args), "ok": False, "error": "exception"})
+        torch.cuda.empty_cache()
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Goal figures: verify(k=3) / decode time at the same batch, and triton vs fla prefill."""
+    t = {(r["bench"], r["case"], r["impl"]): r.get("ms") for r in rows}
+    out = []
+    for r in rows:
+        if r["bench"] == "recurrent" and r["Q"] == 4 and r["impl"] in ("triton", "triton-final"):
+            base = t.get(("recurrent", r["case"].replace("Q=4", "Q=1"), "triton"))
+            if base and r.get("ms"):
+                out.append(
+                    {
+                        "goal": "verify k=3 / decode <= 1.3",
+                        "case": r["case"],
+                        "impl": r["impl"],
+                        "value": r["ms"] / base,
+                    }
+                )
+        if r["bench"] == "chunked" and r["impl"] == "triton":
+            fla = t.get(("chunked", r["case"], "fla-chunk"))
+            if fla and r.get("ms"):
+                out.append(
+                    {
+                        "goal": "prefill triton / fla <= 1.0",
+                        "case": r["case"],
+                        "impl": "triton",
+                        "value": r["ms"] / fla,
+                    }
+                )
+    return out
+
+
+def sweep(run: Run) -> list[dict]:
+    """Block size / warps of the recurrent kernel (fp32 state), to choose its launch heuristic."""
+    sh, dev = run.shape, run.device
+    tri = get_impl("gated_delta_rule_recurrent", "triton", dev, BF16)
+    rows = []
+    for B in (1, 8, 64, 256):
+        for Q in (1, 4):
+            q = torch.randn(B, Q, sh.hk, sh.dk, device=dev).to(BF16)
+            k = torch.randn(B, Q, sh.hk, sh.dk, device=dev).to(BF16)
+            v = torch.randn(B, Q, sh.hv, sh.dv, device=dev).to(BF16)
+            g = -torch.rand(B, Q, sh.hv, device=dev) * 0.5
+            beta = torch.rand(B, Q, sh.hv, device=dev)
+            idx = torch.arange(B * Q, device=dev, dtype=torch.int32).view(B, Q)
+            pool = torch.randn(B * Q, sh.hv, sh.dv, sh.dk, device=dev)
+            nbytes = (1 + Q) * B * sh.hv * sh.dv * sh.dk * 4
+            for bv in (8, 16, 32, 64):
+                for nw in (1, 2, 4, 8):
+                    ms, mode = run.time(
+                        lambda bv=bv, nw=nw, q=q, k=k, v=v, g=g, beta=beta, pool=pool, idx=idx: tri(
+                            q, k, v, g, beta, pool, idx, None, sh.scale, True, block_v=bv, num_warps=nw
+                        ),
+                        graph=True,
+                    )
+                    rows.append(
+                        common.row(
+                            bench="sweep",
+                            case=f"B={B} Q={Q}",
+                            impl=f"BV={bv} w={nw}",
+                            ms=ms,
+                            ceil=run.ceil,
+                            nbytes=nbytes,
+                            timing=mode,
+                        )
+                    )
+            del pool
+            torch.cuda.empty_cache()
+    best = {}
+    for r in rows:
+        if r.get("ms") and (r["case"] not in best or r["ms"] < best[r["case"]]["ms"]):
+            best[r["case"]] = r
+    common.print_table(list(best.values()), ["case", "impl", "ms", "frac_copy"])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="fewer shapes, no reference timings")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1), no timings"
+    )
+    ap.add_argument("--sweep", action="store_true", help="also sweep the recurrent kernel's block sizes")
+    ap.add_argument("--only", default="", help="comma list of: recurrent,chunked,conv,gating")
+    args = ap.parse_args()
+    out = common.out_dir(args.out)
+    if args.smoke:
+        device, shape = torch.device("cpu"), SMOKE
+    else:
+        device, shape = common.require_cuda(), QUICK if args.quick else QWEN3_NEXT_80B
+    run = Run(out, device, shape, args.quick or args.smoke)
+    parts = set(args.only.split(",")) if args.only else {"recurrent", "chunked", "conv", "gating"}
+    sweep_rows: list[dict] = []
+
+    def save() -> None:  # after every part, so a run cut short still leaves its results
+        payload = {
+            "env": common.environment(),
+            "ceilings": run.ceil,
+            "shape": {**shape.__dict__, "conv_dim": shape.conv_dim},
+            "rows": run.rows,
+            "checks": run.checks,
+            "goals": summarize(run.rows),
+            "sweep": sweep_rows,
+        }
+        common.write_json(out / "gdn.json", payload)
+
+    if "recurrent" in parts:
+        for sd in (FP32, BF16):
+            for B in shape.batches:
+                for Q in shape.qs:
+                    run.guarded(run.recurrent, sd, B, Q)
+        save()
+    if "chunked" in parts:
+        for sd in (FP32, BF16):
+            for N, L in shape.prefills:
+                run.guarded(run.chunked, sd, N, L)
+        save()
+    if "conv" in parts:
+        for B in shape.batches:
+            for Q in shape.qs:
+                run.guarded(run.conv_update, B, Q)
+        for N, L in shape.prefills:
+            run.guarded(run.conv_varlen, N, L)
+        save()
+    if "gating" in parts:
+        for T in (256, 4096):
+            run.guarded(run.gating, T)
+        save()
+    if args.sweep and run.timed:
+        sweep_rows.extend(sweep(run))
+        save()
+    goals = summarize(run.rows)
+    if run.timed:
+        common.plot_rows(
+            out / "gdn.png",
+            [r for r in run.rows if r["bench"] in ("recurrent", "chunked")],
+            value="frac_copy",
+            title="GDN (Qwen3-Next-80B TP1): fraction of measured copy bandwidth",
+            xlabel="achieved bytes/s / device copy bytes/s",
+        )
+    cols = ["bench", "case", "impl", "ms", "gbps", "frac_copy", "tflops", "timing"]
+    common.print_table(run.rows, cols)
+    print()
+    common.print_table(goals, ["goal", "case", "impl", "value"])
+    bad = [c for c in run.checks if not c["ok"]]
+    print(f"\nchecks: {len(run.checks) - len(bad)} ok, {len(bad)} failed")
+    worst: dict[tuple, float] = {}
+    for c in run.checks:
+        key = (c["what"], c.get("state_dtype"))
+        worst[key] = max(worst.get(key, 0.0), c.get("max_abs_err", 0.0) or 0.0)
+    for key, err in sorted(worst.items(), key=str):
+        print(f"  worst {key}: {err:.3e}")
+    sys.exit(1 if run.failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""Triton gated delta rule: our multi-token recurrent kernel and fla-core's chunked prefill, wrapped.
+
+``gated_delta_rule_recurrent`` (decode, MTP verify) is our own kernel. One program per (sequence, value
+head, block of ``BV`` value rows) keeps its ``[BV, Dk]`` float32 state tile in registers, loops over the
+Q tokens (q/k L2-normalised in the kernel) and stores the tile after every token into
+``state_indices[n, j]``; it reads the initial tile from ``state_indices[n, num_accepted - 1]``. fla-core's
+``fused_recurrent_gated_delta_rule`` cannot do this: it reads a dense ``initial_state[N]`` and writes
+only the final state, with no slot indirection and no per-token states. Like the reference, the state
+is carried in float32 between the tokens of one call and rounded to the pool dtype only when stored.
+
+``gated_delta_rule_chunked`` (varlen prefill) wraps fla-core's ``chunk_gated_delta_rule``: its math is
+ours (log-space decay ``g``, ``beta`` after the sigmoid, L2 norm of q/k with eps 1e-6, GQA with
+``Hv % Hk == 0``), and since fla-core 0.6 ``state_v_first=True`` gives exactly our ``[.., Dv, Dk]`` state
+layout. What it lacks is the slot pool: it takes ``initial_state[N]`` and returns ``final_state[N]``
+(float32). So two small Triton kernels gather the pool slots into a dense float32 ``h0`` (zeros where
+``has_initial_state`` is False or the slot is < 0) and scatter the final states back (cast to the pool
+dtype, slots < 0 skipped); their cost is two passes over ``N`` states. fla-core supports chunk sizes
+16, 32, 64; any other ``chunk_size`` runs with 64 (the result does not depend on it beyond rounding).
+
+Only ``tl`` primitives: the sources compile for ROCm too (fla-core supports ROCm as well).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_kernels.ops.gated_delta_rule.checks import (
+    check_gated_delta_rule_chunked,
+    check_gated_delta_rule_recurrent,
+)
+
+L2NORM_EPS = 1e-6
+FLA_CHUNK_SIZES = (16, 32, 64)
+
+
+@triton.jit
+def _recurrent_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    o_ptr,
+    state_ptr,
+    idx_ptr,
+    acc_ptr,
+    scale,
+    eps,
+    s_qn,
+    s_qt,
+    s_qh,
+    s_qd,
+    s_kn,
+    s_kt,
+    s_kh,
+    s_kd,
+    s_vn,
+    s_vt,
+    s_vh,
+    s_vd,
+    s_gn,
+    s_gt,
+    s_gh,
+    s_bn,
+    s_bt,
+    s_bh,
+    s_on,
+    s_ot,
+    s_oh,
+    s_od,
+    s_ss,
+    s_sh,
+    s_sv,
+    s_sk,
+    s_in,
+    s_it,
+    Q: tl.constexpr,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_ACC: tl.constexpr,
+    L2NORM: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = (i_nh // HV).to(tl.int64)
+    i_hv = i_nh % HV
+    i_hk = i_hv // GROUP
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < DK
+    m_v = o_v < DV
+    m_h = m_v[:, None] & m_k[None, :]
+
+    col = 0
+    if HAS_ACC:
+        col = tl.load(acc_ptr + i_n) - 1
+    slot0 = tl.load(idx_ptr + i_n * s_in + col * s_it).to(tl.int64)
+    p_h = state_ptr + i_hv * s_sh + o_v[:, None] * s_sv + o_k[None, :] * s_sk  # [BV, BK] tile of one slot
+    h = tl.load(p_h + slot0 * s_ss, mask=m_h & (slot0 >= 0), other=0.0).to(tl.float32)
+
+    for j in tl.static_range(Q):
+        b_q = tl.load(q_ptr + i_n * s_qn + j * s_qt + i_hk * s_qh + o_k * s_qd, mask=m_k, other=0.0).to(
+            tl.float32
+        )
+        b_k = tl.load(k_ptr + i_n * s_kn + j * s_kt + i_hk * s_kh + o_k * s_kd, mask=m_k, other=0.0).to(
+            tl.float32
+        )
+        b_v = tl.load(v_ptr + i_n * s_vn + j * s_vt + i_hv * s_vh + o_v * s_vd, mask=m_v, other=0.0).to(
+            tl.float32
+        )
+        b_g = tl.load(g_ptr + i_n * s_gn + j * s_gt + i_hv * s_gh).to(tl.float32)
+        b_b = tl.load(beta_ptr + i_n * s_bn + j * s_bt + i_hv * s_bh).to(tl.float32)
+        if L2NORM:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + eps)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + eps)
+        h = h * tl.exp(b_g)
+        b_u = b_b * (b_v - tl.sum(h * b_k[None, :], 1))
+        h = h + b_u[:, None] * b_k[None, :]
+        b_o = tl.sum(h * b_q[None, :], 1) * scale
+        tl.store(
+            o_ptr + i_n * s_on + j * s_ot + i_hv * s_oh + o_v * s_od, b_o.to(o_ptr.dtype.element_ty), mask=m_v
+        )
+        slot = tl.load(idx_ptr + i_n * s_in + j * s_it).to(tl.int64)
+        tl.store(p_h + slot * s_ss, h.to(state_ptr.dtype.element_ty), mask=m_h & (slot >= 0))
+
+
+def recurrent_launch_config(num_seqs: int, num_v_heads: int, dv: int) -> tuple[int, int]:
+    """(BV, num_warps) for the recurrent kernel: small value blocks while the grid would be small."""
+    pairs = num_seqs * num_v_heads
+    if pairs <= 256:
+        bv = 8
+    elif pairs <= 2048:
+        bv = 16
+    else:
+        bv = 32
+    bv = min(bv, triton.next_power_of_2(dv))
+    return bv, max(1, min(8, bv // 8))
+
+
+def gated_delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    num_accepted: torch.Tensor | None,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    *,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """See :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_recurrent`.
+
+    ``block_v`` / ``num_warps`` override :func:`recurrent_launch_config` (benchmarks only).
+    """
+    check_gated_delta_rule_recurrent(
+        q, k, v, g, beta, ssm_state, state_indices, num_accepted, scale, use_qk_l2norm
+    )
+    N, Q, HK, DK = q.shape
+    HV, DV = v.shape[2], v.shape[3]
+    o = torch.empty((N, Q, HV, DV), dtype=q.dtype, device=q.device)
+    if N == 0 or Q == 0:
+        return o
+    bv, nw = recurrent_launch_config(N, HV, DV)
+    bv, nw = block_v or bv, num_warps or nw
+    acc = num_accepted if num_accepted is not None else state_indices
+    _recurrent_kernel[(triton.cdiv(DV, bv), N * HV)](
+        q, k, v, g, beta, o, ssm_state, state_indices, acc,
+        float(scale), L2NORM_EPS,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *o.stride(),
+        *ssm_state.stride(), *state_indices.stride(),
+        Q=Q, HV=HV, GROUP=HV // HK, DK=DK, DV=DV, BK=triton.next_power_of_2(DK), BV=bv,
+        HAS_ACC=num_accepted is not None, L2NORM=use_qk_l2norm, num_warps=nw,
+    )  # fmt: skip
+    return o
+
+
+@triton.jit
+def _gather_states_kernel(state_ptr, idx_ptr, init_ptr, out_ptr, s_ss, s_on, NUMEL, BLOCK: tl.constexpr):
+    """out[n] = float32(state[idx[n]]) where has_initial_state[n] and idx[n] >= 0, else 0."""
+    n = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = o < NUMEL
+    slot = tl.load(idx_ptr + n).to(tl.int64)
+    use = (tl.load(init_ptr + n) != 0) & (slot >= 0)
+    val = tl.load(state_ptr + slot * s_ss + o, mask=m & use, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n * s_on + o, val, mask=m)
+
+
+@triton.jit
+def _scatter_states_kernel(src_ptr, idx_ptr, state_ptr, s_sn, s_ss, NUMEL, BLOCK: tl.constexpr):
+    """state[idx[n]] = src[n] cast to the pool dtype; idx[n] < 0 is skipped."""
+    n = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(idx_ptr + n).to(tl.int64)
+    m = (o < NUMEL) & (slot >= 0)
+    val = tl.load(src_ptr + n * s_sn + o, mask=m, other=0.0)
+    tl.store(state_ptr + slot * s_ss + o, val.to(state_ptr.dtype.element_ty), mask=m)
+
+
+def gated_delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """See :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_chunked` (fla-core inside)."""
+    check_gated_delta_rule_chunked(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        cu_seqlens,
+        ssm_state,
+        state_indices,
+        has_initial_state,
+        scale,
+        use_qk_l2norm,
+        chunk_size,
+    )
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    N = state_indices.shape[0]
+    _, HV, DV, DK = ssm_state.shape
+    if not ssm_state[0].is_contiguous():
+        raise ValueError(
+            "gated_delta_rule_chunked (triton): each ssm_state slot must be contiguous [Hv, Dv, Dk], "
+            f"got strides {tuple(ssm_state.stride())}"
+        )
+    if N == 0 or q.shape[0] == 0:
+        return torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    numel, BLOCK = HV * DV * DK, 2048
+    grid = (N, triton.cdiv(numel, BLOCK))
+    h0 = torch.empty((N, HV, DV, DK), dtype=torch.float32, device=q.device)
+    init = has_initial_state.to(torch.int8)
+    _gather_states_kernel[grid](
+        ssm_state, state_indices, init, h0, ssm_state.stride(0), h0.stride(0), numel, BLOCK=BLOCK
+    )
+    o, final = chunk_gated_delta_rule(
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        g.unsqueeze(0),
+        beta.unsqueeze(0),
+        scale=float(scale),
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        state_v_first=True,
+        cu_seqlens=cu_seqlens.long(),
+        chunk_size=chunk_size if chunk_size in FLA_CHUNK_SIZES else 64,
+    )
+    final = final.contiguous()
+    _scatter_states_kernel[grid](
+        final, state_indices, ssm_state, final.stride(0), ssm_state.stride(0), numel, BLOCK=BLOCK
+    )
+    return o.squeeze(0).to(q.dtype)
