@@ -31,6 +31,8 @@ class Kernels:
     causal_conv1d_update: Callable
     gated_delta_rule_chunked: Callable
     gated_delta_rule_recurrent: Callable
+    kv_cache_write: Callable
+    paged_attention: Callable
     backends: Mapping[str, str] = field(repr=False, compare=False, default_factory=dict)
 
     def backend_of(self, op: str) -> str:

@@ -41,6 +41,8 @@ OPS: tuple[str, ...] = (
     "causal_conv1d_update",
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
+    "kv_cache_write",
+    "paged_attention",
 )
 """Every op name; :class:`atom_kernels.Kernels` has exactly one attribute per name, in this order."""
 

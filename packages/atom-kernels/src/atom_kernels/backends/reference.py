@@ -12,6 +12,7 @@ from atom_kernels.ops.gdn_gating import reference as gdn_gating
 from atom_kernels.ops.l2norm import reference as l2norm
 from atom_kernels.ops.moe import reference as moe
 from atom_kernels.ops.norm import reference as norm
+from atom_kernels.ops.paged_attention import reference as paged
 from atom_kernels.ops.rope import reference as rope
 from atom_kernels.registry import always_available, register
 
@@ -31,6 +32,8 @@ REFERENCE_OPS = {
     "causal_conv1d_update": conv1d.causal_conv1d_update,
     "gated_delta_rule_chunked": gdr.gated_delta_rule_chunked,
     "gated_delta_rule_recurrent": gdr.gated_delta_rule_recurrent,
+    "kv_cache_write": paged.kv_cache_write,
+    "paged_attention": paged.paged_attention,
 }
 
 for _op, _fn in REFERENCE_OPS.items():
