@@ -46,3 +46,13 @@ def dense_models(model_dir, kernels32):
     mtp = Qwen3NextMTP(cfg, cores, kernels32, target.model.embed_tokens, target.lm_head)
     load_mtp(mtp, model_dir)
     return target.eval(), mtp.eval()
+
+
+@pytest.fixture(autouse=True, scope="package")
+def _one_thread():
+    """The tiny model's ops are far too small for intra-op threads: on a loaded 2-core machine OpenMP
+    synchronisation made them ~30x slower. Restored after this package's tests."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
