@@ -95,7 +95,7 @@ def graph_ms(calls):
         for c in calls:
             c()
 
-    return common.time_ms(run, graph=True) / len(calls)
+    return common.time_ms(run, graph=True, rep_ms=20) / len(calls)
 
 
 def check(out, ref, what):
@@ -229,7 +229,9 @@ def bench_mixed(kern, ceil, device):
         errs.append(check(out[a:b], ref, f"mixed seq {n}"))
     nbytes = batch * ctx * HKV * D * 2 * 2
     flops = 4.0 * HQ * D * sum(ql * ctx for ql in q_lens)
-    ms = common.time_ms(lambda: kern.paged_attention(q, kc, vc, bt, seq_lens, qsl, scale), graph=True)
+    ms = common.time_ms(
+        lambda: kern.paged_attention(q, kc, vc, bt, seq_lens, qsl, scale), graph=True, rep_ms=20
+    )
     r = common.row(bench="attention", case="mixed: 1x1024 prefill chunk + 63 decode + 64 verify k=3, ctx 8k",
                    impl="triton paged", ms=ms, ceil=ceil, nbytes=nbytes, flops=flops, max_err_vs_sdpa=max(errs))  # fmt: skip
     print(r["case"], f"{ms * 1e3:.0f} us, {r['frac_copy']:.0%} BW, {r['tflops']:.0f} TFLOP/s")

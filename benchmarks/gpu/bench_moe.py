@@ -101,7 +101,9 @@ def main() -> None:
         for impl, fn in fns.items():
             try:
                 eager = common.time_ms(lambda fn=fn: fn(wts, ids))
-                graph = common.time_ms(lambda fn=fn: [fn(w, i) for w, i in routes], graph=True) / reps
+                graph = (
+                    common.time_ms(lambda fn=fn: [fn(w, i) for w, i in routes], graph=True, rep_ms=20) / reps
+                )
             except Exception as exc:  # e.g. torch._grouped_mm refusing this shape: a result, not the end
                 rows.append(common.row(bench="moe", case=case, impl=impl, ms=None, ceil=ceil,
                                        error=f"{type(exc).__name__}: {exc}"[:400]))  # fmt: skip
@@ -118,7 +120,7 @@ def main() -> None:
         shared_w = torch.sigmoid((x @ gate_w.t()).float())
         ids_s = torch.cat([ids, torch.full((T, 1), E, device=device, dtype=ids.dtype)], 1)
         wts_s = torch.cat([wts, shared_w], 1)
-        ms = common.time_ms(lambda: kern.moe_experts(x, wts_s, ids_s, w13, w2), graph=True)
+        ms = common.time_ms(lambda: kern.moe_experts(x, wts_s, ids_s, w13, w2), graph=True, rep_ms=20)
         rows.append(common.row(bench="moe", case=case, impl="triton fused routed+shared (top-11 of 513)", ms=ms,
                                ceil=ceil, nbytes=weight_bytes(ids_s) + 2 * T * H * 2,
                                flops=2.0 * T * (K + 1) * 3 * INTER * H, timing="cuda graph, one routing"))  # fmt: skip
