@@ -33,6 +33,11 @@ class Kernels:
     gated_delta_rule_recurrent: Callable
     kv_cache_write: Callable
     paged_attention: Callable
+    fp8_block_dequant: Callable
+    fp8_act_quant: Callable
+    fp8_linear: Callable
+    fp8_kv_quant: Callable
+    fp8_kv_dequant: Callable
     backends: Mapping[str, str] = field(repr=False, compare=False, default_factory=dict)
 
     def backend_of(self, op: str) -> str:

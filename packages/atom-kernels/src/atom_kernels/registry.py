@@ -43,6 +43,11 @@ OPS: tuple[str, ...] = (
     "gated_delta_rule_recurrent",
     "kv_cache_write",
     "paged_attention",
+    "fp8_block_dequant",
+    "fp8_act_quant",
+    "fp8_linear",
+    "fp8_kv_quant",
+    "fp8_kv_dequant",
 )
 """Every op name; :class:`atom_kernels.Kernels` has exactly one attribute per name, in this order."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from atom_kernels.ops.activation import reference as activation
 from atom_kernels.ops.conv1d import reference as conv1d
+from atom_kernels.ops.fp8 import reference as fp8
 from atom_kernels.ops.gated_delta_rule import reference as gdr
 from atom_kernels.ops.gdn_gating import reference as gdn_gating
 from atom_kernels.ops.l2norm import reference as l2norm
@@ -34,6 +35,11 @@ REFERENCE_OPS = {
     "gated_delta_rule_recurrent": gdr.gated_delta_rule_recurrent,
     "kv_cache_write": paged.kv_cache_write,
     "paged_attention": paged.paged_attention,
+    "fp8_block_dequant": fp8.fp8_block_dequant,
+    "fp8_act_quant": fp8.fp8_act_quant,
+    "fp8_linear": fp8.fp8_linear,
+    "fp8_kv_quant": fp8.fp8_kv_quant,
+    "fp8_kv_dequant": fp8.fp8_kv_dequant,
 }
 
 for _op, _fn in REFERENCE_OPS.items():

@@ -10,17 +10,8 @@ from __future__ import annotations
 import torch
 
 from atom_kernels.ops._checks import FP8_DTYPES, values_checkable
+from atom_kernels.ops._fp8_math import FP8_MAX, scale_tensor
 from atom_kernels.ops.paged_attention.checks import check_kv_cache_write, check_paged_attention
-
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-
-
-def _scale(scale: float | torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    if scale is None:
-        return torch.ones((), dtype=torch.float32, device=device)
-    if isinstance(scale, torch.Tensor):
-        return scale.reshape(()).float()
-    return torch.tensor(float(scale), dtype=torch.float32, device=device)
 
 
 def _store(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
@@ -63,8 +54,8 @@ def kv_cache_write(
     keep = (slot_mapping >= 0).nonzero().squeeze(1)
     slots = slot_mapping[keep]
     block, offset = slots // block_size, slots % block_size
-    key_cache[block, offset] = _store(k[keep], key_cache.dtype, _scale(k_scale, k.device))
-    value_cache[block, offset] = _store(v[keep], value_cache.dtype, _scale(v_scale, v.device))
+    key_cache[block, offset] = _store(k[keep], key_cache.dtype, scale_tensor(k_scale, k.device))
+    value_cache[block, offset] = _store(v[keep], value_cache.dtype, scale_tensor(v_scale, v.device))
 
 
 def paged_attention(
@@ -102,7 +93,7 @@ def paged_attention(
     op = "paged_attention"
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = q.shape[1] // num_kv_heads
-    ks, vs = _scale(k_scale, q.device), _scale(v_scale, q.device)
+    ks, vs = scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     for n, seq_len in enumerate(lens):

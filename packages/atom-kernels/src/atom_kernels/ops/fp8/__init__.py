@@ -1,0 +1,18 @@
+"""FP8 (e4m3): block-scaled weights (128x128, ``weight_scale_inv`` multipliers), dynamic per-token-group
+activation quantisation, the block-scaled linear, and per-tensor KV quantisation."""
+
+from atom_kernels.ops.fp8.checks import (
+    check_fp8_act_quant,
+    check_fp8_block_dequant,
+    check_fp8_kv_dequant,
+    check_fp8_kv_quant,
+    check_fp8_linear,
+)
+
+__all__ = [
+    "check_fp8_act_quant",
+    "check_fp8_block_dequant",
+    "check_fp8_kv_dequant",
+    "check_fp8_kv_quant",
+    "check_fp8_linear",
+]

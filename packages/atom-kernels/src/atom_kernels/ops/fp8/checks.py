@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import torch
+
+from atom_kernels.ops._checks import FLOAT_DTYPES, FP8_DTYPES, Checker
+from atom_kernels.ops.paged_attention.checks import check_scale
+
+
+def _block(c: Checker, block: object) -> tuple[int, int]:
+    ok = isinstance(block, (tuple, list)) and len(block) == 2
+    ok = ok and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)  # type: ignore[union-attr]
+    c.require(ok, f"block must be a pair of positive ints (bn, bk), got {block!r}")
+    return int(block[0]), int(block[1])  # type: ignore[index]
+
+
+def _weight(c: Checker, w: torch.Tensor, scale_inv: torch.Tensor, block: object) -> None:
+    c.tensor("w", w, ("N", "K"), FP8_DTYPES)
+    bn, bk = _block(c, block)
+    c.dims["ceil(N/bn)"] = -(-c.dim("N") // bn)
+    c.dims["ceil(K/bk)"] = -(-c.dim("K") // bk)
+    c.tensor("scale_inv", scale_inv, ("ceil(N/bn)", "ceil(K/bk)"), (torch.float32, torch.bfloat16))
+
+
+def check_fp8_block_dequant(w: torch.Tensor, scale_inv: torch.Tensor, block: object, dtype: object) -> None:
+    c = Checker("fp8_block_dequant")
+    _weight(c, w, scale_inv, block)
+    c.require(dtype in FLOAT_DTYPES, f"dtype must be one of {list(FLOAT_DTYPES)}, got {dtype!r}")
+
+
+def check_fp8_act_quant(x: torch.Tensor, group: int) -> None:
+    c = Checker("fp8_act_quant")
+    c.tensor("x", x, ("...", "K"), FLOAT_DTYPES)
+    c.positive_int("group", group)
+
+
+def check_fp8_linear(
+    x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: object, bias: torch.Tensor | None
+) -> None:
+    c = Checker("fp8_linear")
+    c.tensor("w_fp8", w_fp8, ("N", "K"), FP8_DTYPES)
+    c.tensor("x", x, ("...", "K"), FLOAT_DTYPES)
+    _weight(c, w_fp8, scale_inv, block)
+    c.optional("bias", bias, ("N",), FLOAT_DTYPES)
+
+
+def check_fp8_kv_quant(x: torch.Tensor, scale: object) -> None:
+    c = Checker("fp8_kv_quant")
+    c.tensor("x", x, ("...",), FLOAT_DTYPES)
+    check_scale(c, "scale", scale)
+    c.require(scale is not None, "scale must be given (a positive float or a one-element float32 tensor)")
+
+
+def check_fp8_kv_dequant(x_fp8: torch.Tensor, scale: object, dtype: object) -> None:
+    c = Checker("fp8_kv_dequant")
+    c.tensor("x_fp8", x_fp8, ("...",), FP8_DTYPES)
+    check_scale(c, "scale", scale)
+    c.require(scale is not None, "scale must be given (a positive float or a one-element float32 tensor)")
+    c.require(dtype in FLOAT_DTYPES, f"dtype must be one of {list(FLOAT_DTYPES)}, got {dtype!r}")

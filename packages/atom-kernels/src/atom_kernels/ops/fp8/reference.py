@@ -1,0 +1,108 @@
+"""Reference FP8 (float8_e4m3fn) ops. Quantisation rounds to nearest after clamping to +-448."""
+
+from __future__ import annotations
+
+import torch
+
+from atom_kernels.ops._fp8_math import FP8_MAX, scale_tensor
+from atom_kernels.ops.fp8.checks import (
+    check_fp8_act_quant,
+    check_fp8_block_dequant,
+    check_fp8_kv_dequant,
+    check_fp8_kv_quant,
+    check_fp8_linear,
+)
+
+ACT_SCALE_EPS = 1e-10  # floor of a group's absmax (an all-zero group gets scale 1e-10 / 448)
+
+
+def _expand_scales(scale_inv: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """``[ceil(N/bn), ceil(K/bk)]`` block scales -> ``[N, K]`` float32."""
+    bn, bk = block
+    full = scale_inv.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+    return full[: shape[0], : shape[1]]
+
+
+def fp8_block_dequant(
+    w: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Dequantise a block-scaled FP8 weight.
+
+    Args:
+        w: ``[N, K]`` float8_e4m3fn.
+        scale_inv: ``[ceil(N/bn), ceil(K/bk)]`` float32 (or bf16) multipliers (``weight_scale_inv``).
+        block: ``(bn, bk)``, Qwen3-Next FP8: (128, 128); partial edge blocks allowed.
+        dtype: output dtype.
+
+    Returns:
+        ``[N, K]`` ``w * scale_inv[n // bn, k // bk]`` (float32 math) in ``dtype``.
+    """
+    check_fp8_block_dequant(w, scale_inv, block, dtype)
+    return (w.float() * _expand_scales(scale_inv, tuple(w.shape), tuple(block))).to(dtype)
+
+
+def fp8_act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token-group FP8 quantisation of activations.
+
+    Args:
+        x: ``[T, K]`` (any leading dims) float32/bf16/fp16.
+        group: channels per scale group (the last group may be partial).
+
+    Returns:
+        ``(x_fp8 [T, K] float8_e4m3fn, scales [T, ceil(K/group)] float32)`` with
+        ``scales = max(absmax(group), 1e-10) / 448`` and ``x ~= x_fp8 * scales`` (per group).
+    """
+    check_fp8_act_quant(x, group)
+    k = x.shape[-1]
+    num_groups = -(-k // group)
+    x32 = x.float()
+    padded = torch.nn.functional.pad(x32, (0, num_groups * group - k))
+    grouped = padded.reshape(*x.shape[:-1], num_groups, group)
+    scales = grouped.abs().amax(-1).clamp(min=ACT_SCALE_EPS) / FP8_MAX
+    q = (grouped / scales[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    q = q.reshape(*x.shape[:-1], num_groups * group)[..., :k].to(torch.float8_e4m3fn)
+    return q, scales
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ dequant(w_fp8).T + bias`` with a block-scaled FP8 weight.
+
+    The reference is weight-only: activations are NOT quantised, the matmul runs in float32 on the
+    dequantised weight. Backends that quantise activations (``fp8_act_quant`` + an FP8 GEMM, as vLLM's
+    W8A8 block path) add about one e4m3 rounding (rel. 2^-4 per element, averaging out over K) and
+    must state their tolerance against this reference.
+
+    Args:
+        x: ``[T, K]`` (any leading dims); w_fp8: ``[N, K]`` float8_e4m3fn;
+        scale_inv: ``[ceil(N/bn), ceil(K/bk)]``; block: ``(bn, bk)``; bias: ``[N]`` or None.
+
+    Returns:
+        ``[T, N]`` in x.dtype.
+    """
+    check_fp8_linear(x, w_fp8, scale_inv, block, bias)
+    w = w_fp8.float() * _expand_scales(scale_inv, tuple(w_fp8.shape), tuple(block))
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def fp8_kv_quant(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """Per-tensor scaled quantisation: ``clamp(x / scale, -448, 448)`` as float8_e4m3fn (any shape)."""
+    check_fp8_kv_quant(x, scale)
+    return (x.float() / scale_tensor(scale, x.device)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_kv_dequant(x_fp8: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x_fp8 * scale`` in ``dtype`` (float32 math), any shape."""
+    check_fp8_kv_dequant(x_fp8, scale, dtype)
+    return (x_fp8.float() * scale_tensor(scale, x_fp8.device)).to(dtype)
