@@ -6,7 +6,7 @@ from atom_core import Qwen3NextConfig
 from torch import nn
 
 from atom_vllm_plugin.config import AtomVllmConfig
-from atom_vllm_plugin.layers.attention import AtomAttentionCore
+from atom_vllm_plugin.layers.attention import AtomAttentionCore, register_layer
 from atom_vllm_plugin.layers.gdn import AtomGDNCore
 from atom_vllm_plugin.layers.gdn_state import GDNStateSpec
 
@@ -35,6 +35,7 @@ class VllmCoreFactory:
             dtype=self.cfg.dtype,
             is_draft=self.cfg.role == "draft",
         )
+        register_layer(prefix, core)
         self.built[prefix] = core
         return core
 
@@ -44,5 +45,6 @@ class VllmCoreFactory:
                 f"{prefix}: the {self.cfg.role} model has no GDN state spec (the MTP draft has no GDN)"
             )
         core = AtomGDNCore(prefix, self.gdn_state, self.kernels)
+        register_layer(prefix, core)
         self.built[prefix] = core
         return core

@@ -56,7 +56,6 @@ class AtomAttentionCore(nn.Module, AttentionLayerBase):
         self.dtype = dtype
         self.is_draft_layer = is_draft
         self.kv_cache = torch.tensor([])
-        register_layer(prefix, self)
 
     # ---- vLLM's AttentionLayerBase -----------------------------------------------------------
     def get_attn_backend(self) -> type[AtomAttentionBackend]:
@@ -72,7 +71,12 @@ class AtomAttentionCore(nn.Module, AttentionLayerBase):
 
     # ---- the core ----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx=None) -> torch.Tensor:
-        md = layer_metadata(self.layer_name)
+        return self.run(layer_metadata(self.layer_name), q, k, v)
+
+    def run(
+        self, md: AtomAttentionMetadata | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """The core for explicit metadata (``None``: profiling run, zeros out)."""
         out = torch.zeros_like(q)
         if md is None:  # profiling / dummy run: no cache bound yet
             return out

@@ -18,7 +18,6 @@ from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from atom_vllm_plugin.layers.attention import register_layer
 from atom_vllm_plugin.layers.forward_context import layer_metadata
 from atom_vllm_plugin.layers.gdn_backend import AtomGDNAttentionBackend
 from atom_vllm_plugin.layers.gdn_state import GDNStateSpec
@@ -34,7 +33,6 @@ class AtomGDNCore(nn.Module, MambaBase):
         self.state = state
         self.kernels = kernels
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
-        register_layer(prefix, self)
 
     # ---- vLLM's MambaBase ----------------------------------------------------------------------
     @property
@@ -64,9 +62,19 @@ class AtomGDNCore(nn.Module, MambaBase):
 
     # ---- the core ----------------------------------------------------------------------------------
     def forward(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, layer: nn.Module, ctx=None):
+        return self.run(layer_metadata(self.layer_name), mixed_qkv, b, a, layer)
+
+    def run(
+        self,
+        md: GDNAttentionMetadata | None,
+        mixed_qkv: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        layer,
+    ):
+        """The core for explicit metadata (``None``: profiling run, zeros out)."""
         s = self.state
         out = mixed_qkv.new_zeros(mixed_qkv.shape[0], s.num_v_heads, s.head_v_dim)
-        md = layer_metadata(self.layer_name)
         if md is None:
             return out
         if not isinstance(md, GDNAttentionMetadata):
@@ -153,16 +161,21 @@ class AtomGDNCore(nn.Module, MambaBase):
     def _verify(self, x, b, a, layer, conv_args, slots, num_accepted, lens: list[int]) -> torch.Tensor:
         """Decode / verification rows of ``lens[i]`` tokens each (flat ``x``), padded to a uniform ``[N, Q]``.
 
-        ``slots[i, j]`` receives the recurrent state after token j; padding columns are masked to -1 (not
-        written). Padding tokens come after a row's real tokens, so they never reach its real outputs,
-        and the conv history the next step reads (offset ``num_accepted - 1`` <= real tokens - 1) stays real.
+        The recurrent state after token j goes to ``slots[i, j]``; the initial state is read from column
+        ``num_accepted - 1`` before anything is written. Padding tokens follow a row's real tokens, so they
+        never reach its real outputs; the states and conv history they write land in columns the next
+        step never reads (it resumes at ``num_accepted' - 1 < lens[i]``). Padding columns must NOT be
+        masked: the initial-state column of a short row (a row without drafts after accepting several
+        tokens) can lie beyond its own length.
         """
         kern, s = self.kernels, self.state
-        n, q_max = len(lens), max(lens)
+        n = len(lens)
+        acc = None if num_accepted is None else num_accepted[:n].to(torch.int32)
+        # Pad at least to the initial-state column: rows without drafts can follow a step that accepted more.
+        q_max = max(max(lens), 1 if acc is None else int(acc.max()))
         uniform = all(ln == q_max for ln in lens)
         if uniform:
             xp, bp, ap = x.view(n, q_max, -1), b.view(n, q_max, -1), a.view(n, q_max, -1)
-            idx = slots[:, :q_max].to(torch.int32)
         else:
             rows = torch.tensor(
                 [i for i, ln in enumerate(lens) for _ in range(ln)], dtype=torch.long, device=x.device
@@ -172,12 +185,7 @@ class AtomGDNCore(nn.Module, MambaBase):
             bp = b.new_zeros(n, q_max, b.shape[-1])
             ap = a.new_zeros(n, q_max, a.shape[-1])
             xp[rows, cols], bp[rows, cols], ap[rows, cols] = x, b, a
-            valid = torch.zeros(n, q_max, dtype=torch.bool, device=x.device)
-            valid[rows, cols] = True
-            idx = torch.where(
-                valid, slots[:, :q_max].to(torch.int32), torch.full_like(valid, -1, dtype=torch.int32)
-            )
-        acc = None if num_accepted is None else num_accepted[:n].to(torch.int32)
+        idx = slots[:, :q_max].to(torch.int32)
         conv_slots = slots[:, 0].to(torch.int32).contiguous()
         xc = kern.causal_conv1d_update(xp, *conv_args, self.conv_state(), conv_slots, acc, activation="silu")
         q, k, v = self._split_qkv(xc)

@@ -1,0 +1,179 @@
+"""The GDN core over vLLM-style state and metadata == dense GDN over each sequence from zero state.
+
+Three engine steps with hand-built ``GDNAttentionMetadata`` (k = 2, float32):
+1. prefill of A (5 tokens) and B (4) - the non-spec path;
+2. verification of 3 tokens each for A and B (uniform spec batch, ``num_accepted = 1``);
+3. a mixed batch ``[A: 3 verify tokens, C: 6-token prefill, B: 1 token]`` in that token order, after A
+   kept all 3 and B kept 2 of step 2's tokens - ragged spec rows, a prefill between them, and
+   resumption from the per-token states of step 2 (nothing copied back on rejection).
+Each step's outputs must equal the dense reference on the sequence as accepted so far, at the right rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from atom_core import Qwen3NextConfig  # noqa: E402
+from atom_kernels import select_kernels  # noqa: E402
+from atom_models.dense_cores import DenseContext, DenseGDNCore  # noqa: E402
+from atom_models.gdn import GatedDeltaNet  # noqa: E402
+from atom_vllm_plugin.layers.gdn import AtomGDNCore  # noqa: E402
+from atom_vllm_plugin.layers.gdn_state import GDNStateSpec  # noqa: E402
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
+
+# float32, reference kernels; measured max |error| 1e-6 .. 5e-6 (chunked vs recurrent summation order)
+ATOL = {torch.float32: 1e-4}
+K_SPEC = 2
+SLOTS = {"A": [0, 1, 2], "B": [3, 4, 5], "C": [6, 7, 8]}
+
+
+def _config() -> Qwen3NextConfig:
+    raw = {
+        "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 1, "layer_types": ["linear_attention"],
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+        "intermediate_size": 64, "max_position_embeddings": 128, "vocab_size": 64,
+    }  # fmt: skip
+    return Qwen3NextConfig.from_hf(raw)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    cfg = _config()
+    kern = select_kernels("cpu", torch.float32, backend="reference")
+    layer = GatedDeltaNet(cfg, 0, core=None, kernels=kern, dtype=torch.float32)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.5)
+    state = GDNStateSpec.from_config(cfg, K_SPEC, torch.float32, torch.float32)
+    core = AtomGDNCore("model.layers.0.linear_attn", state, kern)
+    conv_shape, ssm_shape = state.shapes()
+    core.kv_cache = (torch.zeros(9, *conv_shape), torch.zeros(9, *ssm_shape))
+    return cfg, kern, layer, core
+
+
+def _tokens(n: int, layer) -> dict[str, torch.Tensor]:
+    return {
+        "x": torch.randn(n, layer.conv_dim),
+        "b": torch.randn(n, layer.num_v_heads),
+        "a": torch.randn(n, layer.num_v_heads),
+    }
+
+
+def _dense(layer, kern, seq: dict[str, torch.Tensor]) -> torch.Tensor:
+    n = seq["x"].shape[0]
+    return DenseGDNCore(None, kern)(seq["x"], seq["b"], seq["a"], layer, DenseContext((n,)))
+
+
+def _cat(*parts):
+    return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+
+def _sl(seq, lo, hi):
+    return {key: v[lo:hi] for key, v in seq.items()}
+
+
+def _md(**kw) -> GDNAttentionMetadata:
+    base = dict(num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0, num_spec_decodes=0,
+                num_spec_decode_tokens=0, num_actual_tokens=0)  # fmt: skip
+    base.update(kw)
+    return GDNAttentionMetadata(**base)
+
+
+def _i32(x):
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def test_prefill_verify_and_mixed_resume(setup):
+    cfg, kern, layer, core = setup
+    atol = ATOL[torch.float32]
+    A, B, C = _tokens(12, layer), _tokens(9, layer), _tokens(6, layer)
+
+    # step 1: prefill A[:5], B[:4]
+    batch = _cat(_sl(A, 0, 5), _sl(B, 0, 4))
+    md = _md(num_prefills=2, num_prefill_tokens=9, num_actual_tokens=9, prefill_query_start_loc=_i32([0, 5, 9]),
+             prefill_state_indices=_i32([SLOTS["A"][0], SLOTS["B"][0]]), prefill_has_initial_state=torch.tensor([False, False]),
+             non_spec_state_indices_tensor=_i32([SLOTS["A"][0], SLOTS["B"][0]]))  # fmt: skip
+    out = core.run(md, batch["x"], batch["b"], batch["a"], layer)
+    err = (out[:5] - _dense(layer, kern, _sl(A, 0, 5))).abs().max().item()
+    assert err < atol, f"prefill A: max error {err}"
+    err = (out[5:] - _dense(layer, kern, _sl(B, 0, 4))).abs().max().item()
+    assert err < atol, f"prefill B: max error {err}"
+
+    # step 2: verify 3 tokens each (A[5:8], B[4:7]), nothing accepted before (num_accepted = 1)
+    batch = _cat(_sl(A, 5, 8), _sl(B, 4, 7))
+    md = _md(num_spec_decodes=2, num_spec_decode_tokens=6, num_actual_tokens=6, spec_sequence_masks=torch.tensor([True, True]),
+             spec_query_start_loc=_i32([0, 3, 6]), spec_state_indices_tensor=_i32([SLOTS["A"], SLOTS["B"]]),
+             num_accepted_tokens=_i32([1, 1]))  # fmt: skip
+    out = core.run(md, batch["x"], batch["b"], batch["a"], layer)
+    err = (out[:3] - _dense(layer, kern, _sl(A, 0, 8))[5:8]).abs().max().item()
+    assert err < atol, f"verify A: max error {err}"
+    err = (out[3:] - _dense(layer, kern, _sl(B, 0, 7))[4:7]).abs().max().item()
+    assert err < atol, f"verify B: max error {err}"
+
+    # A kept all 3 of its verify tokens, B kept 2 (its third was a rejected draft): next tokens are new
+    A2 = _cat(_sl(A, 0, 8), _tokens(3, layer))  # positions 8..10 are new
+    B2 = _cat(_sl(B, 0, 6), _tokens(1, layer))  # position 6 is new (B got no drafts this step)
+    # step 3: token order [A 3 verify | C 6 prefill | B 1 token]
+    batch = _cat(_sl(A2, 8, 11), C, _sl(B2, 6, 7))
+    spec_idx = torch.tensor([0, 1, 2, 9], dtype=torch.int32)
+    non_spec_idx = torch.arange(3, 9, dtype=torch.int32)
+    md = _md(num_prefills=1, num_prefill_tokens=6, num_spec_decodes=2, num_spec_decode_tokens=4, num_actual_tokens=10,
+             spec_sequence_masks=torch.tensor([True, False, True]), spec_token_indx=spec_idx, non_spec_token_indx=non_spec_idx,
+             spec_query_start_loc=_i32([0, 3, 4]), spec_state_indices_tensor=_i32([SLOTS["A"], SLOTS["B"]]),
+             num_accepted_tokens=_i32([3, 2]), non_spec_state_indices_tensor=_i32([SLOTS["C"][0]]),
+             prefill_query_start_loc=_i32([0, 6]), prefill_state_indices=_i32([SLOTS["C"][0]]),
+             prefill_has_initial_state=torch.tensor([False]))  # fmt: skip
+    out = core.run(md, batch["x"], batch["b"], batch["a"], layer)
+    err = (out[0:3] - _dense(layer, kern, A2)[8:11]).abs().max().item()
+    assert err < atol, f"resumed verify A (num_accepted=3): max error {err}"
+    err = (out[3:9] - _dense(layer, kern, C)).abs().max().item()
+    assert err < atol, f"prefill C between spec rows: max error {err}"
+    err = (out[9] - _dense(layer, kern, B2)[6]).abs().max().item()
+    assert err < atol, f"resumed B (num_accepted=2, a 1-token row among 3-token rows): max error {err}"
+
+    # step 4: A kept all 3 again and gets no drafts: a batch of one 1-token row resuming from column 2
+    A3 = _cat(A2, _tokens(1, layer))  # position 11
+    batch = _sl(A3, 11, 12)
+    md = _md(num_spec_decodes=1, num_spec_decode_tokens=1, num_actual_tokens=1, spec_sequence_masks=torch.tensor([True]),
+             spec_query_start_loc=_i32([0, 1]), spec_state_indices_tensor=_i32([SLOTS["A"]]), num_accepted_tokens=_i32([3]))  # fmt: skip
+    out = core.run(md, batch["x"], batch["b"], batch["a"], layer)
+    err = (out[0] - _dense(layer, kern, A3)[11]).abs().max().item()
+    assert err < atol, f"1-token batch resuming at num_accepted=3: max error {err}"
+
+
+def test_state_shapes_match_vllm_calculator():
+    """Our per-slot state shapes == vLLM's own GDN calculator for every k (incl. the k extra conv columns)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+
+    cfg = _config()
+    for k in range(0, 5):
+        ours = GDNStateSpec.from_config(cfg, k, torch.float32, torch.float32).shapes()
+        theirs = MambaStateShapeCalculator.gated_delta_net_state_shape(
+            1, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, k,
+        )  # fmt: skip
+        assert tuple(ours) == tuple(theirs), (k, ours, theirs)
+        assert ours[0][0] == cfg.linear_conv_kernel_dim - 1 + k
+
+
+def test_mismatched_metadata_type_is_rejected(setup):
+    _, _, layer, core = setup
+    with pytest.raises(TypeError, match="GDNAttentionMetadata"):
+        core.run(object(), torch.zeros(1, layer.conv_dim), torch.zeros(1, 4), torch.zeros(1, 4), layer)
+
+
+def test_profiling_run_returns_zeros(setup):
+    _, _, layer, core = setup
+    out = core.run(None, torch.randn(3, layer.conv_dim), torch.randn(3, 4), torch.randn(3, 4), layer)
+    assert out.shape == (3, layer.num_v_heads, layer.head_v_dim) and not out.any()
+
+
+_ = dataclasses  # keep the import for readers varying configs with dataclasses.replace

