@@ -131,16 +131,14 @@ def _recurrent_kernel(
 
 
 def recurrent_launch_config(num_seqs: int, num_v_heads: int, dv: int) -> tuple[int, int]:
-    """(BV, num_warps) for the recurrent kernel: small value blocks while the grid would be small."""
-    pairs = num_seqs * num_v_heads
-    if pairs <= 256:
-        bv = 8
-    elif pairs <= 2048:
-        bv = 16
-    else:
-        bv = 32
-    bv = min(bv, triton.next_power_of_2(dv))
-    return bv, max(1, min(8, bv // 8))
+    """(BV, num_warps) of the recurrent kernel: 8 value rows per program, one warp.
+
+    Small tiles give many independent programs (N * Hv * Dv / 8), which keeps enough loads in flight at
+    every batch. On the H200 (run 1, benchmarks/results/gdn_run1.log) BV=32 / 4 warps reached 89% of copy
+    bandwidth at B=256 (fp32 state, decode) while fla-core's kernel with BV=8 / 1 warp reached 97%; the
+    ``sweep`` rows of gdn.json compare the candidates at B = 64 and 256.
+    """
+    return min(8, triton.next_power_of_2(dv)), 1
 
 
 def gated_delta_rule_recurrent(
