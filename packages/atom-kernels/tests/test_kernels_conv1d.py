@@ -11,6 +11,9 @@ from atom_kernels.testing import assert_close, randn
 TOL = {
     ("conv", torch.float32): (1e-5, 1e-5),  # measured 1.2e-06
     ("conv", torch.bfloat16): (2e-2, 1e-2),  # measured 2.5e-02 at |out| ~ 5 (rel 5e-03; bf16 output rounding)
+    # self-consistency (same op, different batching / token split): measured 0 for the reference
+    ("conv_self", torch.float32): (1e-6, 1e-6),
+    ("conv_self", torch.bfloat16): (1e-2, 1e-2),  # allows one bf16 ulp where float32 sums round differently
 }
 DTYPES = [torch.float32, torch.bfloat16]
 C, K, SPEC = 48, 4, 2  # channels, kernel width, speculative tokens
@@ -84,7 +87,7 @@ def test_varlen_no_bias_no_activation_equals_each_alone(impl, device):
         s, e = cu[n].item(), cu[n + 1].item()
         cu1 = torch.tensor([0, e - s], dtype=torch.int32, device=device)
         o1 = fn(x[s:e], weight, None, cu1, pool_alone, slots[n : n + 1], has_init[:1], None)
-        assert_close(out[s:e], o1, (1e-6, 1e-6), f"varlen vs alone seq {n}")
+        assert_close(out[s:e], o1, TOL[("conv_self", torch.float32)], f"varlen vs alone seq {n}")
     assert torch.equal(pool, pool_alone)
 
 
@@ -112,7 +115,9 @@ def test_update_equals_sequential_with_resumption(impl, device, dtype, transpose
     seq_states = []
     for j in range(qlen):
         oj = update(x1[:, j : j + 1], weight, bias, seq_pool, slots, None, "silu")
-        assert torch.equal(oj, out1[:, j : j + 1]), f"verify vs sequential, output of token {j}"
+        assert_close(
+            oj, out1[:, j : j + 1], TOL[("conv_self", dtype)], f"verify vs sequential, output of token {j}"
+        )
         seq_states.append(seq_pool.clone())
     for i in range(n):
         s = int(slots[i])
@@ -163,7 +168,7 @@ def test_update_padding_slot_and_prefill_continuation(impl, device):
         ~one,
         "silu",
     )
-    assert_close(out[0], full[67:], (1e-6, 1e-6), "prefill + update vs one prefill")
+    assert_close(out[0], full[67:], TOL[("conv_self", torch.float32)], "prefill + update vs one prefill")
 
 
 def test_bad_inputs(impl, device):
