@@ -1,0 +1,106 @@
+"""register() (idempotent, switchable off), the vLLM version check and the VllmConfig translation."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from atom_core import ConfigError  # noqa: E402
+from atom_vllm_plugin import _version_check  # noqa: E402
+from atom_vllm_plugin.config import DRAFT_ARCH, TARGET_ARCH, from_vllm, speculative_from_vllm  # noqa: E402
+
+FIXTURE_HF = {
+    "model_type": "qwen3_next", "hidden_size": 256, "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 128, "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "intermediate_size": 512, "num_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64, "shared_expert_intermediate_size": 128, "max_position_embeddings": 4096,
+    "vocab_size": 4096, "mtp_num_hidden_layers": 1,
+}  # fmt: skip
+
+
+class _HF(SimpleNamespace):
+    def to_dict(self):
+        return dict(vars(self))
+
+
+def _vllm_config(k: int | None, cache_dtype: str = "auto", draft_type: str = "qwen3_next_mtp"):
+    hf = _HF(**FIXTURE_HF)
+    spec = None
+    if k is not None:
+        draft = _HF(**{**FIXTURE_HF, "model_type": draft_type, "architectures": [DRAFT_ARCH]})
+        spec = SimpleNamespace(
+            method="mtp", num_speculative_tokens=k, draft_model_config=SimpleNamespace(hf_config=draft)
+        )
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_text_config=hf, hf_config=hf, dtype=torch.bfloat16),
+        speculative_config=spec,
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype, block_size=16),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+
+
+def test_version_check_names_the_supported_version():
+    with pytest.raises(ImportError, match=r"vLLM 0\.32\.x.*not installed"):
+        _version_check.check_vllm(importable=False)
+    with pytest.raises(ImportError, match=r"supports vLLM 0\.32\.x only, found vLLM 0\.31\.2"):
+        _version_check.check_vllm(version="0.31.2", importable=True)
+    assert _version_check.check_vllm(version="0.32.1", importable=True) == "0.32.1"
+
+
+def test_register_is_idempotent_and_can_be_disabled(monkeypatch):
+    from atom_vllm_plugin import register as reg
+    from atom_vllm_plugin.models.draft import AtomQwen3NextMTP
+    from atom_vllm_plugin.models.target import AtomQwen3NextForCausalLM
+    from vllm import ModelRegistry
+
+    monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "1")
+    monkeypatch.setattr(reg, "_registered", False)
+    before = dict(ModelRegistry.models)
+    assert reg.register() is False
+    assert ModelRegistry.models == before, "the disabled plugin must not touch vLLM's registry"
+
+    monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "0")
+    assert reg.register() is True
+    assert reg.register() is True  # second call: no error, same result
+    for arch, cls in ((TARGET_ARCH, AtomQwen3NextForCausalLM), (DRAFT_ARCH, AtomQwen3NextMTP)):
+        assert ModelRegistry.models[arch].model_cls is cls or ModelRegistry._try_load_model_cls(arch) is cls
+    monkeypatch.setitem(ModelRegistry.models, TARGET_ARCH, before[TARGET_ARCH])
+    monkeypatch.setitem(ModelRegistry.models, DRAFT_ARCH, before[DRAFT_ARCH])
+
+    monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "maybe")
+    with pytest.raises(ConfigError, match="ATOM_DISABLE_VLLM_PLUGIN"):
+        reg.register()
+
+
+def test_target_and_draft_configs_are_separate():
+    vc = _vllm_config(k=3)
+    target, draft = from_vllm(vc, "target"), from_vllm(vc, "draft")
+    assert target.role == "target" and draft.role == "draft"
+    assert target.num_speculative_tokens == draft.num_speculative_tokens == 3
+    assert target.model.num_hidden_layers == 4 and target.model.mtp_layer_index(0) == 4
+    assert target.dtype == torch.bfloat16 and target.cache.block_size == 16
+    assert from_vllm(_vllm_config(k=None), "target").speculative is None
+
+
+@pytest.mark.parametrize("k", [0, 5])
+def test_speculative_tokens_outside_1_to_4_are_refused(k):
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        speculative_from_vllm(SimpleNamespace(method="mtp", num_speculative_tokens=k))
+
+
+def test_other_methods_and_fp8_kv_cache_are_refused():
+    with pytest.raises(ConfigError, match="'mtp' only"):
+        speculative_from_vllm(SimpleNamespace(method="eagle3", num_speculative_tokens=1))
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        from_vllm(_vllm_config(k=1, cache_dtype="fp8"), "target")
+
+
+def test_draft_without_speculative_config_is_refused():
+    with pytest.raises(ConfigError, match="method 'mtp'"):
+        from_vllm(_vllm_config(k=None), "draft")
