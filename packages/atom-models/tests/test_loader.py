@@ -136,20 +136,101 @@ def test_index_naming_absent_file(model_dir, tmp_path, kernels32):
         load_target(target, ckpt)
 
 
-def test_fp8_checkpoint_is_rejected_clearly(model_dir, tmp_path, kernels32):
-    ckpt = tmp_path / "ck"
-    shutil.copytree(model_dir, ckpt)
+def _fp8_block_quant(w: torch.Tensor, block=(128, 128)):
+    """Test-data generator: e4m3 weight + ``[ceil(N/bn), ceil(K/bk)]`` scales with absmax/448 per block."""
+    n, k = w.shape
+    bn, bk = block
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.nn.functional.pad(w.float(), (0, cols * bk - k, 0, rows * bn - n))
+    blocks = padded.view(rows, bn, cols, bk)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).view(rows * bn, cols * bk)[:n, :k]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale
+
+
+# The published FP8 checkpoint keeps these in bf16 (modules_to_not_convert)
+_NOT_FP8 = (
+    "embed_tokens",
+    "lm_head",
+    "norm",
+    "mlp.gate.weight",
+    "shared_expert_gate",
+    "mtp.fc",
+    "conv1d",
+    "A_log",
+    "dt_bias",
+)
+
+
+def test_fp8_block_checkpoint_is_dequantised_on_load(model_dir, tmp_path, kernels32, golden):
+    quantised = []
+
+    def edit(t):
+        for name in list(t):
+            w = t[name]
+            if w.dim() == 2 and name.endswith(".weight") and not any(s in name for s in _NOT_FP8):
+                t[name], t[name + "_scale_inv"] = _fp8_block_quant(w)
+                quantised.append(name)
+
+    ckpt = _single_file_copy(model_dir, tmp_path / "ck", edit)
     raw = json.loads((ckpt / "config.json").read_text())
     raw["quantization_config"] = {
         "quant_method": "fp8",
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
         "weight_block_size": [128, 128],
+        "modules_to_not_convert": list(_NOT_FP8),
     }
     (ckpt / "config.json").write_text(json.dumps(raw))
+    target, mtp = _build(ckpt, kernels32)
+    load_target(target, ckpt)
+    load_mtp(mtp, ckpt)
+    assert len(quantised) == 152  # every expert, attention, GDN and shared-expert projection
+    f = load_file(str(ckpt / "model.safetensors"))
+    want = kernels32.fp8_block_dequant(
+        f["model.layers.1.mlp.experts.6.up_proj.weight"],
+        f["model.layers.1.mlp.experts.6.up_proj.weight_scale_inv"],
+        block=(128, 128),
+        dtype=torch.float32,
+    )
+    assert torch.equal(target.model.layers[1].mlp.experts.w13[6, 64:], want)
+    assert torch.equal(
+        mtp.layers["4"].self_attn.o_proj.weight,
+        kernels32.fp8_block_dequant(
+            f["mtp.layers.0.self_attn.o_proj.weight"],
+            f["mtp.layers.0.self_attn.o_proj.weight_scale_inv"],
+            block=(128, 128),
+            dtype=torch.float32,
+        ),
+    )
+    # FP8 weights are close to the bf16 ones: greedy next tokens of the golden rows mostly agree
+    ids = golden["input_ids"][0]
+    with torch.no_grad():
+        logits = target.compute_logits(target(ids, torch.arange(ids.shape[0])))
+    agree = (logits.argmax(-1) == golden["target_logits"][0].argmax(-1)).float().mean().item()
+    print(f"FP8 vs float32 reference: argmax agreement {agree:.3f}")
+    assert agree > 0.85
+
+
+def test_fp8_weight_without_scale_is_reported(model_dir, tmp_path, kernels32):
+    def edit(t):
+        name = "model.layers.0.linear_attn.out_proj.weight"
+        t[name], _ = _fp8_block_quant(t[name])
+        t["model.layers.0.mlp.shared_expert.down_proj.weight_scale_inv"] = torch.ones(3, 3)
+
+    ckpt = _single_file_copy(model_dir, tmp_path / "ck", edit)
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (ckpt / "config.json").write_text(json.dumps(raw))
     target, _ = _build(ckpt, kernels32)
-    with pytest.raises(CheckpointError, match="FP8 checkpoints"):
+    with pytest.raises(CheckpointError) as e:
         load_target(target, ckpt)
+    msg = str(e.value)
+    assert "model.layers.0.linear_attn.out_proj.weight in model.safetensors is FP8 but" in msg
+    assert (
+        "model.layers.0.mlp.shared_expert.down_proj.weight_scale_inv in model.safetensors has shape [3, 3], expected [2, 1]"
+        in msg
+    )
 
 
 def test_checkpoint_without_mtp(model_dir, tmp_path, kernels32):

@@ -4,6 +4,11 @@ Everything is validated from the safetensors headers first (missing, unexpected 
 are collected into ONE :class:`CheckpointError`); then tensors are streamed one at a time (``safe_open``)
 straight into the parameters (stacked experts and fused gate/up rows are written in place, no second
 full copy). The renames/fuses/stacks come from :mod:`atom_models.weight_map`.
+
+FP8 block-quantised checkpoints (``quantization_config.quant_method: fp8``): every weight that has a
+``<name>_scale_inv`` companion is dequantised on load with ``kernels.fp8_block_dequant`` into the model
+dtype (weight-only; the model then runs like the bf16 checkpoint); weights listed in
+``modules_to_not_convert`` have no scales and are read as they are.
 """
 
 from __future__ import annotations
@@ -80,9 +85,13 @@ def _renumber(local: str, offset: int) -> str:
     return _LAYER.sub(lambda m: f"layers.{int(m.group(1)) + offset}.", local, count=1)
 
 
+SCALE_SUFFIX = "_scale_inv"  # FP8: ``<name>.weight_scale_inv`` holds the block scales of ``<name>.weight``
+
+
 @dataclass
 class _Plan:
-    copies: dict[str, list[tuple[str, torch.Tensor]]]  # file -> [(checkpoint name, destination view)]
+    # file -> [(checkpoint name, destination view, FP8 block scales or None)]
+    copies: dict[str, list[tuple[str, torch.Tensor, torch.Tensor | None]]]
 
 
 def _dest_view(param: torch.Tensor, t: Target) -> torch.Tensor:
@@ -105,6 +114,7 @@ def _plan(
     skip_params: set[str],
     ignore: tuple[str, ...],
     what: str,
+    fp8_block: tuple[int, int] | None = None,
 ) -> _Plan:
     """Map every checkpoint tensor in scope to a parameter slice; collect every problem."""
     params = {n: p for n, p in module.named_parameters() if n not in skip_params}
@@ -122,10 +132,18 @@ def _plan(
             problems.append(f"parameter {pname} of the {what} has no checkpoint rule (weight_map.RULES)")
         for s in srcs:
             expected[s] = pname
-    copies: dict[str, list[tuple[str, torch.Tensor]]] = defaultdict(list)
+    copies: dict[str, list[tuple[str, torch.Tensor, torch.Tensor | None]]] = defaultdict(list)
     by_file: dict[str, list[str]] = defaultdict(list)
     for name, fname in files.items():
-        by_file[fname].append(name)
+        if not name.endswith(SCALE_SUFFIX):
+            by_file[fname].append(name)
+    scales = {n: f for n, f in files.items() if n.endswith(SCALE_SUFFIX) and not n.startswith(ignore)}
+    if scales and fp8_block is None:
+        problems.extend(
+            f"unexpected tensor {n} in {f} (FP8 scales, but config.json has no FP8 quantization_config)"
+            for n, f in sorted(scales.items())
+        )
+    used_scales: set[str] = set()
     for fname in sorted(by_file):
         with safe_open(os.path.join(ckpt_dir, fname), framework="pt") as f:
             for name in sorted(by_file[fname]):
@@ -154,7 +172,22 @@ def _plan(
                         f"(for {target.param})"
                     )
                     continue
-                copies[fname].append((name, view))
+                scale = None
+                if name + SCALE_SUFFIX in scales and fp8_block is not None:
+                    used_scales.add(name + SCALE_SUFFIX)
+                    scale, why = _read_scale(ckpt_dir, scales, name + SCALE_SUFFIX, shape, fp8_block)
+                    if why:
+                        problems.append(why)
+                        continue
+                elif f.get_slice(name).get_dtype() in ("F8_E4M3", "F8_E5M2"):
+                    problems.append(f"tensor {name} in {fname} is FP8 but {name + SCALE_SUFFIX} is missing")
+                    continue
+                copies[fname].append((name, view, scale))
+    if fp8_block is not None:
+        problems.extend(
+            f"unexpected tensor {n} in {scales[n]} (no FP8 weight {n[: -len(SCALE_SUFFIX)]} takes it)"
+            for n in sorted(set(scales) - used_scales)
+        )
     present = set(files)
     for name in sorted(set(expected) - present):
         problems.append(f"missing tensor {name} (for {expected[name]}) in {ckpt_dir}")
@@ -163,26 +196,40 @@ def _plan(
     return _Plan(dict(copies))
 
 
+def _read_scale(ckpt_dir, scales, sname, wshape, block) -> tuple[torch.Tensor | None, str | None]:
+    """Read one ``weight_scale_inv`` (small) and check it is ``[ceil(N/bn), ceil(K/bk)]``."""
+    with safe_open(os.path.join(ckpt_dir, scales[sname]), framework="pt") as f:
+        scale = f.get_tensor(sname)
+    if len(wshape) != 2:
+        return None, f"tensor {sname} in {scales[sname]}: FP8 block scales for a {len(wshape)}-d weight"
+    want = (-(-wshape[0] // block[0]), -(-wshape[1] // block[1]))
+    if tuple(scale.shape) != want:
+        return None, (
+            f"tensor {sname} in {scales[sname]} has shape {list(scale.shape)}, expected {list(want)} "
+            f"(weight {list(wshape)}, block {list(block)})"
+        )
+    return scale, None
+
+
 @torch.no_grad()
-def _execute(ckpt_dir: str, plan: _Plan) -> int:
+def _execute(ckpt_dir: str, plan: _Plan, kernels, block: tuple[int, int] | None) -> int:
     n = 0
     for fname, items in plan.copies.items():
         with safe_open(os.path.join(ckpt_dir, fname), framework="pt", device="cpu") as f:
-            for name, view in items:
-                view.copy_(f.get_tensor(name))
+            for name, view, scale in items:
+                t = f.get_tensor(name)
+                if scale is not None:  # FP8 block-scaled weight: dequantise (weight-only) into the parameter
+                    t = kernels.fp8_block_dequant(
+                        t.to(view.device), scale.to(view.device), block=block, dtype=view.dtype
+                    )
+                view.copy_(t)
                 n += 1
     return n
 
 
-def _reject_quantized(config, ckpt_dir: str) -> None:
-    if config.quantization is not None:
-        raise CheckpointError(
-            ckpt_dir,
-            [
-                "FP8 checkpoints (config.json quantization_config, quant_method 'fp8') are not supported by "
-                "atom_models yet: load the bf16 checkpoint instead"
-            ],
-        )
+def _fp8_block(config) -> tuple[int, int] | None:
+    q = config.quantization
+    return None if q is None else tuple(q.weight_block_size)
 
 
 def load_target(model: nn.Module, ckpt_dir: str | os.PathLike[str]) -> int:
@@ -192,16 +239,16 @@ def load_target(model: nn.Module, ckpt_dir: str | os.PathLike[str]) -> int:
     """
     ckpt_dir = str(ckpt_dir)
     config = model.config
-    _reject_quantized(config, ckpt_dir)
     files = checkpoint_files(ckpt_dir)
     extra = {} if config.tie_word_embeddings else {"lm_head.weight": "lm_head.weight"}
     ignore: tuple[str, ...] = ("mtp.",)
     if config.tie_word_embeddings:
         ignore += ("lm_head.weight",)  # tied: the embedding is the head
+    block = _fp8_block(config)
     plan = _plan(
-        model, ckpt_dir, files, [_Scope("model.", "model.", 0)], extra, set(), ignore, "target model"
+        model, ckpt_dir, files, [_Scope("model.", "model.", 0)], extra, set(), ignore, "target model", block
     )
-    return _execute(ckpt_dir, plan)
+    return _execute(ckpt_dir, plan, model.kernels, block)
 
 
 def load_mtp(mtp: nn.Module, ckpt_dir: str | os.PathLike[str]) -> int:
@@ -212,13 +259,21 @@ def load_mtp(mtp: nn.Module, ckpt_dir: str | os.PathLike[str]) -> int:
     """
     ckpt_dir = str(ckpt_dir)
     config = mtp.config
-    _reject_quantized(config, ckpt_dir)
     files = checkpoint_files(ckpt_dir)
     mtp_files = {n: f for n, f in files.items() if n.startswith("mtp.")}
     if not mtp_files:
         raise CheckpointError(ckpt_dir, ["no mtp.* tensors: this checkpoint has no MTP head"])
     skip = {n for n, _ in mtp.named_parameters() if n.split(".")[0] in ("embed_tokens", "lm_head")}
+    block = _fp8_block(config)
     plan = _plan(
-        mtp, ckpt_dir, mtp_files, [_Scope("", "mtp.", config.num_hidden_layers)], {}, skip, (), "MTP draft"
+        mtp,
+        ckpt_dir,
+        mtp_files,
+        [_Scope("", "mtp.", config.num_hidden_layers)],
+        {},
+        skip,
+        (),
+        "MTP draft",
+        block,
     )
-    return _execute(ckpt_dir, plan)
+    return _execute(ckpt_dir, plan, mtp.kernels, block)
