@@ -34,9 +34,11 @@ def _runs(k: int, enforce_eager: bool = True):
     return stock["jobs"]["prompts"], atom["jobs"]["prompts"]
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_bf16_acceptance_not_below_stock(k: int) -> None:
-    stock, atom = _runs(k)
+@pytest.mark.parametrize(
+    ("k", "eager"), [(1, True), (3, True), (1, False)], ids=["k1-eager", "k3-eager", "k1-compiled"]
+)
+def test_bf16_acceptance_not_below_stock(k: int, eager: bool) -> None:
+    stock, atom = _runs(k, eager)
     print(
         f"k={k}: stock {stock['spec']} rate {stock['acceptance_rate']:.4f}; plugin {atom['spec']} rate {atom['acceptance_rate']:.4f}"
     )
@@ -47,9 +49,9 @@ def test_bf16_acceptance_not_below_stock(k: int) -> None:
     assert len(atom["spec"]["accepted_per_pos"]) == k
 
 
-@pytest.mark.parametrize("k", [1])
-def test_bf16_greedy_consistency_not_worse_than_stock(k: int) -> None:
-    stock, atom = _runs(k)
+@pytest.mark.parametrize(("k", "eager"), [(1, True), (1, False)], ids=["k1-eager", "k1-compiled"])
+def test_bf16_greedy_consistency_not_worse_than_stock(k: int, eager: bool) -> None:
+    stock, atom = _runs(k, eager)
     prompts, _ = prompt_set()
     c_stock = consistency(str(model_dir()), prompts, stock["token_ids"])
     c_atom = consistency(str(model_dir()), prompts, atom["token_ids"])

@@ -8,6 +8,8 @@ rollback, KV slot or verification mask shows up as a diverging token. Nonzero ac
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from _vllm import engine_run, greedy_cases, greedy_job, requires_vllm, spec
 
@@ -39,6 +41,10 @@ def test_float32_mtp_reproduces_greedy(k: int) -> None:
     rate = job["acceptance_rate"]
     assert rate is not None and rate >= MIN_ACCEPTANCE[k], f"k={k}: acceptance {rate} ({job['spec']})"
     assert len(job["spec"]["accepted_per_pos"]) == k
+    log = Path(r["log"]).read_text()
+    # the draft runs on the target's embedding / lm_head modules, and its attention layer carries the
+    # absolute index num_hidden_layers + 0 = 4, so it has its own KV cache
+    assert "uses the target's embed_tokens and lm_head" in log and "mtp.layers.4.self_attn" in log
 
 
 def test_float32_without_mtp_reproduces_greedy() -> None:
@@ -46,3 +52,21 @@ def test_float32_without_mtp_reproduces_greedy() -> None:
     bad = _diverging(r["jobs"]["greedy"]["token_ids"])
     assert not bad, "float32 without MTP differs from greedy.json:\n" + "\n".join(bad)
     assert r["jobs"]["greedy"]["spec"]["num_drafts"] == 0
+
+
+def test_float32_chunked_prefill_mixed_batches_reproduce_greedy() -> None:
+    """A 16-token step budget splits every 48-token prompt into chunks that share steps with other
+    requests' verification rows: batches mixing prompt chunks (GDN prefill resuming from state) and
+    1 + k-token verification, with the GDN outputs scattered back to the right rows."""
+    s = spec(
+        plugin=True,
+        dtype="float32",
+        k=2,
+        jobs=[greedy_job()],
+        llm_kwargs={"max_num_batched_tokens": 16, "max_num_seqs": 8},
+    )
+    r = engine_run(s, "f32_plugin_k2_chunked")
+    job = r["jobs"]["greedy"]
+    bad = _diverging(job["token_ids"])
+    assert not bad, "chunked prefill + MTP output differs from greedy.json:\n" + "\n".join(bad)
+    assert job["acceptance_rate"] >= MIN_ACCEPTANCE[2]

@@ -9,17 +9,22 @@ weightless placeholders, so no second copy of the embedding or lm_head is ever a
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from atom_core import ConfigError
-from atom_models import Qwen3NextMTP, load_mtp
+from atom_models import CheckpointError, Qwen3NextMTP, checkpoint_files, load_mtp
+from atom_models.weight_map import sources_for
 from torch import nn
 
 from atom_vllm_plugin.config import DRAFT_ARCH, DRAFT_MODEL_TAG, from_vllm, model_tag
 from atom_vllm_plugin.cores import VllmCoreFactory
 from atom_vllm_plugin.models.common import all_parameter_names, checkpoint_dir, kernels_for
+
+logger = logging.getLogger("vllm.atom_vllm_plugin")
 
 
 class AwaitingTarget(nn.Module):
@@ -65,6 +70,7 @@ class AtomQwen3NextMTP(nn.Module):
         )
         self.model = mtp
         self.lm_head = mtp.lm_head
+        self._sharing_checked = False
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -72,6 +78,19 @@ class AtomQwen3NextMTP(nn.Module):
         # attribute, so forward the assignment (one module, shared, no copy).
         if name == "lm_head" and isinstance(value, nn.Module) and "model" in self._modules:
             self.model.lm_head = value
+
+    def _check_sharing(self) -> None:
+        if not self.shares_target_modules:
+            raise RuntimeError(
+                "ATOM MTP draft: vLLM did not share the target's embed_tokens / lm_head with the draft "
+                "(expected from SpecDecodeBaseProposer.load_model); refusing to run with placeholders"
+            )
+        logger.info(
+            "ATOM MTP draft uses the target's embed_tokens and lm_head (shared modules, no copy); "
+            "its attention layer is %s",
+            ", ".join(self.cores.built),
+        )
+        self._sharing_checked = True
 
     @property
     def config(self):
@@ -99,13 +118,40 @@ class AtomQwen3NextMTP(nn.Module):
     ) -> torch.Tensor:
         if inputs_embeds is not None or input_ids is None:
             raise NotImplementedError("ATOM Qwen3-Next MTP: inputs_embeds are not supported; pass token ids")
+        if not self._sharing_checked:
+            self._check_sharing()
         return self.model(input_ids, positions, hidden_states, spec_step=spec_step_idx)
 
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         return self.model.compute_logits(hidden_states)
 
+    def expected_checkpoint_names(self) -> list[str]:
+        """The ``mtp.*`` tensors this draft reads (checkpoint names: MTP layer j is ``mtp.layers.j``)."""
+        offset = self.atom_config.model.num_hidden_layers
+        names: list[str] = []
+        for pname, p in self.model.named_parameters():
+            if pname.split(".")[0] in ("embed_tokens", "lm_head"):
+                continue
+            for src in sources_for(pname, p.shape[0]):
+                src = re.sub(r"^layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) - offset}.", src)
+                names.append("mtp." + src)
+        return names
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # Only mtp.* is read (atom-models raises a CheckpointError naming what is missing); the shared
         # embedding / lm_head are the target's and arrive through vLLM's proposer.
-        load_mtp(self.model, checkpoint_dir(self.draft_model_config))
+        ckpt = checkpoint_dir(self.draft_model_config)
+        if not any(name.startswith("mtp.") for name in checkpoint_files(ckpt)):
+            expected = self.expected_checkpoint_names()
+            shown = ", ".join(expected[:12]) + (
+                f", ... ({len(expected)} in all)" if len(expected) > 12 else ""
+            )
+            raise CheckpointError(
+                ckpt,
+                [
+                    "speculative_config method 'mtp' needs the MTP head, but the checkpoint has no mtp.* "
+                    f"tensors; missing: {shown}"
+                ],
+            )
+        load_mtp(self.model, ckpt)
         return all_parameter_names(self)
