@@ -86,12 +86,13 @@ def _rope_heads(
         wp = tl.load(w_ptr + partner, mask=cols < D, other=0.0).to(tl.float32)
         xf = (xf * inv[:, None] * (1.0 + w)[None, :]).to(x.dtype).to(tl.float32)
         xpf = (xpf * inv[:, None] * (1.0 + wp)[None, :]).to(x.dtype).to(tl.float32)
-    # inv_freq[i] = 1 / theta ** (2i / ROT), as the reference computes it (float32 pow, then reciprocal)
+    # inv_freq[i] = 1 / theta ** (2i / ROT) with float32 division as the reference; the power in float64
+    # rounded once to float32 is the correctly rounded powf of CPU torch (glibc). GPU powf can be 1-2 ulp
+    # off, and 1 ulp of inv_freq moves the angle at position 40000 by ~5e-3.
     fi = tl.where(cols < HALF, cols, cols - HALF)
     expo = tl.div_rn((2 * fi).to(tl.float32), tl.full([BLOCK_D], ROT, tl.float32))
-    inv_freq = tl.div_rn(
-        tl.full([BLOCK_D], 1.0, tl.float32), _pow(tl.zeros([BLOCK_D], tl.float32) + theta, expo)
-    )
+    powed = _pow(tl.zeros([BLOCK_D], tl.float64) + theta, expo.to(tl.float64)).to(tl.float32)
+    inv_freq = tl.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), powed)
     freq = pos_f * inv_freq
     c = _cos(freq)
     s = _sin(freq)
