@@ -137,12 +137,12 @@ def _recurrent_kernel(
 
 
 def recurrent_launch_config(num_seqs: int, num_v_heads: int, dv: int) -> tuple[int, int]:
-    """(BV, num_warps) of the recurrent kernel: 8 value rows per program, one warp.
+    """(BV, num_warps) of the recurrent kernel: 8 value rows per program, one warp (fla-core's choice).
 
-    Small tiles give many independent programs (N * Hv * Dv / 8), which keeps enough loads in flight at
-    every batch. On the H200 (run 1, benchmarks/results/gdn_run1.log) BV=32 / 4 warps reached 89% of copy
-    bandwidth at B=256 (fp32 state, decode) while fla-core's kernel with BV=8 / 1 warp reached 97%; the
-    ``sweep`` rows of gdn.json compare the candidates at B = 64 and 256.
+    Small tiles give N * Hv * Dv / 8 independent programs, enough loads in flight at every batch. On the
+    H200, BV=32 / 4 warps (run 1) and BV=8 / 1 warp (run 2) gave the same fp32 decode time at B=256
+    (283 vs 287 us, ~89% of copy bandwidth) and the latter was faster for verify (B=256 Q=4: 708 vs
+    773 us; B=64 Q=5: 223 vs 257 us). ``bench_gdn.py --sweep`` compares candidates within one run.
     """
     return min(8, triton.next_power_of_2(dv)), 1
 
