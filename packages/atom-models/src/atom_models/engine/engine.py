@@ -221,6 +221,8 @@ class LLMEngine:
     @torch.no_grad()
     def step(self) -> StepInfo:
         prefills = self._admit()
+        if not prefills and not self.running:
+            return StepInfo(0, 0, 0, 0, 0, ())
         decodes = sorted(self.running, key=lambda r: r.num_spec)  # contiguous groups of equal q_len
         ids: list[int] = []
         positions: list[int] = []
@@ -274,16 +276,22 @@ class LLMEngine:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.target(input_ids, pos, ctx)
-        logits = self.target.compute_logits(hidden, torch.float32).cpu()
+        new_ids = {r.request_id for r in prefills}
+        # logits only where a token is sampled: a prompt's last row, every row of a decode/verify
+        rows_needed, row_start, start_tok = [], [], 0
+        for req, _, n in seqs:
+            row_start.append(len(rows_needed))
+            rows_needed += [start_tok + n - 1] if req.request_id in new_ids else range(start_tok, start_tok + n)
+            start_tok += n
+        logits = self.target.compute_logits(hidden[self._i64(rows_needed)], torch.float32).cpu()
 
         # ---- accept / emit ----
         mtp_rows: list[tuple[Request, int, list[int], torch.Tensor]] = []
         emitted_total = 0
         finished: list[Request] = []
         offset = 0
-        new_ids = {r.request_id for r in prefills}
-        for req, start, n in seqs:
-            rows = logits[offset : offset + n]
+        for (req, start, n), r0 in zip(seqs, row_start):
+            rows = logits[r0 : r0 + (1 if req.request_id in new_ids else n)]
             if req.request_id in new_ids:
                 token, _ = sample_token(rows[-1], req.params, req.generator)
                 accepted_inputs, new = n, [token]  # the whole prompt, then the first sampled token
