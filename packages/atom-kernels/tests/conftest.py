@@ -58,3 +58,15 @@ def impl(backend: str, device: torch.device):
             pytest.skip(str(exc))
 
     return get
+
+
+@pytest.fixture
+def tol(request: pytest.FixtureRequest, backend: str):
+    """``tol(what, dtype)``: ``(atol, rtol)`` from the test module's ``TOL`` table; an entry keyed
+    ``(what, dtype, backend)`` (with its own measured-error comment) overrides ``(what, dtype)``."""
+    table = request.module.TOL
+
+    def get(what: str, dtype: torch.dtype) -> tuple[float, float]:
+        return table.get((what, dtype, backend), table[(what, dtype)])
+
+    return get

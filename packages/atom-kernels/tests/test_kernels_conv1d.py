@@ -42,7 +42,7 @@ def make_pool(slots: int, dtype, device, seed: int, transposed: bool) -> torch.T
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("transposed", [False, True])
-def test_varlen_matches_oracle(impl, device, dtype, transposed):
+def test_varlen_matches_oracle(impl, tol, device, dtype, transposed):
     fn = impl("causal_conv1d_varlen", dtype)
     lens = [1, 63, 65, 257, 2]
     x = randn(sum(lens), C, seed=1, dtype=dtype, device=device)
@@ -61,9 +61,7 @@ def test_varlen_matches_oracle(impl, device, dtype, transposed):
     for n, slot in enumerate(slots.tolist()):
         s, e = offs[n], offs[n + 1]
         hist = before[slot, :, : K - 1] if has_init[n] else torch.zeros(C, K - 1)
-        assert_close(
-            out[s:e], conv_oracle(hist, x[s:e], weight, bias), TOL[("conv", dtype)], f"varlen seq {n}"
-        )
+        assert_close(out[s:e], conv_oracle(hist, x[s:e], weight, bias), tol("conv", dtype), f"varlen seq {n}")
         if slot >= 0:
             full = torch.cat([hist.to(device).to(dtype), x[s:e].t()], dim=1)
             assert torch.equal(pool[slot, :, : K - 1], full[:, -(K - 1) :]), f"final history of seq {n}"
@@ -72,7 +70,7 @@ def test_varlen_matches_oracle(impl, device, dtype, transposed):
         assert torch.equal(pool[slot], before[slot]), f"slot {slot} of no sequence changed"
 
 
-def test_varlen_no_bias_no_activation_equals_each_alone(impl, device):
+def test_varlen_no_bias_no_activation_equals_each_alone(impl, tol, device):
     fn = impl("causal_conv1d_varlen", torch.float32)
     lens = [65, 1, 3]
     x = randn(sum(lens), C, seed=5, dtype=torch.float32, device=device)
@@ -87,13 +85,13 @@ def test_varlen_no_bias_no_activation_equals_each_alone(impl, device):
         s, e = cu[n].item(), cu[n + 1].item()
         cu1 = torch.tensor([0, e - s], dtype=torch.int32, device=device)
         o1 = fn(x[s:e], weight, None, cu1, pool_alone, slots[n : n + 1], has_init[:1], None)
-        assert_close(out[s:e], o1, TOL[("conv_self", torch.float32)], f"varlen vs alone seq {n}")
+        assert_close(out[s:e], o1, tol("conv_self", torch.float32), f"varlen vs alone seq {n}")
     assert torch.equal(pool, pool_alone)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("transposed", [False, True])
-def test_update_equals_sequential_with_resumption(impl, device, dtype, transposed):
+def test_update_equals_sequential_with_resumption(impl, tol, device, dtype, transposed):
     """Prefill, then a verify step with Q = 1 + SPEC tokens == Q single-token updates; then, for every
     num_accepted a, the next step reads the window at offset a - 1 == decoding the a accepted tokens."""
     varlen, update = impl("causal_conv1d_varlen", dtype), impl("causal_conv1d_update", dtype)
@@ -116,13 +114,13 @@ def test_update_equals_sequential_with_resumption(impl, device, dtype, transpose
     for j in range(qlen):
         oj = update(x1[:, j : j + 1], weight, bias, seq_pool, slots, None, "silu")
         assert_close(
-            oj, out1[:, j : j + 1], TOL[("conv_self", dtype)], f"verify vs sequential, output of token {j}"
+            oj, out1[:, j : j + 1], tol("conv_self", dtype), f"verify vs sequential, output of token {j}"
         )
         seq_states.append(seq_pool.clone())
     for i in range(n):
         s = int(slots[i])
         hist = after_prefill[s, :, : K - 1]
-        assert_close(out1[i], conv_oracle(hist, x1[i], weight, bias), TOL[("conv", dtype)], f"update seq {i}")
+        assert_close(out1[i], conv_oracle(hist, x1[i], weight, bias), tol("conv", dtype), f"update seq {i}")
         for a in range(1, qlen + 1):
             window = pool[s, :, a - 1 : a - 1 + K - 1]
             assert torch.equal(window, seq_states[a - 1][s]), (
@@ -136,13 +134,13 @@ def test_update_equals_sequential_with_resumption(impl, device, dtype, transpose
         s, a = int(slots[i]), int(accepted[i])
         hist = seq_states[a - 1][s]
         assert_close(
-            out2[i], conv_oracle(hist, x2[i], weight, bias), TOL[("conv", dtype)], f"resumed seq {i} a={a}"
+            out2[i], conv_oracle(hist, x2[i], weight, bias), tol("conv", dtype), f"resumed seq {i} a={a}"
         )
         expected_state = torch.cat([hist, x2[i].t()], dim=1)[:, 1:]
         assert torch.equal(pool[s, :, : K - 2 + qlen], expected_state), f"left-aligned write, seq {i}"
 
 
-def test_update_padding_slot_and_prefill_continuation(impl, device):
+def test_update_padding_slot_and_prefill_continuation(impl, tol, device):
     """A padded row (slot -1) writes nothing; prefill + update == one prefill of the longer sequence."""
     varlen, update = impl("causal_conv1d_varlen", torch.float32), impl("causal_conv1d_update", torch.float32)
     weight, bias = randn(C, K, seed=14, dtype=torch.float32, device=device), None
@@ -168,7 +166,7 @@ def test_update_padding_slot_and_prefill_continuation(impl, device):
         ~one,
         "silu",
     )
-    assert_close(out[0], full[67:], TOL[("conv_self", torch.float32)], "prefill + update vs one prefill")
+    assert_close(out[0], full[67:], tol("conv_self", torch.float32), "prefill + update vs one prefill")
 
 
 def test_bad_inputs(impl, device):

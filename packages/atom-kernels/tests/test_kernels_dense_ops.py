@@ -31,35 +31,33 @@ def rms_oracle(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 63, 257])
-def test_rms_norm(impl, device, dtype, tokens):
+def test_rms_norm(impl, tol, device, dtype, tokens):
     fn = impl("rms_norm", dtype)
     x = randn(tokens, 96, seed=1, dtype=dtype, device=device, scale=3.0)
     w = randn(96, seed=2, dtype=dtype, device=device, scale=0.2)
     y = fn(x, w, 1e-6)
     assert y.dtype == dtype and y.shape == x.shape
     expected = rms_oracle(x, 1e-6) * (1 + w.double().cpu())
-    assert_close(y, expected, TOL[("rms_norm", dtype)], f"rms_norm {dtype} T={tokens}")
+    assert_close(y, expected, tol("rms_norm", dtype), f"rms_norm {dtype} T={tokens}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_residual(impl, device, dtype):
+def test_rms_norm_residual(impl, tol, device, dtype):
     fn = impl("rms_norm", dtype)
     x = randn(65, 4, 32, seed=3, dtype=dtype, device=device)
     r = randn(65, 4, 32, seed=4, dtype=dtype, device=device)
     w = randn(32, seed=5, dtype=torch.float32, device=device, scale=0.1)
     y, h = fn(x, w, 1e-6, residual=r)
     assert h.dtype == dtype
-    assert_close(h, x.double() + r.double(), TOL[("rms_norm", dtype)], f"rms_norm residual sum {dtype}")
+    assert_close(h, x.double() + r.double(), tol("rms_norm", dtype), f"rms_norm residual sum {dtype}")
     y_plain = fn(h, w, 1e-6)
     assert_close(
-        y, y_plain, TOL[("rms_norm", dtype)], "rms_norm(x, residual=r) vs rms_norm(x + r)"
+        y, y_plain, tol("rms_norm", dtype), "rms_norm(x, residual=r) vs rms_norm(x + r)"
     )  # 0 (reference)
-    assert_close(
-        y, rms_oracle(h, 1e-6) * (1 + w.double().cpu()), TOL[("rms_norm", dtype)], "rms_norm residual"
-    )
+    assert_close(y, rms_oracle(h, 1e-6) * (1 + w.double().cpu()), tol("rms_norm", dtype), "rms_norm residual")
 
 
-def test_rms_norm_matches_transformers(impl, device):
+def test_rms_norm_matches_transformers(impl, tol, device):
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
     fn = impl("rms_norm", torch.float32)
@@ -69,11 +67,11 @@ def test_rms_norm_matches_transformers(impl, device):
     x = randn(17, 64, seed=6, dtype=torch.float32, device="cpu")
     expected = mod(x).detach()
     got = fn(x.to(device), mod.weight.detach().to(device), 1e-6)
-    assert_close(got, expected, TOL[("rms_norm", torch.float32)], "rms_norm vs transformers")
+    assert_close(got, expected, tol("rms_norm", torch.float32), "rms_norm vs transformers")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gated_rms_norm(impl, device, dtype):
+def test_gated_rms_norm(impl, tol, device, dtype):
     fn = impl("gated_rms_norm", dtype)
     x = randn(63, 4, 64, seed=7, dtype=dtype, device=device, scale=2.0)
     z = randn(63, 4, 64, seed=8, dtype=dtype, device=device)
@@ -81,10 +79,10 @@ def test_gated_rms_norm(impl, device, dtype):
     y = fn(x, z, w, 1e-6)
     assert y.dtype == dtype and y.shape == x.shape
     expected = rms_oracle(x, 1e-6) * w.double().cpu() * F.silu(z.double().cpu())
-    assert_close(y, expected, TOL[("gated_rms_norm", dtype)], f"gated_rms_norm {dtype}")
+    assert_close(y, expected, tol("gated_rms_norm", dtype), f"gated_rms_norm {dtype}")
 
 
-def test_gated_rms_norm_is_not_zero_centred(impl, device):
+def test_gated_rms_norm_is_not_zero_centred(impl, tol, device):
     """weight = 1 must give x_hat * silu(z) (a zero-centred norm would give twice that)."""
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
 
@@ -94,7 +92,7 @@ def test_gated_rms_norm_is_not_zero_centred(impl, device):
     mod = Qwen3NextRMSNormGated(32, eps=1e-6)
     expected = mod(x.reshape(-1, 32), z.reshape(-1, 32)).detach().reshape(x.shape)
     got = fn(x.to(device), z.to(device), torch.ones(32, device=device), 1e-6)
-    assert_close(got, expected, TOL[("gated_rms_norm", torch.float32)], "gated_rms_norm vs transformers")
+    assert_close(got, expected, tol("gated_rms_norm", torch.float32), "gated_rms_norm vs transformers")
 
 
 def rope_oracle(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
@@ -115,7 +113,7 @@ def rope_oracle(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rotary_dim", [64, 256])
-def test_rope(impl, device, dtype, rotary_dim):
+def test_rope(impl, tol, device, dtype, rotary_dim):
     fn = impl("rope", dtype)
     tokens, dim = 65, 256
     q = randn(tokens, 4, dim, seed=12, dtype=dtype, device=device)
@@ -123,7 +121,7 @@ def test_rope(impl, device, dtype, rotary_dim):
     positions = torch.randint(0, 40000, (tokens,), generator=torch.Generator().manual_seed(1)).to(device)
     q2, k2 = fn(q, k, positions, rotary_dim, 10000000.0)
     assert q2.dtype == dtype and q2.shape == q.shape and k2.shape == k.shape
-    tol = TOL[("rope", dtype)]
+    tol = tol("rope", dtype)
     assert_close(q2, rope_oracle(q, positions, rotary_dim, 1e7), tol, f"rope q {dtype} rd={rotary_dim}")
     assert_close(k2, rope_oracle(k, positions, rotary_dim, 1e7), tol, f"rope k {dtype} rd={rotary_dim}")
     assert torch.equal(q2[..., rotary_dim:], q[..., rotary_dim:]), (
@@ -149,13 +147,13 @@ def test_rope_relative_positions(impl, device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 257])
-def test_silu_and_mul(impl, device, dtype, tokens):
+def test_silu_and_mul(impl, tol, device, dtype, tokens):
     fn = impl("silu_and_mul", dtype)
     x = randn(tokens, 2 * 80, seed=16, dtype=dtype, device=device, scale=2.0)
     y = fn(x)
     assert y.shape == (tokens, 80) and y.dtype == dtype
     x64 = x.double().cpu()
-    assert_close(y, F.silu(x64[:, :80]) * x64[:, 80:], TOL[("silu_and_mul", dtype)], f"silu_and_mul {dtype}")
+    assert_close(y, F.silu(x64[:, :80]) * x64[:, 80:], tol("silu_and_mul", dtype), f"silu_and_mul {dtype}")
 
 
 # Bad input: every op raises ValueError naming the argument (checked on the meta device too).

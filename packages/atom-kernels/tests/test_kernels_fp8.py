@@ -47,7 +47,7 @@ def block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tenso
 
 
 @pytest.mark.parametrize("block", [(128, 128), (64, 32)])
-def test_block_dequant_round_trip(impl, device, block):
+def test_block_dequant_round_trip(impl, tol, device, block):
     dequant = impl("fp8_block_dequant", torch.float32)
     # rows of very different magnitude so that the per-block scales matter
     w = (
@@ -59,7 +59,7 @@ def test_block_dequant_round_trip(impl, device, block):
     assert back.shape == w.shape and back.dtype == torch.float32
     blk_scale = scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:200, :300]
     assert_close(
-        back / blk_scale, w / blk_scale, TOL[("roundtrip", torch.float32)], f"fp8 block round trip {block}"
+        back / blk_scale, w / blk_scale, tol("roundtrip", torch.float32), f"fp8 block round trip {block}"
     )
     # Exactness against a loop over the blocks, in float32 and bf16.
     bn, bk = block
@@ -71,12 +71,12 @@ def test_block_dequant_round_trip(impl, device, block):
             for j in range(scale_inv.shape[1]):
                 sl = (slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk))
                 expected[sl] = w_fp8[sl].double().cpu() * scale_inv[i, j].double().cpu()
-        assert_close(out, expected, TOL[("dequant_exact", dtype)], f"fp8 block dequant vs block loop {dtype}")
+        assert_close(out, expected, tol("dequant_exact", dtype), f"fp8 block dequant vs block loop {dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [128, 300])
-def test_act_quant(impl, device, dtype, k):
+def test_act_quant(impl, tol, device, dtype, k):
     quant = impl("fp8_act_quant", dtype)
     x = randn(65, k, seed=2, dtype=dtype, device=device) * torch.logspace(-3, 0, 65, device=device)[
         :, None
@@ -88,7 +88,7 @@ def test_act_quant(impl, device, dtype, k):
     assert scales.dtype == torch.float32 and scales.shape == (65, groups)
     expanded = scales.repeat_interleave(128, 1)[:, :k]
     back = x_fp8.float() * expanded
-    assert_close(back, x.float(), TOL[("act_roundtrip", dtype)], f"fp8 act quant round trip {dtype} K={k}")
+    assert_close(back, x.float(), tol("act_roundtrip", dtype), f"fp8 act quant round trip {dtype} K={k}")
     assert torch.equal(back[3], torch.zeros(k, device=device)), "zero token stays zero"
     # every non-zero group's absmax maps to +-448 exactly
     amax = (
@@ -101,7 +101,7 @@ def test_act_quant(impl, device, dtype, k):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear(impl, device, dtype, with_bias):
+def test_linear(impl, tol, device, dtype, with_bias):
     linear, dequant = impl("fp8_linear", dtype), impl("fp8_block_dequant", dtype)
     n, k = 200, 300
     w_fp8, scale_inv = block_quantize(
@@ -113,10 +113,10 @@ def test_linear(impl, device, dtype, with_bias):
     assert y.shape == (63, n) and y.dtype == dtype
     w64 = dequant(w_fp8, scale_inv, (128, 128), torch.float32).double().cpu()
     expected = x.double().cpu() @ w64.t() + (bias.double().cpu() if with_bias else 0)
-    assert_close(y, expected, TOL[("linear", dtype)], f"fp8_linear {dtype} bias={with_bias}")
+    assert_close(y, expected, tol("linear", dtype), f"fp8_linear {dtype} bias={with_bias}")
 
 
-def test_kv_quant_round_trip(impl, device):
+def test_kv_quant_round_trip(impl, tol, device):
     quant, dequant = impl("fp8_kv_quant", torch.float32), impl("fp8_kv_dequant", torch.float32)
     x = randn(7, 2, 64, seed=6, dtype=torch.float32, device=device)
     scale = torch.tensor([0.05], device=device)
@@ -126,7 +126,7 @@ def test_kv_quant_round_trip(impl, device):
         back = dequant(q, 0.05, dtype)
         assert back.dtype == dtype
     back = dequant(q, scale, torch.float32)
-    assert_close(back, x, TOL[("kv", torch.float32)], "fp8 kv round trip")
+    assert_close(back, x, tol("kv", torch.float32), "fp8 kv round trip")
     big = quant(torch.tensor([1e6, -1e6], device=device), 1.0)
     assert big.float().tolist() == [448.0, -448.0], "out-of-range values saturate at +-448"
 

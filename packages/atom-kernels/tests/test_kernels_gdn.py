@@ -61,7 +61,7 @@ def naive(q, k, v, g, beta, state, scale=SCALE, l2=True):
     return o, states
 
 
-def test_gdn_gating(impl, device):
+def test_gdn_gating(impl, tol, device):
     for dtype in DTYPES:
         fn = impl("gdn_gating", dtype)
         a, b = (
@@ -75,21 +75,21 @@ def test_gdn_gating(impl, device):
         g, beta = fn(a_log, a, dt_bias, b)
         assert g.dtype == torch.float32 and beta.dtype == torch.float32
         expected_g = -a_log.double().exp() * F.softplus(a.double() + dt_bias.double())
-        assert_close(g, expected_g, TOL[("gating", dtype)], f"gdn_gating g {dtype}")
-        assert_close(beta, torch.sigmoid(b.double()), TOL[("gating", dtype)], f"gdn_gating beta {dtype}")
+        assert_close(g, expected_g, tol("gating", dtype), f"gdn_gating g {dtype}")
+        assert_close(beta, torch.sigmoid(b.double()), tol("gating", dtype), f"gdn_gating beta {dtype}")
         with pytest.raises(ValueError, match=r"dt_bias must have shape \[Hv=4\]"):
             fn(a_log, a, dt_bias[:3], b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_l2norm(impl, device, dtype):
+def test_l2norm(impl, tol, device, dtype):
     fn = impl("l2norm", dtype)
     x = randn(63, HK, DK, seed=5, dtype=dtype, device=device)
     y = fn(x)
     x64 = x.double()
     assert y.dtype == dtype
     assert_close(
-        y, x64 / torch.sqrt((x64 * x64).sum(-1, keepdim=True) + 1e-6), TOL[("l2norm", dtype)], "l2norm"
+        y, x64 / torch.sqrt((x64 * x64).sum(-1, keepdim=True) + 1e-6), tol("l2norm", dtype), "l2norm"
     )
     with pytest.raises(ValueError, match="eps must be a positive number"):
         fn(x, eps=-1.0)
@@ -104,7 +104,7 @@ def varlen_batch(lens: list[int], seed: int, dtype, device, num_slots: int):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens", [[1], [63], [65], [257], [65, 1, 257, 63]])
-def test_chunked_matches_naive(impl, device, dtype, lens):
+def test_chunked_matches_naive(impl, tol, device, dtype, lens):
     fn = impl("gated_delta_rule_chunked", dtype)
     q, k, v, g, beta, cu, pool = varlen_batch(lens, 10, dtype, device, num_slots=len(lens) + 2)
     slots = torch.arange(len(lens), 0, -1, dtype=torch.int32, device=device)  # scrambled slot order
@@ -117,13 +117,13 @@ def test_chunked_matches_naive(impl, device, dtype, lens):
         s, e = offs[n], offs[n + 1]
         init = before[slots[n]] if has_init[n] else torch.zeros_like(before[0])
         o_ref, states = naive(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init)
-        assert_close(o[s:e], o_ref, TOL[("gdr_vs_naive", dtype)], f"chunked o seq {n} len {lens[n]} {dtype}")
-        assert_close(pool[slots[n]], states[-1], TOL[("gdr_vs_naive", dtype)], f"chunked final state seq {n}")
+        assert_close(o[s:e], o_ref, tol("gdr_vs_naive", dtype), f"chunked o seq {n} len {lens[n]} {dtype}")
+        assert_close(pool[slots[n]], states[-1], tol("gdr_vs_naive", dtype), f"chunked final state seq {n}")
     untouched = [i for i in range(pool.shape[0]) if i not in slots.tolist()]
     assert torch.equal(pool[untouched], before[untouched]), "slots of no sequence must stay untouched"
 
 
-def test_chunked_varlen_equals_each_alone(impl, device):
+def test_chunked_varlen_equals_each_alone(impl, tol, device):
     fn = impl("gated_delta_rule_chunked", torch.float32)
     lens = [63, 1, 65, 257, 64]
     q, k, v, g, beta, cu, pool = varlen_batch(lens, 20, torch.float32, device, num_slots=len(lens))
@@ -138,12 +138,12 @@ def test_chunked_varlen_equals_each_alone(impl, device):
         o1 = fn(
             q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], cu1, pool_alone, slots[n : n + 1], has_init[:1], SCALE
         )
-        assert_close(o[s:e], o1, TOL[("self_exact", torch.float32)], f"varlen vs alone, output of seq {n}")
-    assert_close(pool, pool_alone, TOL[("self_exact", torch.float32)], "varlen vs alone, final states")
+        assert_close(o[s:e], o1, tol("self_exact", torch.float32), f"varlen vs alone, output of seq {n}")
+    assert_close(pool, pool_alone, tol("self_exact", torch.float32), "varlen vs alone, final states")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_chunked_equals_recurrent(impl, device, dtype):
+def test_chunked_equals_recurrent(impl, tol, device, dtype):
     """Three sequences of 65 tokens: the chunked prefill and a 65-token recurrent call agree."""
     chunked, recurrent = impl("gated_delta_rule_chunked", dtype), impl("gated_delta_rule_recurrent", dtype)
     n, length = 3, 65
@@ -155,14 +155,14 @@ def test_chunked_equals_recurrent(impl, device, dtype):
     flat = [t.reshape(n * length, *t.shape[2:]) for t in (q, k, v, g, beta)]
     o_chunk = chunked(*flat, cu, pool, slots, torch.ones(n, dtype=torch.bool, device=device), SCALE)
     o_rec = recurrent(q, k, v, g, beta, pool_rec, slots[:, None].expand(n, length).contiguous(), None, SCALE)
-    tol = TOL[("gdr_self", dtype)]
+    tol = tol("gdr_self", dtype)
     assert_close(o_chunk, o_rec.reshape(n * length, HV, DV), tol, f"chunked vs recurrent outputs {dtype}")
     assert_close(pool, pool_rec, tol, f"chunked vs recurrent final states {dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_recurrent_matches_naive_every_state(impl, device, dtype, state_dtype):
+def test_recurrent_matches_naive_every_state(impl, tol, device, dtype, state_dtype):
     fn = impl("gated_delta_rule_recurrent", dtype)
     n, qlen = 3, 4
     q, k, v, g, beta = make_inputs((n, qlen), 40, dtype, device)
@@ -173,7 +173,7 @@ def test_recurrent_matches_naive_every_state(impl, device, dtype, state_dtype):
     before = pool.clone()
     o = fn(q, k, v, g, beta, pool, slots, num_accepted, SCALE)
     assert o.shape == v.shape and o.dtype == dtype
-    tol = TOL[("gdr_vs_naive", dtype)] if state_dtype == torch.float32 else TOL[("state_bf16", torch.float32)]
+    tol = tol("gdr_vs_naive", dtype) if state_dtype == torch.float32 else tol("state_bf16", torch.float32)
     for i in range(n):
         init = before[slots[i, num_accepted[i] - 1]]
         o_ref, states = naive(q[i], k[i], v[i], g[i], beta[i], init)
@@ -187,7 +187,7 @@ def test_recurrent_matches_naive_every_state(impl, device, dtype, state_dtype):
     )
 
 
-def test_multi_token_step_equals_one_at_a_time_with_resumption(impl, device):
+def test_multi_token_step_equals_one_at_a_time_with_resumption(impl, tol, device):
     """A Q=4 verify step == 4 single-token decodes (outputs and every per-token state), and the next
     step resuming from num_accepted == decoding the accepted tokens then the new ones one by one."""
     fn = impl("gated_delta_rule_recurrent", torch.float32)
@@ -207,13 +207,13 @@ def test_multi_token_step_equals_one_at_a_time_with_resumption(impl, device):
         assert_close(
             o1[:, j : j + 1],
             oj,
-            TOL[("self_exact", torch.float32)],
+            tol("self_exact", torch.float32),
             f"verify vs single decode, output of token {j}",
         )
         assert_close(
             pool[rows[:, j].long()],
             single,
-            TOL[("self_exact", torch.float32)],
+            tol("self_exact", torch.float32),
             f"verify vs single decode, state after {j}",
         )
     # Step 2 resumes after accepting a tokens of step 1.
@@ -224,18 +224,21 @@ def test_multi_token_step_equals_one_at_a_time_with_resumption(impl, device):
         a = int(accepted[i])
         seq = [torch.cat([t[i, :a], t[i, qlen:]]) for t in (q, k, v, g, beta)]
         o_ref, states = naive(*seq, start[i])
-        assert_close(o2[i], o_ref[a:], TOL[("gdr_vs_naive", torch.float32)], f"resumed step, seq {i} a={a}")
+        assert_close(o2[i], o_ref[a:], tol("gdr_vs_naive", torch.float32), f"resumed step, seq {i} a={a}")
         for j in range(qlen):
             assert_close(
-                pool[rows[i, j]], states[a + j], TOL[("gdr_vs_naive", torch.float32)], f"state {i},{j}"
+                pool[rows[i, j]], states[a + j], tol("gdr_vs_naive", torch.float32), f"state {i},{j}"
             )
 
 
-def test_matches_transformers(impl, device):
-    from transformers.models.qwen3_next.modeling_qwen3_next import (
-        torch_chunk_gated_delta_rule,
-        torch_recurrent_gated_delta_rule,
-    )
+def test_matches_transformers(impl, tol, device):
+    import inspect
+
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    # The plain torch functions: with fla installed, transformers' wrappers dispatch to fla's kernels.
+    torch_chunk_gated_delta_rule = inspect.unwrap(hf.torch_chunk_gated_delta_rule)
+    torch_recurrent_gated_delta_rule = inspect.unwrap(hf.torch_recurrent_gated_delta_rule)
 
     chunked, recurrent = (
         impl("gated_delta_rule_chunked", torch.float32),
@@ -259,7 +262,7 @@ def test_matches_transformers(impl, device):
     o_hf_rec, s_hf_rec = torch_recurrent_gated_delta_rule(
         *hf_args, initial_state=hf_init, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
-    tol = TOL[("hf", torch.float32)]
+    tol = tol("hf", torch.float32)
     pool = init.clone()
     cu = torch.tensor([0, length], dtype=torch.int32, device=device)
     slot = torch.zeros(1, dtype=torch.int32, device=device)
@@ -276,7 +279,7 @@ def test_matches_transformers(impl, device):
     )
 
 
-def test_no_l2norm_and_custom_scale(impl, device):
+def test_no_l2norm_and_custom_scale(impl, tol, device):
     fn = impl("gated_delta_rule_recurrent", torch.float32)
     q, k, v, g, beta = make_inputs((1, 5), 70, torch.float32, device)
     k = F.normalize(k, dim=-1) * 0.8
@@ -294,8 +297,8 @@ def test_no_l2norm_and_custom_scale(impl, device):
         use_qk_l2norm=False,
     )
     o_ref, states = naive(q[0], k[0], v[0], g[0], beta[0], torch.zeros(HV, DV, DK), scale=0.5, l2=False)
-    assert_close(o[0], o_ref, TOL[("gdr_vs_naive", torch.float32)], "recurrent without l2norm")
-    assert_close(pool[0], states[-1], TOL[("gdr_vs_naive", torch.float32)], "recurrent without l2norm, state")
+    assert_close(o[0], o_ref, tol("gdr_vs_naive", torch.float32), "recurrent without l2norm")
+    assert_close(pool[0], states[-1], tol("gdr_vs_naive", torch.float32), "recurrent without l2norm, state")
 
 
 def test_bad_inputs(impl, device):

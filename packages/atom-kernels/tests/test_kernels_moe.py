@@ -20,7 +20,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_moe_router(impl, device, dtype, renormalize):
+def test_moe_router(impl, tol, device, dtype, renormalize):
     fn = impl("moe_router", dtype)
     logits = randn(63, 32, seed=1, dtype=dtype, device=device, scale=2.0)
     weights, ids = fn(logits, 4, renormalize)
@@ -32,11 +32,11 @@ def test_moe_router(impl, device, dtype, renormalize):
         assert_close(
             weights.sum(-1),
             torch.ones(63, dtype=torch.float64),
-            TOL[("router_sum", torch.float32)],
+            tol("router_sum", torch.float32),
             "renormalised sum",
         )
     assert torch.equal(ids.cpu(), expected_ids), "moe_router picked different experts than softmax top-k"
-    assert_close(weights, expected_w, TOL[("moe_router", dtype)], f"moe_router {dtype}")
+    assert_close(weights, expected_w, tol("moe_router", dtype), f"moe_router {dtype}")
 
 
 def naive_moe(x, weights, ids, w13, w2):
@@ -53,7 +53,7 @@ def naive_moe(x, weights, ids, w13, w2):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 65])
-def test_moe_experts_matches_per_token_loop(impl, device, dtype, tokens):
+def test_moe_experts_matches_per_token_loop(impl, tol, device, dtype, tokens):
     router, experts = impl("moe_router", dtype), impl("moe_experts", dtype)
     num_experts, hidden, inter, top_k = 16, 64, 32, 4
     x = randn(tokens, hidden, seed=2, dtype=dtype, device=device)
@@ -64,10 +64,10 @@ def test_moe_experts_matches_per_token_loop(impl, device, dtype, tokens):
     out = experts(x, weights, ids, w13, w2)
     assert out.dtype == dtype and out.shape == x.shape
     expected = naive_moe(x, weights, ids.cpu(), w13, w2)
-    assert_close(out, expected, TOL[("moe_experts", dtype)], f"moe_experts {dtype} T={tokens}")
+    assert_close(out, expected, tol("moe_experts", dtype), f"moe_experts {dtype} T={tokens}")
 
 
-def test_moe_experts_int32_ids_and_unused_experts(impl, device):
+def test_moe_experts_int32_ids_and_unused_experts(impl, tol, device):
     """Only some experts receive tokens; int32 ids give the same result as int64."""
     experts = impl("moe_experts", torch.float32)
     x = randn(5, 16, seed=6, dtype=torch.float32, device=device)
@@ -77,9 +77,9 @@ def test_moe_experts_int32_ids_and_unused_experts(impl, device):
     weights = torch.rand(5, 2, generator=torch.Generator().manual_seed(0)).to(device)
     out64 = experts(x, weights, ids, w13, w2)
     out32 = experts(x, weights, ids.int(), w13, w2)
-    assert_close(out32, out64, TOL[("moe_experts", torch.float32)], "int32 vs int64 ids")  # 0 (reference)
+    assert_close(out32, out64, tol("moe_experts", torch.float32), "int32 vs int64 ids")  # 0 (reference)
     assert_close(
-        out64, naive_moe(x, weights, ids.cpu(), w13, w2), TOL[("moe_experts", torch.float32)], "sparse"
+        out64, naive_moe(x, weights, ids.cpu(), w13, w2), tol("moe_experts", torch.float32), "sparse"
     )
 
 

@@ -88,7 +88,7 @@ def build_batch(layout, head_dim, dtype, device, cache_dtype=None, seed=0):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 256])
-def test_mixed_batch_matches_dense(impl, device, dtype, head_dim):
+def test_mixed_batch_matches_dense(impl, tol, device, dtype, head_dim):
     write, attend = impl("kv_cache_write", dtype), impl("paged_attention", dtype)
     b = build_batch(MIXED, head_dim, dtype, device, seed=head_dim)
     write(torch.cat(b["keys"]), torch.cat(b["values"]), b["key_cache"], b["value_cache"], b["slot_mapping"])
@@ -108,7 +108,7 @@ def test_mixed_batch_matches_dense(impl, device, dtype, head_dim):
         s, e = qsl[n], qsl[n + 1]
         expected = dense_oracle(b["q"][s:e], b["keys"][n], b["values"][n], scale)
         assert_close(
-            out[s:e], expected, TOL[("attn", dtype)], f"paged vs dense, seq {n} {MIXED[n]} D={head_dim}"
+            out[s:e], expected, tol("attn", dtype), f"paged vs dense, seq {n} {MIXED[n]} D={head_dim}"
         )
 
 
@@ -124,7 +124,7 @@ def test_kv_cache_write_skips_negative_slots_and_accepts_views(impl, device):
     assert int((kv != 0).any(-1).any(-1).sum()) == 4, "exactly two slots in each cache written"
 
 
-def test_fp8_cache(impl, device):
+def test_fp8_cache(impl, tol, device):
     write, attend = impl("kv_cache_write", torch.float32), impl("paged_attention", torch.float32)
     layout = [(20, 3), (0, 17), (40, 1)]
     b = build_batch(layout, 64, torch.float32, device, cache_dtype=torch.float8_e4m3fn, seed=7)
@@ -135,8 +135,8 @@ def test_fp8_cache(impl, device):
     slots = b["slot_mapping"]
     stored_k = b["key_cache"][slots // BLOCK, slots % BLOCK].float() * 0.02
     stored_v = b["value_cache"][slots // BLOCK, slots % BLOCK].float() * v_scale
-    assert_close(stored_k, keys, TOL[("fp8_roundtrip", torch.float32)], "fp8 K round trip")
-    assert_close(stored_v, values, TOL[("fp8_roundtrip", torch.float32)], "fp8 V round trip")
+    assert_close(stored_k, keys, tol("fp8_roundtrip", torch.float32), "fp8 K round trip")
+    assert_close(stored_v, values, tol("fp8_roundtrip", torch.float32), "fp8 V round trip")
     out = attend(
         b["q"],
         b["key_cache"],
@@ -155,7 +155,7 @@ def test_fp8_cache(impl, device):
         expected = dense_oracle(
             b["q"][s:e], stored_k[offs[n] : offs[n + 1]], stored_v[offs[n] : offs[n + 1]], 0.125
         )
-        assert_close(out[s:e], expected, TOL[("attn_fp8", torch.float32)], f"fp8 paged vs dense seq {n}")
+        assert_close(out[s:e], expected, tol("attn_fp8", torch.float32), f"fp8 paged vs dense seq {n}")
 
 
 def test_bad_inputs(impl, device):
