@@ -70,3 +70,26 @@ def test_float32_chunked_prefill_mixed_batches_reproduce_greedy() -> None:
     bad = _diverging(job["token_ids"])
     assert not bad, "chunked prefill + MTP output differs from greedy.json:\n" + "\n".join(bad)
     assert job["acceptance_rate"] >= MIN_ACCEPTANCE[2]
+
+
+def test_float32_preemption_keeps_outputs_exact() -> None:
+    """A KV pool of 14 blocks (about 2 requests of 512 tokens) for 8 requests growing to 348 tokens:
+    vLLM preempts and later recomputes requests (their GDN state is rebuilt by a fresh prefill). The
+    first 64 tokens must still equal greedy.json and the rest be the float32 argmax."""
+    from _reference import consistency
+    from _vllm import model_dir
+
+    s = spec(
+        plugin=True,
+        dtype="float32",
+        k=1,
+        jobs=[{**greedy_job(), "max_tokens": 300}],
+        llm_kwargs={"num_gpu_blocks_override": 14, "max_num_seqs": 8},
+    )
+    r = engine_run(s, "f32_plugin_k1_preempt")
+    job = r["jobs"]["greedy"]
+    assert job["spec"]["num_preemptions"] > 0, "the small KV pool did not force a preemption"
+    bad = _diverging([t[:64] for t in job["token_ids"]])
+    assert not bad, "after preemption, outputs differ from greedy.json:\n" + "\n".join(bad)
+    c = consistency(str(model_dir()), [g["prompt_ids"] for g in greedy_cases()], job["token_ids"])
+    assert c.max_gap <= 0.01, f"after preemption a token is far from the float32 argmax: {c}"

@@ -28,6 +28,7 @@ SPEC_METRICS = {
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
     "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_per_pos",
+    "vllm:num_preemptions": "num_preemptions",
 }
 
 
@@ -45,7 +46,7 @@ def _spec_counters(llm: Any) -> dict[str, Any]:
         if key == "accepted_per_pos":
             out[key] = [int(v) for v in m.values]
         else:
-            out[key] = int(m.value)
+            out[key] += int(m.value)
     return out
 
 
@@ -53,7 +54,10 @@ def _diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     per_pos_b = before["accepted_per_pos"] + [0] * (
         len(after["accepted_per_pos"]) - len(before["accepted_per_pos"])
     )
-    d = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    d = {
+        k: after[k] - before[k]
+        for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_preemptions")
+    }
     d["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], per_pos_b)]
     return d
 
