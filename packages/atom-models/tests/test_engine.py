@@ -114,3 +114,23 @@ def test_temperature_sampling_is_seeded_and_speculation_keeps_running(engines, g
     b = eng.generate([prompt], sp)[0]
     assert a.output_ids == b.output_ids and len(a.output_ids) == 24
     assert a.stats.num_drafts > 0
+
+
+def test_eos_inside_accepted_drafts_stops_the_request(model_dir, greedy_cases):
+    """A stop token among the accepted drafts ends the request there; later tokens are dropped."""
+    import dataclasses
+
+    from atom_core import Qwen3NextConfig
+    from atom_models import load_mtp, load_target
+
+    case = greedy_cases["cases"][5]
+    stop = case["greedy_ids"][20]
+    cut = case["greedy_ids"].index(stop)
+    cfg = dataclasses.replace(Qwen3NextConfig.from_hf(model_dir), eos_token_id=(stop,))
+    eng = LLMEngine(cfg, EngineConfig(num_speculative_tokens=3, max_model_len=256, max_num_seqs=2))
+    load_target(eng.target, model_dir)
+    load_mtp(eng.mtp, model_dir)
+    res = eng.generate([case["prompt_ids"]], SamplingParams(max_tokens=64))[0]
+    assert res.finish_reason == "stop"
+    assert res.output_ids == case["greedy_ids"][: cut + 1]
+    assert eng.caches.slots.num_free == eng.caches.slots.num_groups

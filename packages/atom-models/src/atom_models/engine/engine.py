@@ -281,7 +281,9 @@ class LLMEngine:
         rows_needed, row_start, start_tok = [], [], 0
         for req, _, n in seqs:
             row_start.append(len(rows_needed))
-            rows_needed += [start_tok + n - 1] if req.request_id in new_ids else range(start_tok, start_tok + n)
+            rows_needed += (
+                [start_tok + n - 1] if req.request_id in new_ids else range(start_tok, start_tok + n)
+            )
             start_tok += n
         logits = self.target.compute_logits(hidden[self._i64(rows_needed)], torch.float32).cpu()
 
