@@ -238,6 +238,44 @@ def kern_paged(kern, q, kc, vc, bt, seq_lens, qsl, scale, cfg):
     return pa.paged_attention(q, kc, vc, bt, seq_lens, qsl, scale, config=cfg)
 
 
+SWEEP = {  # alternatives to the default plan, timed on a few cases (same run, same inputs)
+    1: [("BLOCK_N=64 s3", dict(BLOCK_N=64, num_stages=3)), ("BLOCK_N=32 s4", dict(BLOCK_N=32, num_stages=4)),
+        ("BLOCK_N=128 w8", dict(BLOCK_N=128, num_warps=8))],
+    5: [("BLOCK_N=32 w4 s3", dict(BLOCK_N=32, num_warps=4, num_stages=3)),
+        ("BLOCK_N=64 w4", dict(BLOCK_N=64, num_warps=4)), ("BLOCK_N=64 w8 s3", dict(BLOCK_N=64, num_warps=8, num_stages=3))],
+}  # fmt: skip
+
+
+def bench_sweep(ceil, device, batch, ctx):
+    """Tile alternatives for decode (q_len 1) and k=4 verification (q_len 5) at one (batch, ctx)."""
+    from atom_kernels.ops.paged_attention import triton as pa
+
+    kc, vc, bt = make_paged(batch, ctx, BLOCK, torch.bfloat16, device, 11)
+    kv_bytes = batch * ctx * HKV * D * 2 * 2
+    scale = D**-0.5
+    rows = []
+    for q_len, variants in SWEEP.items():
+        q = torch.randn(batch * q_len, HQ, D, device=device, dtype=torch.bfloat16)
+        seq_lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
+        qsl = torch.arange(0, batch + 1, device=device, dtype=torch.int32) * q_len
+        name = f"{'decode' if q_len == 1 else f'verify k={q_len - 1}'} B={batch} ctx={ctx // 1024}k"
+        ref = pa.paged_attention(q, kc, vc, bt, seq_lens, qsl, scale)
+        for label, cfg in [("default", None), *variants]:
+            fn = lambda cfg=cfg: pa.paged_attention(q, kc, vc, bt, seq_lens, qsl, scale, config=cfg)  # noqa: E731
+            try:
+                err = (fn().float() - ref.float()).abs().max().item()
+                ms = common.time_ms(fn, graph=True, rep_ms=20)
+            except Exception as exc:
+                rows.append(
+                    dict(bench="attention_sweep", case=name, impl=label, ms=None, error=str(exc)[:300])
+                )
+                continue
+            rows.append(common.row(bench="attention_sweep", case=name, impl=f"triton paged {label}", ms=ms,
+                                   ceil=ceil, nbytes=kv_bytes, flops=0.0, max_err_vs_default=err))  # fmt: skip
+            print("sweep", name, label, f"{ms * 1e3:.1f} us", f"{rows[-1]['frac_copy']:.0%}")
+    return rows
+
+
 def bench_mixed(kern, ceil, device):
     """One prefill chunk of 1024 over 7168 cached tokens + 63 decodes + 64 k=3 verifies, ctx 8k."""
     ctx = 8192
@@ -290,10 +328,13 @@ def main() -> None:
     rows += guarded("prefill 4096", bench_prefill, kern, ceil, device, 4096, 0)
     rows += guarded("prefill chunk", bench_prefill, kern, ceil, device, 2048, 6144)
     rows += guarded("mixed", bench_mixed, kern, ceil, device)
+    if not args.quick:
+        rows += guarded("sweep B=64 ctx=8k", bench_sweep, ceil, device, 64, 8192)
+        rows += guarded("sweep B=8 ctx=32k", bench_sweep, ceil, device, 8, 32768)
     common.write_json(
         out / "attention_h200.json", {"env": common.environment(), "ceilings": ceil, "rows": rows}
     )
-    dec = [r for r in rows if r["case"].startswith(("decode", "verify"))]
+    dec = [r for r in rows if r["case"].startswith(("decode", "verify")) and r["bench"] == "attention"]
     common.plot_rows(out / "attention_h200.png", dec, value="frac_copy",
                      title="Paged attention decode/verify, Qwen3-Next-80B TP1 (16q/2kv, D=256), fraction of copy BW",
                      xlabel="fraction of measured device copy bandwidth")  # fmt: skip

@@ -42,6 +42,16 @@ def backend_ops(backend: str, device: torch.device, names: list[str]) -> SimpleN
 E, K, H, INTER = 512, 10, 2048, 512
 
 
+SWEEP = {  # tile alternatives to moe_triton.plan, timed in the same run
+    1: [("N1=16 N2=32", dict(N1=16, N2=32)), ("N1=64 N2=128", dict(N1=64, N2=128)),
+        ("K=64 S=6", dict(K1=64, S1=6, K2=64, S2=6))],
+    8: [("N1=16 N2=32", dict(N1=16, N2=32)), ("N1=64 N2=128", dict(N1=64, N2=128))],
+    4096: [("BM=128 N1=64 w8 s3", dict(BLOCK_M=128, N1=64, K1=64, W1=8, S1=3, N2=128, K2=64, W2=8, S2=3)),
+           ("BM=64 N1=128 w8 s3", dict(BLOCK_M=64, N1=128, K1=64, W1=8, S1=3, N2=256, K2=64, W2=8, S2=3)),
+           ("BM=32 K=128", dict(BLOCK_M=32, N1=64, K1=128, W1=4, S1=4, N2=128, K2=128, W2=4, S2=4))],
+}  # fmt: skip
+
+
 def grouped_mm_moe(x, weights, ids, w13, w2):
     """Baseline: torch sort + torch._grouped_mm (no host sync)."""
     top_k = ids.shape[1]
@@ -81,6 +91,8 @@ def main() -> None:
     out = common.out_dir(args.out)
     device = common.require_cuda()
     ceil = common.ceilings(out, device)
+    from atom_kernels.ops.moe import triton as moe_triton
+
     kern = backend_ops("triton", device, ["moe_experts"])
     ref = backend_ops("reference", device, ["moe_experts"])
     torch.manual_seed(0)
@@ -108,20 +120,37 @@ def main() -> None:
             if has_gmm:
                 fns["torch._grouped_mm"] = lambda w, i: grouped_mm_moe(x, w, i, r13, r2)
             for impl, fn in fns.items():
-                try:
+                try:  # eager: what one call costs from Python (launches included); L2 flushed
                     eager = common.time_ms(lambda fn=fn: fn(wts, ids))
-                    graph = (
-                        common.time_ms(lambda fn=fn: [fn(w, i) for w, i in routes], graph=True, rep_ms=20)
-                        / reps
-                    )
-                except Exception as exc:  # e.g. torch._grouped_mm refusing this shape: a result, not the end
+                except Exception as exc:
                     rows.append(common.row(bench="moe", case=case, impl=impl, ms=None, ceil=ceil,
                                            error=f"{type(exc).__name__}: {exc}"[:400]))  # fmt: skip
                     print(case, impl, "failed:", exc)
                     continue
-                rows.append(common.row(bench="moe", case=case, impl=impl, ms=graph, ceil=ceil, nbytes=nbytes,
-                                       flops=flops, eager_ms=eager, timing="cuda graph", max_err_vs_reference=err
-                                       if impl == "triton fused" else None))  # fmt: skip
+                try:  # CUDA graph over `reps` routings (different experts, weights from HBM)
+                    graph = common.time_ms(lambda fn=fn: [fn(w, i) for w, i in routes], graph=True, rep_ms=20)
+                    graph /= reps
+                except Exception as exc:  # torch._grouped_mm copies from the host: not capturable
+                    print(case, impl, "not graph-capturable:", str(exc)[:120])
+                    graph = None
+                rows.append(common.row(bench="moe", case=case, impl=impl, ms=graph if graph else eager, ceil=ceil,
+                                       nbytes=nbytes, flops=flops, eager_ms=eager, graph_ms=graph,
+                                       timing="cuda graph" if graph else "eager",
+                                       max_err_vs_reference=err if impl == "triton fused" else None))  # fmt: skip
+                if impl == "triton fused" and T in SWEEP:
+                    for label, cfg in SWEEP[T]:
+                        try:
+                            f2 = lambda w, i, cfg=cfg: moe_triton.moe_experts(x, w, i, r13, r2, config=cfg)  # noqa: E731
+                            e2 = (f2(wts, ids).float() - expect.float()).abs().max().item()
+                            g2 = common.time_ms(
+                                lambda f2=f2: [f2(w, i) for w, i in routes], graph=True, rep_ms=20
+                            )
+                            rows.append(common.row(bench="moe_sweep", case=case, impl=f"triton fused {label}",
+                                                   ms=g2 / reps, ceil=ceil, nbytes=nbytes, flops=flops,
+                                                   config=cfg, max_err_vs_reference=e2))  # fmt: skip
+                            print(case, "sweep", label, f"{g2 / reps * 1e3:.1f} us")
+                        except Exception as exc:
+                            print(case, "sweep", label, "failed:", str(exc)[:200])
             if T <= 256 or not args.quick:
                 loop = common.time_ms(lambda: ref.moe_experts(x, wts, ids, r13, r2), rep_ms=200)
                 rows.append(common.row(bench="moe", case=case, impl="torch per-expert loop", ms=loop, ceil=ceil,
@@ -151,7 +180,7 @@ def main() -> None:
                 )
             )
     common.write_json(out / "moe_h200.json", {"env": common.environment(), "ceilings": ceil, "rows": rows})
-    common.plot_rows(out / "moe_h200.png", rows, value="frac_copy",
+    common.plot_rows(out / "moe_h200.png", [r for r in rows if r["bench"] == "moe"], value="frac_copy",
                      title="MoE 512 experts top-10, H=2048, I=512, bf16: fraction of copy BW on weights read",
                      xlabel="fraction of measured device copy bandwidth (bytes: weights of touched experts)")  # fmt: skip
     common.print_table(rows, ["case", "impl", "ms", "eager_ms", "gbps", "frac_copy", "tflops", "frac_matmul"])

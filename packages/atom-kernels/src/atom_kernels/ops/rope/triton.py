@@ -1,9 +1,10 @@
 """Triton partial neox RoPE, and RoPE fused with the per-head q/k RMS norm.
 
 ``rope`` matches the reference op: one program rotates a block of heads of one token for q and k (one
-launch for both), computing ``inv_freq``, ``cos`` and ``sin`` in float32 with the accurate libdevice
-``pow``/``cos``/``sin`` (positions reach tens of thousands of radians, where fast approximations fail).
-The unrotated channels ``[rotary_dim, D)`` are copied.
+launch for both) as three contiguous pieces (the two rotated halves and the copied tail), computing
+``inv_freq``, ``cos`` and ``sin`` once per program for the ``rotary_dim / 2`` frequencies with the
+accurate libdevice ``pow``/``cos``/``sin`` (angles reach tens of thousands of radians, where fast
+approximations fail).
 
 ``qk_norm_rope`` is the fused form Qwen3-Next's attention wants: zero-centred RMS norm of every q and k
 head over ``D`` (weights ``[D]``), then RoPE, in one pass (the unfused pair writes and re-reads q and k
@@ -64,42 +65,50 @@ def _rope_heads(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
     ROT: tl.constexpr,
     HB: tl.constexpr,
     NORM: tl.constexpr,
 ):
+    # Three contiguous pieces per head: x1 = [0, HALF), x2 = [HALF, ROT) rotated; [ROT, D) copied.
     heads = head0 + tl.arange(0, HB)
-    cols = tl.arange(0, BLOCK_D)
     h_ok = heads < num_heads
-    mask = h_ok[:, None] & (cols < D)[None, :]
-    in_rot = cols < ROT
-    partner = tl.where(cols < HALF, cols + HALF, cols - HALF)
-    partner = tl.where(in_rot, partner, cols)
+    cols = tl.arange(0, BLOCK_D)
+    hc = tl.arange(0, HALF_P2)
+    hc_ok = hc < HALF
     row = src_ptr + t.to(tl.int64) * stride_st + heads[:, None] * stride_sh
-    x = tl.load(row + cols[None, :], mask=mask, other=0.0)
-    xp = tl.load(row + partner[None, :], mask=mask, other=0.0)
-    xf = x.to(tl.float32)
-    xpf = xp.to(tl.float32)
+    out = dst_ptr + t.to(tl.int64) * stride_dt + heads[:, None] * stride_dh
+    m1 = h_ok[:, None] & hc_ok[None, :]
+    x1 = tl.load(row + hc[None, :], mask=m1, other=0.0)
+    x2 = tl.load(row + HALF + hc[None, :], mask=m1, other=0.0)
+    dt = x1.dtype
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
     if NORM:
-        inv = tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)
-        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + partner, mask=cols < D, other=0.0).to(tl.float32)
-        xf = (xf * inv[:, None] * (1.0 + w)[None, :]).to(x.dtype).to(tl.float32)
-        xpf = (xpf * inv[:, None] * (1.0 + wp)[None, :]).to(x.dtype).to(tl.float32)
+        xa = tl.load(row + cols[None, :], mask=h_ok[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(xa * xa, 1) / D + eps)
+        w1 = tl.load(w_ptr + hc, mask=hc_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + hc, mask=hc_ok, other=0.0).to(tl.float32)
+        x1f = (x1f * inv[:, None] * (1.0 + w1)[None, :]).to(dt).to(tl.float32)
+        x2f = (x2f * inv[:, None] * (1.0 + w2)[None, :]).to(dt).to(tl.float32)
     # inv_freq[i] = 1 / theta ** (2i / ROT) with float32 division as the reference; the power in float64
     # rounded once to float32 is the correctly rounded powf of CPU torch (glibc). GPU powf can be 1-2 ulp
     # off, and 1 ulp of inv_freq moves the angle at position 40000 by ~5e-3.
-    fi = tl.where(cols < HALF, cols, cols - HALF)
-    expo = tl.div_rn((2 * fi).to(tl.float32), tl.full([BLOCK_D], ROT, tl.float32))
-    powed = _pow(tl.zeros([BLOCK_D], tl.float64) + theta, expo.to(tl.float64)).to(tl.float32)
-    inv_freq = tl.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), powed)
+    expo = tl.div_rn((2 * hc).to(tl.float32), tl.full([HALF_P2], ROT, tl.float32))
+    powed = _pow(tl.zeros([HALF_P2], tl.float64) + theta, expo.to(tl.float64)).to(tl.float32)
+    inv_freq = tl.div_rn(tl.full([HALF_P2], 1.0, tl.float32), powed)
     freq = pos_f * inv_freq
-    c = _cos(freq)
-    s = _sin(freq)
-    sign = tl.where(cols < HALF, -1.0, 1.0)
-    y = tl.where(in_rot[None, :], xf * c[None, :] + sign[None, :] * xpf * s[None, :], xf)
-    out = dst_ptr + t.to(tl.int64) * stride_dt + heads[:, None] * stride_dh + cols[None, :]
-    tl.store(out, y.to(dst_ptr.dtype.element_ty), mask=mask)
+    c = _cos(freq)[None, :]
+    s = _sin(freq)[None, :]
+    tl.store(out + hc[None, :], (x1f * c - x2f * s).to(dst_ptr.dtype.element_ty), mask=m1)
+    tl.store(out + HALF + hc[None, :], (x2f * c + x1f * s).to(dst_ptr.dtype.element_ty), mask=m1)
+    if ROT < D:
+        pm = h_ok[:, None] & ((cols >= ROT) & (cols < D))[None, :]
+        xp = tl.load(row + cols[None, :], mask=pm, other=0.0)
+        if NORM:
+            wp = tl.load(w_ptr + cols, mask=(cols >= ROT) & (cols < D), other=0.0).to(tl.float32)
+            xp = xp.to(tl.float32) * inv[:, None] * (1.0 + wp)[None, :]
+        tl.store(out + cols[None, :], xp.to(dst_ptr.dtype.element_ty), mask=pm)
 
 
 @triton.jit
@@ -126,6 +135,7 @@ def _rope_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
     ROT: tl.constexpr,
     HB: tl.constexpr,
     NORM: tl.constexpr,
@@ -136,10 +146,10 @@ def _rope_kernel(
     q_blocks = tl.cdiv(num_q_heads, HB)
     if hb < q_blocks:
         _rope_heads(q_ptr, qo_ptr, qw_ptr, t, hb * HB, num_q_heads, stride_qt, stride_qh, stride_qot,
-                    stride_qoh, pos_f, theta, eps, D, BLOCK_D, HALF, ROT, HB, NORM)  # fmt: skip
+                    stride_qoh, pos_f, theta, eps, D, BLOCK_D, HALF, HALF_P2, ROT, HB, NORM)  # fmt: skip
     else:
         _rope_heads(k_ptr, ko_ptr, kw_ptr, t, (hb - q_blocks) * HB, num_k_heads, stride_kt, stride_kh,
-                    stride_kot, stride_koh, pos_f, theta, eps, D, BLOCK_D, HALF, ROT, HB, NORM)  # fmt: skip
+                    stride_kot, stride_koh, pos_f, theta, eps, D, BLOCK_D, HALF, HALF_P2, ROT, HB, NORM)  # fmt: skip
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -162,7 +172,8 @@ def _launch(q, k, positions, rotary_dim, theta, q_weight=None, k_weight=None, ep
         q, k, qo, ko, q_weight if norm else q, k_weight if norm else k, positions, num_q, num_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0), qo.stride(1), ko.stride(0),
         ko.stride(1), float(theta), float(eps),
-        D=d, BLOCK_D=block_d, HALF=rotary_dim // 2, ROT=rotary_dim, HB=hb, NORM=norm, num_warps=4,
+        D=d, BLOCK_D=block_d, HALF=rotary_dim // 2, HALF_P2=triton.next_power_of_2(rotary_dim // 2), ROT=rotary_dim,
+        HB=hb, NORM=norm, num_warps=4,
     )  # fmt: skip
     return qo, ko
 
