@@ -134,3 +134,18 @@ def test_eos_inside_accepted_drafts_stops_the_request(model_dir, greedy_cases):
     assert res.finish_reason == "stop"
     assert res.output_ids == case["greedy_ids"][: cut + 1]
     assert eng.caches.slots.num_free == eng.caches.slots.num_groups
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [0, 3])
+def test_greedy_lossless_cuda(model_dir, greedy_cases, k):
+    """The same lossless check on a GPU with the best kernels there (triton)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (runs on the GPU machine)")
+    cases = greedy_cases["cases"]
+    eng = LLMEngine.from_pretrained(
+        model_dir, EngineConfig(num_speculative_tokens=k, max_model_len=256, max_num_seqs=8), device="cuda"
+    )
+    res = eng.generate([c["prompt_ids"] for c in cases], SamplingParams(max_tokens=64, ignore_eos=True))
+    mismatched = [i for i, (r, c) in enumerate(zip(res, cases)) if r.output_ids != c["greedy_ids"]]
+    assert not mismatched, f"k={k} on cuda: cases {mismatched} differ from the float32 reference"
