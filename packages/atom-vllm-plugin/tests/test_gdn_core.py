@@ -11,8 +11,6 @@ Each step's outputs must equal the dense reference on the sequence as accepted s
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -174,6 +172,3 @@ def test_profiling_run_returns_zeros(setup):
     _, _, layer, core = setup
     out = core.run(None, torch.randn(3, layer.conv_dim), torch.randn(3, 4), torch.randn(3, 4), layer)
     assert out.shape == (3, layer.num_v_heads, layer.head_v_dim) and not out.any()
-
-
-_ = dataclasses  # keep the import for readers varying configs with dataclasses.replace

@@ -8,7 +8,6 @@ construction, and hands it down explicitly; nothing below the plugin ever sees v
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -117,8 +116,3 @@ def from_vllm(vllm_config: Any, role: Role) -> AtomVllmConfig:
         dtype=vllm_config.model_config.dtype,
         tensor_parallel_size=int(vllm_config.parallel_config.tensor_parallel_size),
     )
-
-
-def with_block_size(cfg: AtomVllmConfig, block_size: int) -> AtomVllmConfig:
-    """The same config with vLLM's final KV block size (vLLM may enlarge it after building the model)."""
-    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, block_size=block_size))

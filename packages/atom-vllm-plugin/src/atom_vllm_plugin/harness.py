@@ -38,6 +38,7 @@ def _spec_counters(llm: Any) -> dict[str, Any]:
         "num_draft_tokens": 0,
         "num_accepted_tokens": 0,
         "accepted_per_pos": [],
+        "num_preemptions": 0,
     }
     for m in llm.get_metrics():
         key = SPEC_METRICS.get(m.name)

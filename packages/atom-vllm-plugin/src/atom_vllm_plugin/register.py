@@ -12,12 +12,10 @@ import threading
 
 from atom_core import envs
 
+from atom_vllm_plugin.config import DRAFT_ARCH, TARGET_ARCH
+
 # A child of the "vllm" logger, so the line appears in vLLM's own log output.
 logger = logging.getLogger("vllm.atom_vllm_plugin")
-
-TARGET_ARCH = "Qwen3NextForCausalLM"
-# vLLM's SpeculativeConfig rewrites the draft of a Qwen3-Next checkpoint with method "mtp" to this arch.
-DRAFT_ARCH = "Qwen3NextMTP"
 
 
 def _model_classes() -> dict[str, type]:
