@@ -17,6 +17,7 @@ import argparse
 import json
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -145,7 +146,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    workdir = out.parent / "vllm_spec_decode_logs"
+    workdir = Path(tempfile.mkdtemp(prefix="vllm_spec_decode_"))  # engine logs (paths in the JSON rows)
     rows = []
     t0 = time.time()
     for k in args.ks:
