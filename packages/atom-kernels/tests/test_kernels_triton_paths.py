@@ -1,0 +1,113 @@
+"""Triton-only paths that the shared suites do not reach, each against the reference backend on the same
+device: split-KV attention with its merge kernel, zeroed padding rows past ``query_start_loc[N]``
+(CUDA-graph batches), the 64-row verification tiles (k = 4 with 8 query heads per KV head), and the
+128-row MoE plan. Runs where the triton backend runs (a GPU, or CPU under ``TRITON_INTERPRET=1``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from atom_kernels import registry
+from atom_kernels.testing import assert_close, gen, randn
+
+# (what, dtype) -> (atol, rtol) against the reference backend; measured max abs error in the comments.
+TOL = {
+    ("attn", torch.float32): (1e-5, 1e-5),  # measured 4.8e-07 split-KV, 1.6e-06 verify k=4 (interpreter)
+    # bench_attention run 3 on the H200: <= 9.8e-04 against SDPA in every split-KV case (bf16 output ulp)
+    ("attn", torch.bfloat16): (1e-2, 1e-2),
+    ("moe", torch.float32): (1e-5, 1e-5),  # measured 2.4e-07 (Triton interpreter)
+    ("moe", torch.bfloat16): (3e-2, 2e-2),  # bench_moe run 3: 3.9e-03 against the reference at 4096 tokens
+}
+BLOCK = 16
+
+
+def triton_op(op: str, device: torch.device, dtype: torch.dtype):
+    """The triton module of ``op``'s folder, or skip where the triton backend cannot run."""
+    try:
+        registry.resolve(op, device, dtype, "triton")
+    except registry.KernelBackendError as exc:
+        pytest.skip(str(exc))
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's CPU interpreter computes bf16 dot products wrongly (triton 3.6)")
+    if op in ("paged_attention", "kv_cache_write"):
+        from atom_kernels.ops.paged_attention import triton as module
+    else:
+        from atom_kernels.ops.moe import triton as module
+    return module
+
+
+def reference(op: str, device: torch.device, dtype: torch.dtype):
+    return registry.resolve(op, device, dtype, "reference").fn
+
+
+def paged_batch(layout, hq, hkv, head_dim, dtype, device, pad_rows, seed):
+    """Random K/V written into shuffled blocks (through the reference write) and q with ``pad_rows``
+    rows past the last sequence's queries."""
+    seq_lens = [p + n for p, n in layout]
+    nblk = [-(-s // BLOCK) for s in seq_lens]
+    num_blocks = sum(nblk) + 2
+    perm = torch.randperm(num_blocks, generator=gen(seed)).tolist()
+    tables = torch.zeros(len(layout), max(nblk) + 1, dtype=torch.int32)
+    used = 0
+    for n, nb in enumerate(nblk):
+        tables[n, :nb] = torch.tensor(perm[used : used + nb], dtype=torch.int32)
+        used += nb
+    kc = torch.zeros(num_blocks, BLOCK, hkv, head_dim, device=device, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    slots = torch.cat([tables[n, torch.arange(s) // BLOCK].long() * BLOCK + torch.arange(s) % BLOCK
+                       for n, s in enumerate(seq_lens)]).to(device)  # fmt: skip
+    total = sum(seq_lens)
+    k = randn(total, hkv, head_dim, seed=seed + 1, dtype=dtype, device=device)
+    v = randn(total, hkv, head_dim, seed=seed + 2, dtype=dtype, device=device)
+    reference("kv_cache_write", device, dtype)(k, v, kc, vc, slots)
+    q_lens = [n for _, n in layout]
+    q = randn(sum(q_lens) + pad_rows, hq, head_dim, seed=seed + 3, dtype=dtype, device=device)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return q, kc, vc, tables.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), qsl
+
+
+def poison_allocator(device: torch.device) -> None:
+    """Leave NaNs in freed allocator memory so an output row the kernel forgets to write shows up."""
+    junk = torch.full((1 << 20,), float("nan"), device=device)
+    del junk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_split_kv_and_padding_rows(device, dtype, splits):
+    pa = triton_op("paged_attention", device, dtype)
+    layout = [(70, 1), (45, 3), (0, 5), (33, 0), (90, 2)]
+    q, kc, vc, bt, sl, qsl = paged_batch(layout, 8, 2, 64, dtype, device, pad_rows=3, seed=splits)
+    poison_allocator(device)
+    out = pa.paged_attention(q, kc, vc, bt, sl, qsl, 0.125, config=dict(num_splits=splits, BLOCK_N=16))
+    expected = reference("paged_attention", device, dtype)(q, kc, vc, bt, sl, qsl, 0.125)
+    n_real = int(qsl[-1])
+    assert torch.equal(out[n_real:], torch.zeros_like(out[n_real:])), "padding rows past qsl[N] must be 0"
+    assert_close(out, expected, TOL[("attn", dtype)], f"split-KV x{splits} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_k4_full_group(device, dtype):
+    """1 + 4 queries x 8 heads per KV head = 40 rows in one 64-row tile (the model's GQA, D=256)."""
+    pa = triton_op("paged_attention", device, dtype)
+    layout = [(35, 5), (72, 5), (125, 5)]
+    q, kc, vc, bt, sl, qsl = paged_batch(layout, 16, 2, 256, dtype, device, pad_rows=0, seed=21)
+    out = pa.paged_attention(q, kc, vc, bt, sl, qsl, 256**-0.5)
+    expected = reference("paged_attention", device, dtype)(q, kc, vc, bt, sl, qsl, 256**-0.5)
+    assert_close(out, expected, TOL[("attn", dtype)], f"verify k=4 {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_many_rows_per_expert(device, dtype):
+    """35 rows per expert on average: the 128-row block plan (several experts, padded segments)."""
+    moe = triton_op("moe_experts", device, dtype)
+    tokens, experts, top_k, hidden, inter = 70, 4, 2, 64, 64
+    assert moe.plan(tokens, top_k, experts)["BLOCK_M"] == 128
+    x = randn(tokens, hidden, seed=31, dtype=dtype, device=device)
+    w13 = randn(experts, 2 * inter, hidden, seed=32, dtype=dtype, device=device, scale=hidden**-0.5)
+    w2 = randn(experts, hidden, inter, seed=33, dtype=dtype, device=device, scale=inter**-0.5)
+    weights, ids = reference("moe_router", device, dtype)(randn(tokens, experts, seed=34, dtype=dtype,
+                                                                device=device), top_k, True)  # fmt: skip
+    out = moe.moe_experts(x, weights, ids, w13, w2)
+    expected = reference("moe_experts", device, dtype)(x, weights, ids, w13, w2)
+    assert_close(out, expected, TOL[("moe", dtype)], f"moe 128-row plan {dtype}")
