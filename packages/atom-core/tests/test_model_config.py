@@ -216,3 +216,39 @@ def test_missing_and_invalid_files(tmp_path):
 def test_test_data_files_are_the_published_shape():
     names = sorted(p.name for p in DATA.glob("*.json"))
     assert names == ["qwen3-next-80b-a3b-instruct-fp8.json", "qwen3-next-80b-a3b-instruct.json"]
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"num_hidden_layers": 47}, "layer_types"),
+        ({"num_experts_per_tok": 0}, "num_experts_per_tok"),
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"partial_rotary_factor": 0.0}, "partial_rotary_factor"),
+        ({"eos_token_id": [1]}, "eos_token_id"),
+        ({"layer_types": ("linear_attention",) * 47 + ("mamba",)}, "layer_types"),
+    ],
+)
+def test_replace_cannot_build_an_invalid_config(instruct_raw, change, field):
+    c = Qwen3NextConfig.from_hf(instruct_raw)
+    with pytest.raises(ConfigError) as err:
+        dataclasses.replace(c, **change)
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize(
+    "eos,problem", [(True, "integer"), ([1, "2"], "list of integers"), (-3, ">= 0"), ("0", "integer")]
+)
+def test_malformed_eos_token_id(instruct_raw, eos, problem):
+    with pytest.raises(ConfigError) as err:
+        Qwen3NextConfig.from_hf(dict(instruct_raw, eos_token_id=eos))
+    assert err.value.field == "eos_token_id" and problem in err.value.problem
+
+
+def test_eos_token_id_forms(instruct_raw):
+    assert Qwen3NextConfig.from_hf(dict(instruct_raw, eos_token_id=[151645, 151643])).eos_token_id == (
+        151645,
+        151643,
+    )
+    assert Qwen3NextConfig.from_hf(_without(instruct_raw, "eos_token_id")).eos_token_id == ()

@@ -9,6 +9,7 @@ from typing import Any
 
 from atom_core._reader import FieldReader
 from atom_core._source import load_raw
+from atom_core.errors import ConfigError
 from atom_core.quant_config import Fp8QuantConfig
 
 FULL_ATTENTION = "full_attention"
@@ -57,6 +58,58 @@ class Qwen3NextConfig:
     eos_token_id: tuple[int, ...] = ()
     quantization: Fp8QuantConfig | None = None
     source: str = field(default="<dict>", compare=False)
+
+    def __post_init__(self) -> None:
+        """Invariants that must also hold for configs varied with ``dataclasses.replace``."""
+
+        def fail(name: str, problem: str) -> ConfigError:
+            return ConfigError(name, getattr(self, name), self.source, problem)
+
+        for name in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+            "linear_value_head_dim", "linear_conv_kernel_dim", "intermediate_size", "decoder_sparse_step",
+            "max_position_embeddings",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise fail(name, "expected a positive integer")
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "shared_expert_intermediate_size", "num_mtp_layers"):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise fail(name, "expected a non-negative integer")
+        if not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_hidden_layers:
+            raise fail(
+                "layer_types", f"expected a tuple of {self.num_hidden_layers} entries (num_hidden_layers)"
+            )
+        if any(t not in LAYER_TYPES for t in self.layer_types):
+            raise fail("layer_types", f"known layer types: {list(LAYER_TYPES)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise fail("num_key_value_heads", f"must divide num_attention_heads={self.num_attention_heads}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise fail(
+                "linear_num_value_heads",
+                f"must be a multiple of linear_num_key_heads={self.linear_num_key_heads}",
+            )
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise fail("num_experts_per_tok", f"must be in [1, num_experts={self.num_experts}]")
+        if self.num_experts and self.moe_intermediate_size < 1:
+            raise fail("moe_intermediate_size", "must be >= 1 when num_experts > 0")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise fail("partial_rotary_factor", "must be in (0, 1]")
+        if int(self.head_dim * self.partial_rotary_factor) % 2:
+            raise fail("partial_rotary_factor", f"rotary dim head_dim*factor must be even ({self.head_dim})")
+        if not self.rope_theta > 0:
+            raise fail("rope_theta", "must be > 0")
+        if not self.rms_norm_eps > 0:
+            raise fail("rms_norm_eps", "must be > 0")
+        for name in ("mlp_only_layers", "eos_token_id"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or any(
+                isinstance(v, bool) or not isinstance(v, int) for v in value
+            ):
+                raise fail(name, "expected a tuple of integers")
 
     # ---- derived quantities -------------------------------------------------------------------
     @property
@@ -140,7 +193,12 @@ class Qwen3NextConfig:
 
         n_mtp = _num_mtp_layers(r)
         eos = r.get("eos_token_id", None)
-        eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else r.int_list("eos_token_id"))
+        if eos is None:
+            eos_ids: tuple[int, ...] = ()
+        elif isinstance(eos, list):
+            eos_ids = r.int_list("eos_token_id")
+        else:
+            eos_ids = (r.int("eos_token_id", minimum=0),)
 
         quant_reader = r.sub("quantization_config")
         quant = Fp8QuantConfig.from_reader(quant_reader) if quant_reader is not None else None
