@@ -36,14 +36,25 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_model_len: int = 4096
     num_blocks: int | None = None  # default: enough for max_num_seqs sequences of max_model_len
-    max_num_batched_tokens: int = 8192  # target tokens per step (prompts are not chunked)
+    max_num_batched_tokens: int = 8192  # target tokens per step; a prompt must fit (no chunked prefill)
 
     def __post_init__(self) -> None:
-        if self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
-        for name in ("block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        minimums = {
+            "num_speculative_tokens": 0,
+            "block_size": 1,
+            "max_num_seqs": 1,
+            "max_model_len": 1,
+            "num_blocks": 1,
+            "max_num_batched_tokens": 1,
+        }
+        for name, low in minimums.items():
+            value = getattr(self, name)
+            if value is None and name == "num_blocks":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"EngineConfig.{name} must be an int, got {value!r}")
+            if value < low:
+                raise ValueError(f"EngineConfig.{name} must be >= {low}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -88,7 +99,9 @@ class LLMEngine:
         self.kernels = kernels if kernels is not None else select_kernels(self.device, dtype)
         ec = engine_config
         bs = ec.block_size
-        num_blocks = ec.num_blocks or ec.max_num_seqs * math.ceil((ec.max_model_len + 2 * k + 1) / bs)
+        num_blocks = ec.num_blocks
+        if num_blocks is None:
+            num_blocks = ec.max_num_seqs * math.ceil((ec.max_model_len + 2 * k + 1) / bs)
         self.caches = EngineCaches(
             config,
             num_blocks=num_blocks,
