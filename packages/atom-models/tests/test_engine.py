@@ -194,3 +194,23 @@ def test_speculative_sampling_follows_the_target_distribution(engines, dense_mod
     )
     # measured: z_p = 1.18, z_q = 24.0
     assert abs(z_p) < 4, f"second tokens do not follow the target distribution (z={z_p:.2f})"
+
+
+def test_token_budget_holds_back_a_prompt_while_decodes_use_it(engines, greedy_cases):
+    """max_num_batched_tokens counts the running decodes: a prompt that fits alone but not beside them
+    waits; a prompt longer than the budget is refused at add_request."""
+    cases = greedy_cases["cases"]
+    eng = engines(0, max_num_batched_tokens=40)
+    a = eng.add_request(cases[0]["prompt_ids"][:30], SamplingParams(max_tokens=3, ignore_eos=True))
+    first = eng.step()
+    assert first.num_prefills == 1
+    eng.add_request(cases[1]["prompt_ids"][:40], SamplingParams(max_tokens=2, ignore_eos=True))
+    second = eng.step()  # 1 decode token running: 40 prompt tokens do not fit in 40 - 1
+    assert (second.num_prefills, second.num_decodes, second.num_tokens) == (0, 1, 1), second
+    infos = [second]
+    while eng.has_unfinished():
+        infos.append(eng.step())
+    assert all(i.num_tokens <= 40 for i in infos), [i.num_tokens for i in infos]
+    assert a in infos[1].finished and infos[2].num_prefills == 1
+    with pytest.raises(ValueError, match="max_num_batched_tokens 40"):
+        eng.add_request(cases[1]["prompt_ids"][:41], SamplingParams(max_tokens=2))

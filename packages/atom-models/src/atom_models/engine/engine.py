@@ -96,6 +96,16 @@ class LLMEngine:
         self.engine_config = engine_config
         self.device = torch.device(device)
         self.dtype = dtype
+        if kernels is not None:
+            kd = torch.device(kernels.device)
+            same_device = kd.type == self.device.type and (
+                kd.index is None or self.device.index is None or kd.index == self.device.index
+            )
+            if not same_device or kernels.dtype != dtype:
+                raise ValueError(
+                    f"kernels: selected for device {kd} / dtype {kernels.dtype}, but the engine runs on "
+                    f"device {self.device} / dtype {dtype}"
+                )
         self.kernels = kernels if kernels is not None else select_kernels(self.device, dtype)
         ec = engine_config
         bs = ec.block_size
@@ -153,6 +163,11 @@ class LLMEngine:
             raise ValueError("prompt_ids: empty prompt")
         if any(not 0 <= t < self.config.vocab_size for t in prompt):
             raise ValueError(f"prompt_ids: token ids must be in [0, {self.config.vocab_size})")
+        if len(prompt) > self.engine_config.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt_ids: {len(prompt)} tokens exceed max_num_batched_tokens "
+                f"{self.engine_config.max_num_batched_tokens} (prompts are prefilled whole in one step)"
+            )
         if len(prompt) + params.max_tokens > self.engine_config.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds max_model_len "
@@ -186,7 +201,7 @@ class LLMEngine:
                 len(self.running) + len(admitted) >= self.engine_config.max_num_seqs
                 or self.caches.slots.num_free == 0
                 or self.caches.blocks.num_free < need
-                or (admitted and len(req.prompt_ids) > budget)
+                or ((admitted or self.running) and len(req.prompt_ids) > budget)
             ):
                 break
             self.waiting.popleft()
