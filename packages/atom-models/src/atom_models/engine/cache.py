@@ -14,6 +14,7 @@ class BlockAllocator:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._allocated: set[int] = set()
 
     @property
     def num_free(self) -> int:
@@ -22,19 +23,29 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"KV cache out of blocks: asked for {n}, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        out = [self._free.pop() for _ in range(n)]
+        self._allocated.update(out)
+        return out
 
     def free(self, blocks: list[int]) -> None:
+        bad = [b for b in blocks if b not in self._allocated]
+        if bad or len(set(blocks)) != len(blocks):
+            raise RuntimeError(f"blocks: freeing {sorted(bad) or blocks} not allocated (double free?)")
+        self._allocated.difference_update(blocks)
         self._free.extend(reversed(blocks))
 
 
 class SlotAllocator:
-    """GDN state slots, handed out in groups of ``group`` (1 + k slots per sequence for verification)."""
+    """GDN state slots, handed out in groups of ``group`` (1 + k slots per sequence for verification).
+
+    Group ``g`` owns recurrent-state slots ``g * group .. (g + 1) * group - 1`` and conv-state row ``g``.
+    """
 
     def __init__(self, num_groups: int, group: int):
         self.group = group
         self.num_groups = num_groups
         self._free = list(range(num_groups - 1, -1, -1))
+        self._allocated: set[int] = set()
 
     @property
     def num_free(self) -> int:
@@ -44,16 +55,26 @@ class SlotAllocator:
         if not self._free:
             raise RuntimeError("GDN state slots exhausted")
         g = self._free.pop()
+        self._allocated.add(g)
         return list(range(g * self.group, (g + 1) * self.group))
 
+    def group_of(self, slots: list[int]) -> int:
+        """The group id (conv-state row) of a sequence's slots."""
+        return slots[0] // self.group
+
     def free(self, slots: list[int]) -> None:
-        self._free.append(slots[0] // self.group)
+        g = self.group_of(slots) if slots else None
+        if g not in self._allocated or list(slots) != list(range(g * self.group, (g + 1) * self.group)):
+            raise RuntimeError(f"slots: freeing {list(slots)}, not an allocated group (double free?)")
+        self._allocated.remove(g)
+        self._free.append(g)
 
 
 class EngineCaches:
     """Per-layer tensors: ``kv[layer] = (key_cache, value_cache)`` ``[num_blocks, block_size, Hkv, D]`` for
-    every full-attention layer (target and MTP), and ``gdn[layer] = (conv_state[S, C, K - 1 + k],
-    ssm_state[S, Hv, Dv, Dk])`` for every GDN layer, ``S = max_num_seqs * (1 + k)``.
+    every full-attention layer (target and MTP), and ``gdn[layer] = (conv_state[max_num_seqs, C, K - 1 + k],
+    ssm_state[max_num_seqs * (1 + k), Hv, Dv, Dk])`` for every GDN layer: one conv row per sequence (the
+    conv update keeps the last ``K - 1 + k`` inputs and resumes at ``num_accepted``), 1 + k recurrent states.
     """
 
     def __init__(
@@ -93,7 +114,7 @@ class EngineCaches:
         )
         self.gdn = {
             i: (
-                torch.zeros(s, config.linear_conv_dim, width, dtype=dtype, device=device),
+                torch.zeros(max_num_seqs, config.linear_conv_dim, width, dtype=dtype, device=device),
                 torch.zeros(ssm_shape, dtype=ssm_dtype, device=device),
             )
             for i in config.linear_attention_layers

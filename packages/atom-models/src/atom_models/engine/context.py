@@ -23,8 +23,9 @@ class GDNPrefill:
 
     num_tokens: int
     cu_seqlens: torch.Tensor  # [Np + 1] int32
-    state_indices: torch.Tensor  # [Np] int32 (slot 0 of each sequence's group)
+    state_indices: torch.Tensor  # [Np] int32: recurrent-state slot (slot 0 of each sequence's group)
     has_initial_state: torch.Tensor  # [Np] bool
+    conv_indices: torch.Tensor  # [Np] int32: conv-state row (the sequence's group id)
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class GDNDecodeGroup:
     num_seqs: int
     q_len: int
     state_indices: torch.Tensor  # [N, q_len] int32: slot of the state after each token
-    conv_indices: torch.Tensor  # [N] int32
+    conv_indices: torch.Tensor  # [N] int32: conv-state row (the sequence's group id)
     num_accepted: torch.Tensor  # [N] int32: tokens accepted in the sequence's previous step
 
 

@@ -54,7 +54,7 @@ class SlotGDNCore(nn.Module):
                 bias,
                 pre.cu_seqlens,
                 conv_state,
-                pre.state_indices,
+                pre.conv_indices,
                 pre.has_initial_state,
                 activation="silu",
             )

@@ -283,7 +283,7 @@ class LLMEngine:
                     num_seqs=len(grp),
                     q_len=ql,
                     state_indices=self._i32([r.slots[:ql] for r in grp]),
-                    conv_indices=self._i32([r.slots[0] for r in grp]),
+                    conv_indices=self._i32([self.caches.slots.group_of(r.slots) for r in grp]),
                     num_accepted=self._i32([r.num_accepted for r in grp]),
                 )
             )
@@ -299,6 +299,7 @@ class LLMEngine:
                 cu_seqlens=self._i32(cu),
                 state_indices=self._i32([r.slots[0] for r in prefills]),
                 has_initial_state=torch.zeros(len(prefills), dtype=torch.bool, device=self.device),
+                conv_indices=self._i32([self.caches.slots.group_of(r.slots) for r in prefills]),
             )
         ctx = StepContext(attn=self._attn_meta(seqs), gdn_prefill=gdn_prefill, gdn_decode=tuple(groups))
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
