@@ -133,6 +133,12 @@ def test_eos_inside_accepted_drafts_stops_the_request(model_dir, greedy_cases):
     res = eng.generate([case["prompt_ids"]], SamplingParams(max_tokens=64))[0]
     assert res.finish_reason == "stop"
     assert res.output_ids == case["greedy_ids"][: cut + 1]
+    # the path under test was taken: the steps produced more tokens (1 from the prefill, then accepted
+    # drafts + 1 per verification) than were emitted, so the stop token was an accepted draft and the
+    # tokens after it in that step were dropped (a stop as the corrected/bonus token drops nothing)
+    produced = 1 + res.stats.num_drafts + res.stats.num_accepted_tokens
+    assert res.num_steps == 1 + res.stats.num_drafts
+    assert produced > len(res.output_ids), (produced, len(res.output_ids), res.stats.as_dict())
     assert eng.caches.slots.num_free == eng.caches.slots.num_groups
 
 
