@@ -24,6 +24,7 @@ from atom_models.engine.context import AttentionMeta, GDNDecodeGroup, GDNPrefill
 from atom_models.engine.cores import EngineCoreFactory
 from atom_models.engine.request import Request, SpecStats
 from atom_models.engine.sampling import SamplingParams, sample_token, verify
+from atom_models.generation_config import with_generation_eos
 from atom_models.loader import load_mtp, load_target
 from atom_models.qwen3_next import Qwen3NextForCausalLM
 from atom_models.qwen3_next_mtp import Qwen3NextMTP
@@ -145,7 +146,9 @@ class LLMEngine:
     def from_pretrained(
         cls, ckpt_dir: str | os.PathLike[str], engine_config: EngineConfig = EngineConfig(), **kwargs
     ) -> LLMEngine:
-        engine = cls(Qwen3NextConfig.from_hf(ckpt_dir), engine_config, **kwargs)
+        """Build from ``<dir>/config.json`` (stopping also on generation_config.json's eos ids) and load."""
+        config = with_generation_eos(Qwen3NextConfig.from_hf(ckpt_dir), ckpt_dir)
+        engine = cls(config, engine_config, **kwargs)
         load_target(engine.target, ckpt_dir)
         if engine.mtp is not None:
             load_mtp(engine.mtp, ckpt_dir)
