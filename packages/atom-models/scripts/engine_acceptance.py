@@ -3,7 +3,7 @@
 For each dtype and k it records vLLM-style spec-decode counters, the outputs' agreement with the same
 engine at k = 0, and (teacher-forcing the emitted tokens through our float32 model, which matches
 transformers to ~4e-5) how many emitted tokens are not the float32 argmax and the largest logit gap.
-With ``--stock-vllm FILE ...`` (written by ``stock_vllm_acceptance.py``) it also compares with stock
+With ``--stock-vllm FILE ...`` (written by ``benchmarks/stock_vllm_acceptance.py``) it also compares with stock
 vLLM measured on this machine: identical outputs per prompt, off-argmax tokens of vLLM's outputs, and for
 k = 1 the acceptance our float32 MTP head would have along vLLM's own output (a replay of greedy k = 1
 speculation: if it equals vLLM's counters, the two drafters propose the same tokens).

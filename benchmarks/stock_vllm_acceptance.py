@@ -1,11 +1,11 @@
 """Stock vLLM 0.32 (plugin off) with MTP on the fixture's prompts.json: spec-decode counters and outputs.
 
-A standalone script (not part of the atom_models package, which never imports vLLM). CPU, bf16,
+A standalone benchmark script (it imports vLLM, so it lives outside atom-models, which never does). CPU, bf16,
 enforce_eager, no prefix caching, greedy, max_tokens 128, ignore_eos: the settings of the fixture README.
-Writes ``benchmarks/results/stock_vllm_acceptance_k{K}.json``; ``engine_acceptance.py --stock-vllm``
-compares it with the ATOM engine.
+Writes ``benchmarks/results/stock_vllm_acceptance_k{K}.json``;
+``packages/atom-models/scripts/engine_acceptance.py --stock-vllm`` compares it with the ATOM engine.
 
-    VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python packages/atom-models/scripts/stock_vllm_acceptance.py --k 1
+    VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python benchmarks/stock_vllm_acceptance.py --k 1
 """
 
 from __future__ import annotations
