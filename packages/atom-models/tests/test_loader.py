@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -15,6 +16,7 @@ from atom_models import (
     Qwen3NextMTP,
     load_mtp,
     load_target,
+    loader,
 )
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -162,7 +164,7 @@ _NOT_FP8 = (
 )
 
 
-def test_fp8_block_checkpoint_is_dequantised_on_load(model_dir, tmp_path, kernels32, golden):
+def test_fp8_block_checkpoint_is_dequantised_on_load(model_dir, tmp_path, kernels32, golden, monkeypatch):
     quantised = []
 
     def edit(t):
@@ -183,8 +185,17 @@ def test_fp8_block_checkpoint_is_dequantised_on_load(model_dir, tmp_path, kernel
     }
     (ckpt / "config.json").write_text(json.dumps(raw))
     target, mtp = _build(ckpt, kernels32)
+    opened = []
+
+    def counting_open(path, *args, **kwargs):
+        opened.append(os.path.basename(path))
+        return safe_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "safe_open", counting_open)
     load_target(target, ckpt)
     load_mtp(mtp, ckpt)
+    # per load: the key listing, the header pass and the tensor pass (not one open per FP8 scale)
+    assert opened == ["model.safetensors"] * 6, opened
     assert len(quantised) == 152  # every expert, attention, GDN and shared-expert projection
     f = load_file(str(ckpt / "model.safetensors"))
     want = kernels32.fp8_block_dequant(

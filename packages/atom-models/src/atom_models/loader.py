@@ -17,6 +17,7 @@ import json
 import os
 import re
 from collections import defaultdict
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,8 +91,9 @@ SCALE_SUFFIX = "_scale_inv"  # FP8: ``<name>.weight_scale_inv`` holds the block 
 
 @dataclass
 class _Plan:
-    # file -> [(checkpoint name, destination view, FP8 block scales or None)]
-    copies: dict[str, list[tuple[str, torch.Tensor, torch.Tensor | None]]]
+    # file -> [(checkpoint name, destination view, name of its FP8 block scales or None)]
+    copies: dict[str, list[tuple[str, torch.Tensor, str | None]]]
+    scale_files: dict[str, str]  # scale tensor name -> file
 
 
 def _dest_view(param: torch.Tensor, t: Target) -> torch.Tensor:
@@ -132,7 +134,7 @@ def _plan(
             problems.append(f"parameter {pname} of the {what} has no checkpoint rule (weight_map.RULES)")
         for s in srcs:
             expected[s] = pname
-    copies: dict[str, list[tuple[str, torch.Tensor, torch.Tensor | None]]] = defaultdict(list)
+    copies: dict[str, list[tuple[str, torch.Tensor, str | None]]] = defaultdict(list)
     by_file: dict[str, list[str]] = defaultdict(list)
     for name, fname in files.items():
         if not name.endswith(SCALE_SUFFIX):
@@ -144,9 +146,14 @@ def _plan(
             for n, f in sorted(scales.items())
         )
     used_scales: set[str] = set()
-    for fname in sorted(by_file):
+    scale_shapes: dict[str, tuple[int, ...]] = {}  # from the headers, while each file is open anyway
+    scale_checks: list[tuple[str, tuple[int, ...]]] = []  # (scale name, weight shape)
+    for fname in sorted(set(by_file) | set(scales.values())):
         with safe_open(os.path.join(ckpt_dir, fname), framework="pt") as f:
-            for name in sorted(by_file[fname]):
+            scale_shapes.update(
+                (n, tuple(f.get_slice(n).get_shape())) for n, sf in scales.items() if sf == fname
+            )
+            for name in sorted(by_file.get(fname, ())):
                 if name.startswith(ignore):
                     continue
                 if name in extra:
@@ -174,15 +181,17 @@ def _plan(
                     continue
                 scale = None
                 if name + SCALE_SUFFIX in scales and fp8_block is not None:
-                    used_scales.add(name + SCALE_SUFFIX)
-                    scale, why = _read_scale(ckpt_dir, scales, name + SCALE_SUFFIX, shape, fp8_block)
-                    if why:
-                        problems.append(why)
-                        continue
+                    scale = name + SCALE_SUFFIX
+                    used_scales.add(scale)
+                    scale_checks.append((scale, shape))
                 elif f.get_slice(name).get_dtype() in ("F8_E4M3", "F8_E5M2"):
                     problems.append(f"tensor {name} in {fname} is FP8 but {name + SCALE_SUFFIX} is missing")
                     continue
                 copies[fname].append((name, view, scale))
+    for sname, wshape in scale_checks:
+        why = _check_scale(scales[sname], sname, scale_shapes[sname], wshape, fp8_block)
+        if why:
+            problems.append(why)
     if fp8_block is not None:
         problems.extend(
             f"unexpected tensor {n} in {scales[n]} (no FP8 weight {n[: -len(SCALE_SUFFIX)]} takes it)"
@@ -193,32 +202,42 @@ def _plan(
         problems.append(f"missing tensor {name} (for {expected[name]}) in {ckpt_dir}")
     if problems:
         raise CheckpointError(ckpt_dir, problems)
-    return _Plan(dict(copies))
+    return _Plan(dict(copies), {n: scales[n] for n in used_scales})
 
 
-def _read_scale(ckpt_dir, scales, sname, wshape, block) -> tuple[torch.Tensor | None, str | None]:
-    """Read one ``weight_scale_inv`` (small) and check it is ``[ceil(N/bn), ceil(K/bk)]``."""
-    with safe_open(os.path.join(ckpt_dir, scales[sname]), framework="pt") as f:
-        scale = f.get_tensor(sname)
+def _check_scale(fname, sname, shape, wshape, block) -> str | None:
+    """A ``weight_scale_inv`` must be ``[ceil(N/bn), ceil(K/bk)]`` (checked from the header)."""
     if len(wshape) != 2:
-        return None, f"tensor {sname} in {scales[sname]}: FP8 block scales for a {len(wshape)}-d weight"
+        return f"tensor {sname} in {fname}: FP8 block scales for a {len(wshape)}-d weight"
     want = (-(-wshape[0] // block[0]), -(-wshape[1] // block[1]))
-    if tuple(scale.shape) != want:
-        return None, (
-            f"tensor {sname} in {scales[sname]} has shape {list(scale.shape)}, expected {list(want)} "
+    if tuple(shape) != want:
+        return (
+            f"tensor {sname} in {fname} has shape {list(shape)}, expected {list(want)} "
             f"(weight {list(wshape)}, block {list(block)})"
         )
-    return scale, None
+    return None
 
 
 @torch.no_grad()
 def _execute(ckpt_dir: str, plan: _Plan, kernels, block: tuple[int, int] | None) -> int:
+    """Stream every planned tensor into its parameter; each file is opened once (scales read through the
+    handle of their file, usually the weight's own)."""
     n = 0
-    for fname, items in plan.copies.items():
-        with safe_open(os.path.join(ckpt_dir, fname), framework="pt", device="cpu") as f:
-            for name, view, scale in items:
+    with ExitStack() as stack:
+        handles: dict[str, object] = {}
+
+        def handle(fname: str):
+            if fname not in handles:
+                path = os.path.join(ckpt_dir, fname)
+                handles[fname] = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            return handles[fname]
+
+        for fname, items in plan.copies.items():
+            f = handle(fname)
+            for name, view, sname in items:
                 t = f.get_tensor(name)
-                if scale is not None:  # FP8 block-scaled weight: dequantise (weight-only) into the parameter
+                if sname is not None:  # FP8 block-scaled weight: dequantise (weight-only) into the parameter
+                    scale = handle(plan.scale_files[sname]).get_tensor(sname)
                     t = kernels.fp8_block_dequant(
                         t.to(view.device), scale.to(view.device), block=block, dtype=view.dtype
                     )
