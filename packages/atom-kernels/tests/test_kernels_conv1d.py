@@ -205,3 +205,23 @@ def test_bad_inputs(impl, device):
         varlen(
             torch.randn(3, C, device=device), weight, None, cu, pool, slots[:1], torch.ones(1, device=device)
         )
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [[0, 3, 5], [1, 3, 6], [0, 4, 3], [0, 3, 7]],
+    ids=["ends-before-T", "starts-after-0", "decreasing", "ends-after-T"],
+)
+def test_varlen_rejects_cu_seqlens_not_covering_tokens(impl, device, offsets):
+    """Every token must belong to one sequence: cu_seqlens rises from 0 to T (checked where the values
+    can be read without a device sync: CPU, i.e. the reference and Triton's interpreter)."""
+    if device.type != "cpu":
+        pytest.skip("cu_seqlens values are checked on CPU only (no device sync on a GPU)")
+    varlen = impl("causal_conv1d_varlen", torch.float32)
+    x = torch.randn(6, C, device=device)
+    pool = torch.zeros(2, C, W, device=device)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    init = torch.zeros(2, dtype=torch.bool, device=device)
+    cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"causal_conv1d_varlen: cu_seqlens must rise from 0 to T=6"):
+        varlen(x, torch.randn(C, K, device=device), None, cu, pool, slots, init)

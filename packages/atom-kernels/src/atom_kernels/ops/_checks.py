@@ -6,8 +6,10 @@ the argument and the expected shape with the bound sizes, e.g.
 ``rms_norm: weight must have shape [H=64], got (32,)``.
 
 Checks here look only at metadata (shape, dtype, device), never at values, so they cost no device
-synchronisation and are safe under CUDA graph capture. Value checks (index ranges) live in the
-reference implementations, see :func:`values_checkable`.
+synchronisation and are safe under CUDA graph capture. Value checks (index ranges) are the
+``check_*_values`` helpers below; they read the data only when :func:`values_checkable` allows it. The
+reference backend calls them on every call; the triton backends only for CPU tensors (Triton's
+interpreter), since on a GPU they would synchronise the device on every call.
 """
 
 from __future__ import annotations
@@ -134,3 +136,34 @@ def values_checkable(*tensors: torch.Tensor) -> bool:
     """Whether value checks (which synchronise the device) are allowed now: not while capturing a
     CUDA graph."""
     return not any(t.is_cuda for t in tensors) or not torch.cuda.is_current_stream_capturing()
+
+
+def check_slot_values(op: str, name: str, slots: torch.Tensor, num_slots: int) -> None:
+    """State-pool slots must be ``< S`` (entries < 0 mark padding and are allowed)."""
+    if values_checkable(slots) and slots.numel() > 0:
+        hi = int(slots.max())
+        if hi >= num_slots:
+            raise ValueError(f"{op}: {name} must be < S={num_slots} (or < 0 to skip), got {hi}")
+
+
+def check_cu_seqlens_values(op: str, cu_seqlens: torch.Tensor, total: int) -> None:
+    """``cu_seqlens[N+1]`` must start at 0, never decrease and end at ``T`` (every token belongs to
+    exactly one sequence)."""
+    if not values_checkable(cu_seqlens) or cu_seqlens.numel() == 0:
+        return
+    offsets = cu_seqlens.long()
+    lens = offsets[1:] - offsets[:-1]
+    bad_lens = lens.numel() > 0 and int(lens.min()) < 0
+    if bad_lens or int(offsets[0]) != 0 or int(offsets[-1]) != total:
+        raise ValueError(f"{op}: cu_seqlens must rise from 0 to T={total}, got {cu_seqlens.tolist()}")
+
+
+def check_num_accepted_values(
+    op: str, num_accepted: torch.Tensor | None, limit: int, limit_text: str
+) -> None:
+    """``num_accepted`` (None: all ones) must lie in ``[1, limit]``; ``limit_text`` names the bound."""
+    if num_accepted is None or num_accepted.numel() == 0 or not values_checkable(num_accepted):
+        return
+    lo, hi = int(num_accepted.min()), int(num_accepted.max())
+    if lo < 1 or hi > limit:
+        raise ValueError(f"{op}: num_accepted must lie in [1, {limit_text}], got values in [{lo}, {hi}]")

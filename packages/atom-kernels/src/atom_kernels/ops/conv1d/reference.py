@@ -11,19 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from atom_kernels.ops._checks import values_checkable
+from atom_kernels.ops._checks import check_cu_seqlens_values, check_num_accepted_values, check_slot_values
 from atom_kernels.ops.conv1d.checks import check_causal_conv1d_update, check_causal_conv1d_varlen
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     return F.silu(y) if activation in ("silu", "swish") else y
-
-
-def _check_slots(op: str, state_indices: torch.Tensor, num_slots: int) -> None:
-    if values_checkable(state_indices) and state_indices.numel() > 0:
-        hi = int(state_indices.max())
-        if hi >= num_slots:
-            raise ValueError(f"{op}: state_indices must be < S={num_slots} (or < 0 to skip), got {hi}")
 
 
 def causal_conv1d_varlen(
@@ -55,7 +48,9 @@ def causal_conv1d_varlen(
     check_causal_conv1d_varlen(
         x, weight, bias, cu_seqlens, conv_state, state_indices, has_initial_state, activation
     )
-    _check_slots("causal_conv1d_varlen", state_indices, conv_state.shape[0])
+    op = "causal_conv1d_varlen"
+    check_slot_values(op, "state_indices", state_indices, conv_state.shape[0])
+    check_cu_seqlens_values(op, cu_seqlens, x.shape[0])
     channels, width = weight.shape
     w32 = weight.float()[:, None, :]
     b32 = None if bias is None else bias.float()
@@ -65,8 +60,6 @@ def causal_conv1d_varlen(
     has_init = has_initial_state.tolist()
     for n, slot in enumerate(slots):
         start, end = offsets[n], offsets[n + 1]
-        if end < start:
-            raise ValueError(f"causal_conv1d_varlen: cu_seqlens must be non-decreasing, got {offsets}")
         if slot >= 0 and has_init[n]:
             history = conv_state[slot, :, : width - 1].float()
         else:
@@ -107,18 +100,13 @@ def causal_conv1d_update(
     num_seqs, q_len, channels = x.shape
     width = weight.shape[1]
     num_slots, _, state_width = conv_state.shape
-    _check_slots("causal_conv1d_update", state_indices, num_slots)
+    check_slot_values("causal_conv1d_update", "state_indices", state_indices, num_slots)
+    limit = state_width - width + 2
+    check_num_accepted_values("causal_conv1d_update", num_accepted, limit, f"W - K + 2 = {limit}")
     if num_accepted is None:
         start = torch.zeros(num_seqs, dtype=torch.int64, device=x.device)
     else:
         start = num_accepted.long() - 1
-        if values_checkable(start) and num_seqs > 0:
-            lo, hi = int(start.min()) + 1, int(start.max()) + 1
-            limit = state_width - width + 2
-            if lo < 1 or hi > limit:
-                raise ValueError(
-                    f"causal_conv1d_update: num_accepted must lie in [1, W - K + 2 = {limit}], got [{lo}, {hi}]"
-                )
     slots = state_indices.long()
     valid = slots >= 0
     states = conv_state[slots.clamp(min=0)].float() * valid[:, None, None]  # [N, C, W]

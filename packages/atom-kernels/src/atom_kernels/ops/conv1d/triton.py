@@ -13,7 +13,9 @@ starting at ``num_accepted - 1``; slots < 0 read zeros and write nothing.
   inputs, writes the Q outputs and the shifted window ``(history ++ x)[1:]`` left-aligned. A barrier
   separates the reads of the old window from the in-place writes.
 
-Math in float32, outputs in x.dtype. Only ``tl`` primitives (``tl.debug_barrier`` is a CTA barrier on
+Value checks (``cu_seqlens`` from 0 to T, slot and ``num_accepted`` ranges; ``atom_kernels.ops._checks``)
+read the data, so they run only for CPU tensors (Triton's interpreter): on a GPU they would synchronise
+the device on every call. Math in float32, outputs in x.dtype. Only ``tl`` primitives (``tl.debug_barrier`` is a CTA barrier on
 both CUDA and ROCm).
 """
 
@@ -23,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels.ops._checks import check_cu_seqlens_values, check_num_accepted_values, check_slot_values
 from atom_kernels.ops.conv1d.checks import check_causal_conv1d_update, check_causal_conv1d_varlen
 
 
@@ -233,6 +236,9 @@ def causal_conv1d_varlen(
     T, C = x.shape
     K = weight.shape[1]
     N = state_indices.shape[0]
+    if x.device.type == "cpu":  # reads values: only under the interpreter (no device sync on a GPU)
+        check_slot_values("causal_conv1d_varlen", "state_indices", state_indices, conv_state.shape[0])
+        check_cu_seqlens_values("causal_conv1d_varlen", cu_seqlens, T)
     out = torch.empty_like(x)
     if N == 0:
         return out
@@ -302,6 +308,10 @@ def causal_conv1d_update(
     check_causal_conv1d_update(x, weight, bias, conv_state, state_indices, num_accepted, activation)
     N, Q, C = x.shape
     K = weight.shape[1]
+    if x.device.type == "cpu":  # reads values: only under the interpreter (no device sync on a GPU)
+        limit = conv_state.shape[2] - K + 2
+        check_slot_values("causal_conv1d_update", "state_indices", state_indices, conv_state.shape[0])
+        check_num_accepted_values("causal_conv1d_update", num_accepted, limit, f"W - K + 2 = {limit}")
     out = torch.empty_like(x)
     if N == 0 or Q == 0:
         return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from atom_kernels.ops._checks import values_checkable
+from atom_kernels.ops._checks import check_cu_seqlens_values, check_num_accepted_values, check_slot_values
 from atom_kernels.ops.gated_delta_rule.checks import (
     check_gated_delta_rule_chunked,
     check_gated_delta_rule_recurrent,
@@ -34,13 +34,6 @@ def _prepare_qk(
     if group > 1:
         q32, k32 = q32.repeat_interleave(group, dim=-2), k32.repeat_interleave(group, dim=-2)
     return q32 * scale, k32
-
-
-def _check_slots(op: str, name: str, slots: torch.Tensor, num_slots: int) -> None:
-    if values_checkable(slots) and slots.numel() > 0:
-        hi = int(slots.max())
-        if hi >= num_slots:
-            raise ValueError(f"{op}: {name} must be < S={num_slots} (or < 0 to skip), got {hi}")
 
 
 def _read_states(ssm_state: torch.Tensor, slots: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
@@ -93,15 +86,13 @@ def gated_delta_rule_chunked(
         chunk_size,
     )
     op = "gated_delta_rule_chunked"
-    _check_slots(op, "state_indices", state_indices, ssm_state.shape[0])
+    check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
     total, num_v_heads, dv = v.shape
     num_seqs = state_indices.shape[0]
     device = q.device
+    check_cu_seqlens_values(op, cu_seqlens, total)
     offsets = cu_seqlens.long()
     lens = offsets[1:] - offsets[:-1]
-    checkable = num_seqs > 0 and values_checkable(lens)
-    if checkable and (int(lens.min()) < 0 or int(offsets[0]) != 0 or int(offsets[-1]) != total):
-        raise ValueError(f"{op}: cu_seqlens must rise from 0 to T={total}, got {cu_seqlens.tolist()}")
     max_len = int(lens.max()) if num_seqs > 0 else 0
     chunk = chunk_size
     padded = max(chunk, -(-max_len // chunk) * chunk)
@@ -183,16 +174,13 @@ def gated_delta_rule_recurrent(
     )
     op = "gated_delta_rule_recurrent"
     num_seqs, q_len, num_v_heads, _ = v.shape
-    _check_slots(op, "state_indices", state_indices, ssm_state.shape[0])
+    check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
     slots = state_indices.long()
+    check_num_accepted_values(op, num_accepted, q_len, f"Q={q_len}")
     if num_accepted is None:
         first = torch.zeros(num_seqs, dtype=torch.int64, device=q.device)
     else:
         first = num_accepted.long() - 1
-        if values_checkable(first) and num_seqs > 0:
-            lo, hi = int(first.min()) + 1, int(first.max()) + 1
-            if lo < 1 or hi > q_len:
-                raise ValueError(f"{op}: num_accepted must lie in [1, Q={q_len}], got values in [{lo}, {hi}]")
     init_slots = slots.gather(1, first[:, None]).squeeze(1)
     state = _read_states(ssm_state, init_slots, init_slots >= 0)  # [N, Hv, Dv, Dk]
     q32, k32 = _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm)
