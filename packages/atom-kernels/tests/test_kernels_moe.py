@@ -45,6 +45,33 @@ def test_moe_router(impl, tol, device, dtype, renormalize):
     assert_close(weights, expected_w, tol("moe_router", dtype), f"moe_router {dtype}")
 
 
+def test_moe_router_non_finite_logits(impl, device):
+    """NaN / +inf logits (a NaN row) and rows with fewer than top_k nonzero probabilities still give
+    top_k distinct ids in [0, E): the ids index the experts' tables. E = 12 is not a power of two, so
+    the triton kernel has padding lanes that must never be picked."""
+    fn = impl("moe_router", torch.float32)
+    num_experts, top_k = 12, 4
+    logits = randn(6, num_experts, seed=3, dtype=torch.float32, device=device, scale=2.0)
+    logits[1, 5] = float("nan")
+    logits[2] = float("nan")
+    logits[3, 7] = float("inf")
+    logits[4, 2:] = float("-inf")  # two finite logits: the other experts have probability exactly 0
+    logits[5] = float("-inf")
+    for renormalize in (True, False):
+        weights, ids = fn(logits, top_k, renormalize)
+        ids_cpu = ids.cpu()
+        assert int(ids_cpu.min()) >= 0 and int(ids_cpu.max()) < num_experts, f"ids out of range: {ids_cpu}"
+        assert all(len(set(r.tolist())) == top_k for r in ids_cpu), f"an expert picked twice: {ids_cpu}"
+        for row in (1, 2, 3, 5):
+            assert bool(weights[row].isnan().all()), f"row {row}: NaN logits must give NaN weights"
+        probs = torch.softmax(logits[[0, 4]].double().cpu(), -1)
+        chosen = probs.gather(-1, ids_cpu[[0, 4]])
+        assert torch.equal(chosen.sort(-1, descending=True).values, probs.topk(top_k, dim=-1).values)
+        assert set(ids_cpu[4, :2].tolist()) == {0, 1}, "row 4: the two finite logits first"
+        expected = chosen / chosen.sum(-1, keepdim=True) if renormalize else chosen
+        assert_close(weights[[0, 4]], expected, (1e-6, 1e-5), "finite rows")
+
+
 def naive_moe(x, weights, ids, w13, w2):
     x, weights, w13, w2 = (t.double().cpu() for t in (x, weights, w13, w2))
     inter = w2.shape[-1]

@@ -18,11 +18,15 @@ def moe_router(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
         renormalize: divide the top-k weights by their sum (Qwen3-Next ``norm_topk_prob``).
 
     Returns:
-        ``(weights [T, top_k] float32, ids [T, top_k] int64)``, weights in descending order.
+        ``(weights [T, top_k] float32, ids [T, top_k] int64)``, weights in descending order. A row with
+        a NaN or +inf logit gets NaN weights and ``top_k`` distinct ids in ``[0, E)``.
     """
     check_moe_router(logits, top_k, renormalize)
     probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    # A NaN or +inf logit makes its row NaN: NaN ranks as -inf (as in the triton backend), the ids stay
+    # distinct experts in [0, E) and the weights keep the NaN.
+    _, ids = torch.topk(probs.masked_fill(probs.isnan(), float("-inf")), top_k, dim=-1)
+    weights = probs.gather(-1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids

@@ -48,12 +48,17 @@ def _moe_router_kernel(
     slots = tl.arange(0, K_P2)
     top_w = tl.zeros([K_P2], tl.float32)
     top_i = tl.zeros([K_P2], tl.int64)
+    # A NaN or +inf logit makes the whole row NaN: NaN ranks as -inf, and only real experts not yet
+    # taken are eligible, so the ids always lie in [0, E), distinct (they index the align kernel's
+    # histogram); the weights keep the NaN.
+    free = offs < num_experts
+    key = tl.where(p == p, p, float("-inf"))
     for j in tl.static_range(TOP_K):  # K rounds of argmax: descending order; on exact ties (bf16 logits)
-        v = tl.max(p, 0)  # the highest index first, as torch.topk on CPU orders them
-        i = tl.max(tl.where(p == v, offs, -1), 0)
-        top_w = tl.where(slots == j, v, top_w)
+        v = tl.max(tl.where(free, key, float("-inf")), 0)  # the highest index first, as torch.topk on CPU
+        i = tl.max(tl.where(free & (key == v), offs, -1), 0)
+        top_w = tl.where(slots == j, tl.sum(tl.where(offs == i, p, 0.0), 0), top_w)
         top_i = tl.where(slots == j, i.to(tl.int64), top_i)
-        p = tl.where(offs == i, -1.0, p)
+        free = free & (offs != i)
     if RENORM:
         top_w = top_w / tl.sum(tl.where(slots < TOP_K, top_w, 0.0), 0)
     tl.store(w_ptr + t * TOP_K + slots, top_w, mask=slots < TOP_K)
