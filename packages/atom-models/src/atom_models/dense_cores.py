@@ -1,7 +1,9 @@
 """A cache-less core factory for parity tests: attention over each whole sequence, GDN from a zero state.
 
 ``ctx`` is a :class:`DenseContext` (the lengths of the sequences packed in the flat batch) or ``None``
-(one sequence).
+(one sequence). All the math goes through ``atom_kernels`` (the same ops as the engine's cores): attention
+writes K/V into a scratch paged cache built for the call and runs ``paged_attention`` over it; nothing is
+kept between forwards.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from atom_core import Qwen3NextConfig
 from torch import nn
 
@@ -32,35 +33,40 @@ def _seq_lens(ctx: DenseContext | None, num_tokens: int) -> tuple[int, ...]:
     return lens
 
 
-def split_qkv(layer, x: torch.Tensor):
-    """Post-conv ``x[..., C]`` -> ``q[..., Hk, Dk]``, ``k[..., Hk, Dk]``, ``v[..., Hv, Dv]``."""
-    q, k, v = torch.split(x, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
-    lead = x.shape[:-1]
-    return (
-        q.reshape(*lead, layer.num_k_heads, layer.head_k_dim),
-        k.reshape(*lead, layer.num_k_heads, layer.head_k_dim),
-        v.reshape(*lead, layer.num_v_heads, layer.head_v_dim),
-    )
-
-
 class DenseAttentionCore(nn.Module):
-    """Causal softmax attention within each sequence (no KV cache)."""
+    """Causal softmax attention within each sequence: ``kernels.kv_cache_write`` into a scratch paged cache
+    sized for this call (each sequence in its own run of blocks), then ``kernels.paged_attention``."""
 
-    def __init__(self, config: Qwen3NextConfig):
+    def __init__(self, config: Qwen3NextConfig, kernels, block_size: int = 16):
         super().__init__()
+        self.kernels = kernels
         self.scale = config.head_dim**-0.5
-        self.groups = config.num_attention_heads // config.num_key_value_heads
+        self.block_size = block_size
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
-        outs, start = [], 0
-        for n in _seq_lens(ctx, q.shape[0]):
-            qs, ks, vs = (x[start : start + n].transpose(0, 1) for x in (q, k, v))
-            ks = ks.repeat_interleave(self.groups, dim=0)
-            vs = vs.repeat_interleave(self.groups, dim=0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
-            outs.append(o.transpose(0, 1))
-            start += n
-        return torch.cat(outs, dim=0)
+        lens = _seq_lens(ctx, q.shape[0])
+        bs, dev = self.block_size, q.device
+        nblocks = [-(-n // bs) for n in lens]
+        first = [0]
+        for nb in nblocks[:-1]:
+            first.append(first[-1] + nb)
+        tables = torch.zeros(len(lens), max(nblocks), dtype=torch.int32)
+        for i, (b0, nb) in enumerate(zip(first, nblocks)):
+            tables[i, :nb] = torch.arange(b0, b0 + nb, dtype=torch.int32)
+        slots = torch.cat([torch.arange(n) + b0 * bs for n, b0 in zip(lens, first)])
+        key_cache = k.new_zeros(sum(nblocks), bs, *k.shape[1:])
+        value_cache = v.new_zeros(sum(nblocks), bs, *v.shape[1:])
+        self.kernels.kv_cache_write(k, v, key_cache, value_cache, slots.to(dev))
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+        return self.kernels.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            tables.to(dev),
+            seq_lens,
+            DenseContext(lens).cu_seqlens(dev),
+            self.scale,
+        )
 
 
 class DenseGDNCore(nn.Module):
@@ -90,7 +96,7 @@ class DenseGDNCore(nn.Module):
             fresh,
             activation="silu",
         )
-        q, k, v = split_qkv(layer, x)
+        q, k, v = layer.split_qkv(x)
         g, beta = kern.gdn_gating(layer.A_log, a, layer.dt_bias, b)
         ssm = torch.zeros(
             n, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim, dtype=torch.float32, device=dev
@@ -107,7 +113,7 @@ class DenseCoreFactory:
         self.kernels = kernels
 
     def attention(self, prefix: str, layer_idx: int, config: Qwen3NextConfig) -> nn.Module:
-        return DenseAttentionCore(config)
+        return DenseAttentionCore(config, self.kernels)
 
     def gdn(self, prefix: str, layer_idx: int, config: Qwen3NextConfig) -> nn.Module:
         return DenseGDNCore(config, self.kernels)

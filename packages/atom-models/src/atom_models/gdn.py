@@ -70,6 +70,17 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return mixed_qkv, z.reshape(t, self.num_v_heads, dv), b.reshape(t, -1), a.reshape(t, -1)
 
+    def split_qkv(self, x: torch.Tensor):
+        """Post-conv ``x[..., C]`` (``[q | k | v]``) -> ``q[..., Hk, Dk]``, ``k[..., Hk, Dk]``, ``v[..., Hv, Dv]``
+        (for cores: the layout of ``mixed_qkv`` after the conv)."""
+        q, k, v = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        lead = x.shape[:-1]
+        return (
+            q.reshape(*lead, self.num_k_heads, self.head_k_dim),
+            k.reshape(*lead, self.num_k_heads, self.head_k_dim),
+            v.reshape(*lead, self.num_v_heads, self.head_v_dim),
+        )
+
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx) -> torch.Tensor:
         t = hidden_states.shape[0]
         mixed_qkv, z, b, a = self.split_projections(

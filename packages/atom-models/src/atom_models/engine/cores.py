@@ -6,7 +6,6 @@ import torch
 from atom_core import Qwen3NextConfig
 from torch import nn
 
-from atom_models.dense_cores import split_qkv
 from atom_models.engine.cache import EngineCaches
 from atom_models.engine.context import StepContext
 
@@ -58,7 +57,7 @@ class SlotGDNCore(nn.Module):
                 pre.has_initial_state,
                 activation="silu",
             )
-            q, k, v = split_qkv(layer, x)
+            q, k, v = layer.split_qkv(x)
             out[:t] = kern.gated_delta_rule_chunked(
                 q,
                 k,
@@ -84,7 +83,7 @@ class SlotGDNCore(nn.Module):
                 grp.num_accepted,
                 activation="silu",
             )
-            q, k, v = split_qkv(layer, x)
+            q, k, v = layer.split_qkv(x)
             o = kern.gated_delta_rule_recurrent(
                 q,
                 k,
