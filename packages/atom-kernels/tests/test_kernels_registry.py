@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from types import MappingProxyType
 
 import atom_kernels
 import pytest
@@ -30,7 +31,8 @@ def test_default_on_cpu_falls_back_to_reference():
 
 
 def test_missing_backend_module_is_unavailable_and_logged_once(monkeypatch, caplog):
-    monkeypatch.setitem(registry.BACKEND_MODULES, "aiter", "atom_kernels._no_such_backend_module")
+    modules = {**registry.BACKEND_MODULES, "aiter": "atom_kernels._no_such_backend_module"}
+    monkeypatch.setattr(registry, "BACKEND_MODULES", MappingProxyType(modules))
     registry.load_backend.cache_clear()
     try:
         with caplog.at_level(logging.DEBUG, logger="atom_kernels.registry"):
@@ -105,3 +107,8 @@ def test_register_rejects_bad_input():
         registry.register("rms_norm", "cuda", lambda: None)
     with pytest.raises(ValueError, match="already has a 'reference' implementation"):
         registry.register("rms_norm", "reference", lambda: None)
+
+
+def test_backend_modules_table_is_read_only():
+    with pytest.raises(TypeError):
+        registry.BACKEND_MODULES["aiter"] = "somewhere.else"  # type: ignore[index]

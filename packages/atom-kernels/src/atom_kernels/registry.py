@@ -21,8 +21,9 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -51,12 +52,14 @@ OPS: tuple[str, ...] = (
 )
 """Every op name; :class:`atom_kernels.Kernels` has exactly one attribute per name, in this order."""
 
-BACKEND_MODULES: dict[str, str] = {
-    "reference": "atom_kernels.backends.reference",
-    "triton": "atom_kernels.backends.triton",
-    "aiter": "atom_kernels.backends.aiter",
-}
-"""Backend name -> module whose import registers that backend's ops (imported lazily)."""
+BACKEND_MODULES: Mapping[str, str] = MappingProxyType(
+    {
+        "reference": "atom_kernels.backends.reference",
+        "triton": "atom_kernels.backends.triton",
+        "aiter": "atom_kernels.backends.aiter",
+    }
+)
+"""Backend name -> module whose import registers that backend's ops (imported lazily); read-only."""
 
 Predicate = Callable[[torch.device, torch.dtype], bool]
 
