@@ -12,6 +12,7 @@ CPU tensors, so the conformance tests run these kernels through Triton's interpr
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -29,13 +30,20 @@ PRIORITY = 10
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@functools.cache
+def interpreting() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter (env ``TRITON_INTERPRET=1``); read once,
+    like Triton itself, which decides when a kernel is decorated."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def on_gpu(device: torch.device, dtype: torch.dtype) -> bool:
     """CUDA/ROCm device (torch calls both "cuda") and a float dtype; CPU only under TRITON_INTERPRET=1."""
     if dtype not in DTYPES:
         return False
     if device.type == "cuda":
         return torch.cuda.is_available()
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cpu" and interpreting()
 
 
 def on_gpu_with_fla(device: torch.device, dtype: torch.dtype) -> bool:

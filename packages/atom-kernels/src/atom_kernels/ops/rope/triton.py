@@ -1,58 +1,55 @@
-"""Triton partial neox RoPE, and RoPE fused with the per-head q/k RMS norm.
+"""Triton partial neox RoPE.
 
 ``rope`` matches the reference op: one program rotates a block of heads of one token for q and k (one
 launch for both) as three contiguous pieces (the two rotated halves and the copied tail), computing
 ``inv_freq``, ``cos`` and ``sin`` once per program for the ``rotary_dim / 2`` frequencies with the
 accurate libdevice ``pow``/``cos``/``sin`` (angles reach tens of thousands of radians, where fast
-approximations fail).
+approximations fail). Triton's CPU interpreter (``TRITON_INTERPRET=1``) has no libdevice: there the
+kernel uses ``tl`` math (numpy), chosen by the ``INTERPRET`` constexpr.
 
-``qk_norm_rope`` fuses Qwen3-Next's per-head q/k RMS norm (zero-centred, weights ``[D]``) with RoPE in
-one pass; the normed values are rounded to q.dtype before rotation, as the unfused reference does. It
-matches the unfused ops but is NOT faster yet (H200, 32768 tokens: 1.28 ms fused vs 0.56 ms for
-rms_norm, rms_norm, rope; bench_small_ops): it is not a registered op; profile before using it.
+A q/k RMS norm fused into this kernel was measured slower than the unfused ops (H200, 32768 tokens:
+1.28 ms fused vs 0.56 ms for rms_norm, rms_norm, rope; benchmarks/README.md) and was removed.
 Only ``tl`` and libdevice calls: also compiles for ROCm.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from atom_kernels.ops.norm.checks import check_rms_norm
 from atom_kernels.ops.rope.checks import check_rope
 
 
 @triton.jit
-def _interp_pow(a, b):
-    return tl.exp2(b * tl.log2(a))
+def _pow(a, b, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        return tl.exp2(b * tl.log2(a))
+    else:
+        return libdevice.pow(a, b)
 
 
 @triton.jit
-def _interp_cos(a):
-    return tl.cos(a)
+def _cos(a, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        return tl.cos(a)
+    else:
+        return libdevice.cos(a)
 
 
 @triton.jit
-def _interp_sin(a):
-    return tl.sin(a)
-
-
-# Triton's CPU interpreter (TRITON_INTERPRET=1, used to debug on CPU) has no libdevice: numpy math there.
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _pow, _cos, _sin = _interp_pow, _interp_cos, _interp_sin
-else:
-    _pow, _cos, _sin = libdevice.pow, libdevice.cos, libdevice.sin
+def _sin(a, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        return tl.sin(a)
+    else:
+        return libdevice.sin(a)
 
 
 @triton.jit
 def _rope_heads(
     src_ptr,
     dst_ptr,
-    w_ptr,
     t,
     head0,
     num_heads,
@@ -62,14 +59,13 @@ def _rope_heads(
     stride_dh,
     pos_f,
     theta,
-    eps,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HALF: tl.constexpr,
     HALF_P2: tl.constexpr,
     ROT: tl.constexpr,
     HB: tl.constexpr,
-    NORM: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     # Three contiguous pieces per head: x1 = [0, HALF), x2 = [HALF, ROT) rotated; [ROT, D) copied.
     heads = head0 + tl.arange(0, HB)
@@ -82,33 +78,22 @@ def _rope_heads(
     m1 = h_ok[:, None] & hc_ok[None, :]
     x1 = tl.load(row + hc[None, :], mask=m1, other=0.0)
     x2 = tl.load(row + HALF + hc[None, :], mask=m1, other=0.0)
-    dt = x1.dtype
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    if NORM:
-        xa = tl.load(row + cols[None, :], mask=h_ok[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
-        inv = tl.rsqrt(tl.sum(xa * xa, 1) / D + eps)
-        w1 = tl.load(w_ptr + hc, mask=hc_ok, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + hc, mask=hc_ok, other=0.0).to(tl.float32)
-        x1f = (x1f * inv[:, None] * (1.0 + w1)[None, :]).to(dt).to(tl.float32)
-        x2f = (x2f * inv[:, None] * (1.0 + w2)[None, :]).to(dt).to(tl.float32)
     # inv_freq[i] = 1 / theta ** (2i / ROT) with float32 division as the reference; the power in float64
     # rounded once to float32 is the correctly rounded powf of CPU torch (glibc). GPU powf can be 1-2 ulp
     # off, and 1 ulp of inv_freq moves the angle at position 40000 by ~5e-3.
     expo = tl.div_rn((2 * hc).to(tl.float32), tl.full([HALF_P2], ROT, tl.float32))
-    powed = _pow(tl.zeros([HALF_P2], tl.float64) + theta, expo.to(tl.float64)).to(tl.float32)
+    powed = _pow(tl.zeros([HALF_P2], tl.float64) + theta, expo.to(tl.float64), INTERPRET).to(tl.float32)
     inv_freq = tl.div_rn(tl.full([HALF_P2], 1.0, tl.float32), powed)
     freq = pos_f * inv_freq
-    c = _cos(freq)[None, :]
-    s = _sin(freq)[None, :]
+    c = _cos(freq, INTERPRET)[None, :]
+    s = _sin(freq, INTERPRET)[None, :]
     tl.store(out + hc[None, :], (x1f * c - x2f * s).to(dst_ptr.dtype.element_ty), mask=m1)
     tl.store(out + HALF + hc[None, :], (x2f * c + x1f * s).to(dst_ptr.dtype.element_ty), mask=m1)
     if ROT < D:
         pm = h_ok[:, None] & ((cols >= ROT) & (cols < D))[None, :]
         xp = tl.load(row + cols[None, :], mask=pm, other=0.0)
-        if NORM:
-            wp = tl.load(w_ptr + cols, mask=(cols >= ROT) & (cols < D), other=0.0).to(tl.float32)
-            xp = xp.to(tl.float32) * inv[:, None] * (1.0 + wp)[None, :]
         tl.store(out + cols[None, :], xp.to(dst_ptr.dtype.element_ty), mask=pm)
 
 
@@ -118,8 +103,6 @@ def _rope_kernel(
     k_ptr,
     qo_ptr,
     ko_ptr,
-    qw_ptr,
-    kw_ptr,
     pos_ptr,
     num_q_heads,
     num_k_heads,
@@ -132,32 +115,38 @@ def _rope_kernel(
     stride_kot,
     stride_koh,
     theta,
-    eps,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HALF: tl.constexpr,
     HALF_P2: tl.constexpr,
     ROT: tl.constexpr,
     HB: tl.constexpr,
-    NORM: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
     pos_f = tl.load(pos_ptr + t).to(tl.float32)
     q_blocks = tl.cdiv(num_q_heads, HB)
     if hb < q_blocks:
-        _rope_heads(q_ptr, qo_ptr, qw_ptr, t, hb * HB, num_q_heads, stride_qt, stride_qh, stride_qot,
-                    stride_qoh, pos_f, theta, eps, D, BLOCK_D, HALF, HALF_P2, ROT, HB, NORM)  # fmt: skip
+        _rope_heads(q_ptr, qo_ptr, t, hb * HB, num_q_heads, stride_qt, stride_qh, stride_qot, stride_qoh,
+                    pos_f, theta, D, BLOCK_D, HALF, HALF_P2, ROT, HB, INTERPRET)  # fmt: skip
     else:
-        _rope_heads(k_ptr, ko_ptr, kw_ptr, t, (hb - q_blocks) * HB, num_k_heads, stride_kt, stride_kh,
-                    stride_kot, stride_koh, pos_f, theta, eps, D, BLOCK_D, HALF, HALF_P2, ROT, HB, NORM)  # fmt: skip
+        _rope_heads(k_ptr, ko_ptr, t, (hb - q_blocks) * HB, num_k_heads, stride_kt, stride_kh, stride_kot,
+                    stride_koh, pos_f, theta, D, BLOCK_D, HALF, HALF_P2, ROT, HB, INTERPRET)  # fmt: skip
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(q, k, positions, rotary_dim, theta, q_weight=None, k_weight=None, eps=0.0):
+def rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox RoPE on the first ``rotary_dim`` channels of every q and k head (new tensors)."""
+    # imported here, not at module import: atom_kernels.backends.triton imports this module
+    from atom_kernels.backends.triton import interpreting
+
+    check_rope(q, k, positions, rotary_dim, theta)
     q, k = _unit_last(q), _unit_last(k)
     num_tokens, num_q, d = q.shape
     num_k = k.shape[1]
@@ -168,37 +157,11 @@ def _launch(q, k, positions, rotary_dim, theta, q_weight=None, k_weight=None, ep
     block_d = triton.next_power_of_2(d)
     hb = max(1, min(16, 4096 // block_d))
     grid = (num_tokens, triton.cdiv(num_q, hb) + triton.cdiv(num_k, hb))
-    norm = q_weight is not None
     _rope_kernel[grid](
-        q, k, qo, ko, q_weight if norm else q, k_weight if norm else k, positions, num_q, num_k,
+        q, k, qo, ko, positions, num_q, num_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0), qo.stride(1), ko.stride(0),
-        ko.stride(1), float(theta), float(eps),
+        ko.stride(1), float(theta),
         D=d, BLOCK_D=block_d, HALF=rotary_dim // 2, HALF_P2=triton.next_power_of_2(rotary_dim // 2), ROT=rotary_dim,
-        HB=hb, NORM=norm, num_warps=4,
+        HB=hb, INTERPRET=interpreting(), num_warps=4,
     )  # fmt: skip
     return qo, ko
-
-
-def rope(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox RoPE on the first ``rotary_dim`` channels of every q and k head (new tensors)."""
-    check_rope(q, k, positions, rotary_dim, theta)
-    return _launch(q, k, positions, rotary_dim, theta)
-
-
-def qk_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    positions: torch.Tensor,
-    rotary_dim: int,
-    theta: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), ...)`` in one pass (per-head norm)."""
-    check_rope(q, k, positions, rotary_dim, theta)
-    check_rms_norm(q, q_weight, eps, None)
-    check_rms_norm(k, k_weight, eps, None)
-    return _launch(q, k, positions, rotary_dim, theta, q_weight, k_weight, eps)
