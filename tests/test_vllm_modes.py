@@ -65,3 +65,15 @@ def test_tensor_parallel_2_reproduces_greedy() -> None:
     for i, (got, c) in enumerate(zip(job["token_ids"], greedy_cases())):
         assert got == c["greedy_ids"], f"TP=2: case {i} differs from greedy.json"
     assert job["acceptance_rate"] > 0.35
+
+
+def test_unsupported_kv_cache_dtype_fails_clearly(tmp_path) -> None:
+    """An fp8 KV cache is not supported by the plugin's CPU attention: the engine must refuse to start
+    with an error naming the option, not run with a silently different cache."""
+    from atom_vllm_plugin.harness import run
+
+    s = spec(plugin=True, dtype="bfloat16", k=1, jobs=[greedy_job()], llm_kwargs={"kv_cache_dtype": "fp8"})
+    r = run(s, str(tmp_path), timeout=900, log_name="fp8_kv")
+    assert "error" in r, "the engine started with kv_cache_dtype=fp8"
+    log = Path(r["log"]).read_text()
+    assert "kv_cache_dtype" in log and "'fp8'" in log, log[-3000:]
