@@ -220,3 +220,26 @@ def test_token_budget_holds_back_a_prompt_while_decodes_use_it(engines, greedy_c
     assert a in infos[1].finished and infos[2].num_prefills == 1
     with pytest.raises(ValueError, match="max_num_batched_tokens 40"):
         eng.add_request(cases[1]["prompt_ids"][:41], SamplingParams(max_tokens=2))
+
+
+def test_step_copies_no_full_vocabulary_logits_for_greedy(engines, greedy_cases, monkeypatch):
+    """Greedy requests take their argmax on the device (only ints reach the host); a sampled request
+    copies only its own rows' probabilities (at most 1 + k per copy), never the batch's logits."""
+    cases = greedy_cases["cases"]
+    eng = engines(2)
+    vocab = eng.config.vocab_size
+    copied: list[tuple[int, ...]] = []
+    real_cpu = torch.Tensor.cpu
+
+    def spy_cpu(self, *args, **kwargs):
+        if self.dim() >= 1 and self.shape[-1] == vocab:
+            copied.append(tuple(self.shape))
+        return real_cpu(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", spy_cpu)
+    prompts = [cases[0]["prompt_ids"][:20], cases[1]["prompt_ids"][:25]]
+    eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert copied == [], f"greedy steps copied vocabulary-sized tensors to the host: {copied[:4]}"
+    sampled = SamplingParams(max_tokens=8, temperature=0.7, seed=3, ignore_eos=True)
+    eng.generate(prompts, [SamplingParams(max_tokens=8, ignore_eos=True), sampled])
+    assert copied and all(s[0] <= 3 for s in copied), copied

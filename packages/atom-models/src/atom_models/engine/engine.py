@@ -9,6 +9,7 @@ state after the last accepted token through ``num_accepted`` and 1 + k state slo
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections import deque
@@ -23,7 +24,7 @@ from atom_models.engine.cache import EngineCaches
 from atom_models.engine.context import AttentionMeta, GDNDecodeGroup, GDNPrefill, StepContext
 from atom_models.engine.cores import EngineCoreFactory
 from atom_models.engine.request import Request, SpecStats
-from atom_models.engine.sampling import SamplingParams, sample_token, verify
+from atom_models.engine.sampling import SamplingParams, probs_from_logits, sample, verify_greedy, verify_probs
 from atom_models.generation_config import with_generation_eos
 from atom_models.loader import load_mtp, load_target
 from atom_models.qwen3_next import Qwen3NextForCausalLM
@@ -226,24 +227,54 @@ class LLMEngine:
         req.blocks, req.slots = [], []
 
     # ---- batch description ---------------------------------------------------------------------------
-    def _attn_meta(self, seqs: list[tuple[Request, int, int]]) -> AttentionMeta:
-        """``seqs``: (request, first position, number of query tokens) in batch order."""
-        bs = self.caches.block_size
-        slot_mapping, seq_lens, qsl = [], [], [0]
-        width = max(len(r.blocks) for r, _, _ in seqs)
-        tables = torch.zeros(len(seqs), width, dtype=torch.int32)
-        for i, (req, start, n) in enumerate(seqs):
+    def _block_tables(self, reqs: list[Request]) -> torch.Tensor:
+        """``[N, max_blocks]`` int32 on the device: built once per step (one host-to-device copy)."""
+        width = max(len(r.blocks) for r in reqs)
+        tables = torch.zeros(len(reqs), width, dtype=torch.int32)
+        for i, req in enumerate(reqs):
             tables[i, : len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
-            slot_mapping.extend(req.blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-            seq_lens.append(start + n)
-            qsl.append(qsl[-1] + n)
-        dev = self.device
-        return AttentionMeta(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+        return tables.to(self.device)
+
+    def _attn_meta(self, tables: torch.Tensor, positions: torch.Tensor, q_lens: list[int]) -> AttentionMeta:
+        """Varlen batch: sequence i (row i of ``tables``) has ``q_lens[i]`` new tokens at ``positions`` (device
+        int64, flat), the last one being its last cached token; slots are computed on the device."""
+        bs, n = self.caches.block_size, len(q_lens)
+        qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32).to(self.device)
+        row = torch.repeat_interleave(
+            torch.arange(n, device=self.device), qsl.diff(), output_size=positions.shape[0]
         )
+        return AttentionMeta(
+            slot_mapping=tables[row, positions // bs].long() * bs + positions % bs,
+            block_tables=tables,
+            seq_lens=(positions[qsl[1:].long() - 1] + 1).int(),
+            query_start_loc=qsl,
+        )
+
+    def _decode_meta(self, tables: torch.Tensor, positions: torch.Tensor) -> AttentionMeta:
+        """One new token per sequence at ``positions`` (device int64): MTP draft steps >= 1 only advance
+        positions / seq_lens over the step's block tables (no host work)."""
+        bs, n = self.caches.block_size, positions.shape[0]
+        rows = torch.arange(n, device=self.device)
+        return AttentionMeta(
+            slot_mapping=tables[rows, positions // bs].long() * bs + positions % bs,
+            block_tables=tables,
+            seq_lens=(positions + 1).int(),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=self.device),
+        )
+
+    def _host_tokens(
+        self, logits: torch.Tensor, spans: list[tuple[Request, int, int]]
+    ) -> tuple[list[int], dict[int, torch.Tensor]]:
+        """What the host needs from device ``logits[R, V]`` for ``spans`` (request, first row, rows):
+        the argmax ids of every row (ints, computed on the device) when a request is greedy, and for each
+        sampled request the processed probabilities of its rows only (on the CPU, for its generator)."""
+        best = logits.argmax(dim=-1).tolist() if any(r.params.greedy for r, _, _ in spans) else []
+        probs = {
+            r.request_id: probs_from_logits(logits[r0 : r0 + n], r.params).cpu()
+            for r, r0, n in spans
+            if not r.params.greedy
+        }
+        return best, probs
 
     def _i32(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self.device)
@@ -304,33 +335,37 @@ class LLMEngine:
                 has_initial_state=torch.zeros(len(prefills), dtype=torch.bool, device=self.device),
                 conv_indices=self._i32([self.caches.slots.group_of(r.slots) for r in prefills]),
             )
-        ctx = StepContext(attn=self._attn_meta(seqs), gdn_prefill=gdn_prefill, gdn_decode=tuple(groups))
+        tables = self._block_tables([r for r, _, _ in seqs])
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        attn = self._attn_meta(tables, pos, [n for _, _, n in seqs])
+        ctx = StepContext(attn=attn, gdn_prefill=gdn_prefill, gdn_decode=tuple(groups))
         hidden = self.target(input_ids, pos, ctx)
         new_ids = {r.request_id for r in prefills}
         # logits only where a token is sampled: a prompt's last row, every row of a decode/verify
-        rows_needed, row_start, start_tok = [], [], 0
+        rows_needed, spans, start_tok = [], [], 0
         for req, _, n in seqs:
-            row_start.append(len(rows_needed))
-            rows_needed += (
-                [start_tok + n - 1] if req.request_id in new_ids else range(start_tok, start_tok + n)
-            )
+            m = 1 if req.request_id in new_ids else n
+            spans.append((req, len(rows_needed), m))
+            rows_needed += range(start_tok + n - m, start_tok + n)
             start_tok += n
-        logits = self.target.compute_logits(hidden[self._i64(rows_needed)], torch.float32).cpu()
+        logits = self.target.compute_logits(hidden[self._i64(rows_needed)], torch.float32)
+        best, probs = self._host_tokens(logits, spans)
 
         # ---- accept / emit ----
-        mtp_rows: list[tuple[Request, int, list[int], torch.Tensor]] = []
+        mtp_rows: list[tuple[Request, int, list[int], torch.Tensor, int]] = []
         emitted_total = 0
         finished: list[Request] = []
         offset = 0
-        for (req, start, n), r0 in zip(seqs, row_start):
-            rows = logits[r0 : r0 + (1 if req.request_id in new_ids else n)]
+        for i, ((req, start, n), (_, r0, m)) in enumerate(zip(seqs, spans)):
             if req.request_id in new_ids:
-                token, _ = sample_token(rows[-1], req.params, req.generator)
+                token = best[r0] if req.params.greedy else sample(probs[req.request_id][-1], req.generator)
                 accepted_inputs, new = n, [token]  # the whole prompt, then the first sampled token
             else:
-                a, new = verify(rows, req.drafts, req.draft_probs, req.params, req.generator)
+                if req.params.greedy:
+                    a, new = verify_greedy(best[r0 : r0 + m], req.drafts)
+                else:
+                    a, new = verify_probs(probs[req.request_id], req.drafts, req.draft_probs, req.generator)
                 if req.drafts:
                     req.stats.record(len(req.drafts), a)
                 accepted_inputs = a + 1  # the pending token and the accepted drafts
@@ -343,14 +378,14 @@ class LLMEngine:
             elif self.mtp is not None and req.num_spec > 0:
                 # MTP rows: target hidden h_i with token t_{i+1}, for every newly accepted position i
                 next_tokens = req.all_ids[start + 1 : req.num_computed + 1]
-                mtp_rows.append((req, start, next_tokens, hidden[offset : offset + accepted_inputs]))
+                mtp_rows.append((req, start, next_tokens, hidden[offset : offset + accepted_inputs], i))
             req.drafts, req.draft_probs = [], None
             offset += n
         self.running = [r for r in self.running if not r.finished] + [r for r in prefills if not r.finished]
         for req in finished:
             self._free(req)
         if mtp_rows:
-            self._propose(mtp_rows)
+            self._propose(mtp_rows, tables)
         return StepInfo(
             num_prefills=len(prefills),
             num_decodes=sum(1 for r, _, n in seqs if r.request_id not in new_ids and n == 1),
@@ -375,38 +410,46 @@ class LLMEngine:
         return n
 
     # ---- drafting ------------------------------------------------------------------------------------
-    def _propose(self, items: list[tuple[Request, int, list[int], torch.Tensor]]) -> None:
-        """First MTP pass over every newly accepted position, then k - 1 single-row steps."""
+    def _propose(self, items: list[tuple[Request, int, list[int], torch.Tensor, int]], tables: torch.Tensor):
+        """First MTP pass over every newly accepted position, then k - 1 single-row steps. ``items``:
+        (request, first position, next tokens, target hidden rows, row in the step's block ``tables``)."""
         mtp = self.mtp
-        ids = [t for _, _, toks, _ in items for t in toks]
-        pos = [p for _, start, toks, _ in items for p in range(start, start + len(toks))]
-        hidden = torch.cat([h for _, _, _, h in items], dim=0)
-        ctx = StepContext(attn=self._attn_meta([(r, s, len(t)) for r, s, t, _ in items]))
-        out = mtp(self._i64(ids), self._i64(pos), hidden, ctx, spec_step=0)
-        last = torch.tensor([0] + [len(t) for _, _, t, _ in items]).cumsum(0)[1:] - 1
-        h = out[last.to(self.device)]
-        reqs = [r for r, _, _, _ in items]
-        last_pos = [s + len(t) - 1 for _, s, t, _ in items]
+        ids = [t for _, _, toks, _, _ in items for t in toks]
+        pos = self._i64([p for _, start, toks, _, _ in items for p in range(start, start + len(toks))])
+        hidden = torch.cat([h for _, _, _, h, _ in items], dim=0)
+        batch_rows = [row for *_, row in items]
+        if batch_rows != list(range(tables.shape[0])):
+            tables = tables[self._i64(batch_rows)]
+        q_lens = [len(t) for _, _, t, _, _ in items]
+        ctx = StepContext(attn=self._attn_meta(tables, pos, q_lens))
+        out = mtp(self._i64(ids), pos, hidden, ctx, spec_step=0)
+        last = self._i64(list(itertools.accumulate(q_lens))) - 1
+        h, pos = out[last], pos[last]
+        reqs = [r for r, _, _, _, _ in items]
         for req in reqs:
             req.drafts, req.draft_probs = [], None if req.params.greedy else []
         step = 0
         while True:
-            logits = mtp.compute_logits(h, torch.float32).cpu()
+            logits = mtp.compute_logits(h, torch.float32)
+            best, probs = self._host_tokens(logits, [(r, i, 1) for i, r in enumerate(reqs)])
             for i, req in enumerate(reqs):
-                token, probs = sample_token(logits[i], req.params, req.generator)
-                req.drafts.append(token)
-                if probs is not None:
-                    req.draft_probs.append(probs)
+                if req.params.greedy:
+                    req.drafts.append(best[i])
+                else:
+                    p = probs[req.request_id][0]
+                    req.drafts.append(sample(p, req.generator))
+                    req.draft_probs.append(p)
             step += 1
             keep = [i for i, r in enumerate(reqs) if r.num_spec > step]
             if not keep:
                 return
-            reqs = [reqs[i] for i in keep]
-            h = h[torch.tensor(keep, device=self.device)]
-            last_pos = [last_pos[i] + 1 for i in keep]
-            ctx = StepContext(attn=self._attn_meta([(r, p, 1) for r, p in zip(reqs, last_pos)]))
-            ids = [r.drafts[-1] for r in reqs]
-            h = mtp(self._i64(ids), self._i64(last_pos), h, ctx, spec_step=step)
+            if len(keep) < len(reqs):
+                kidx = self._i64(keep)
+                reqs = [reqs[i] for i in keep]
+                h, pos, tables = h[kidx], pos[kidx], tables[kidx]
+            pos = pos + 1
+            ctx = StepContext(attn=self._decode_meta(tables, pos))
+            h = mtp(self._i64([r.drafts[-1] for r in reqs]), pos, h, ctx, spec_step=step)
 
     def _i64(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

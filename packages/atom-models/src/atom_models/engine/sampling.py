@@ -79,14 +79,32 @@ def verify(
             f"target_logits: expected {k + 1} rows (1 + number of drafts), got {target_logits.shape[0]}"
         )
     if params.greedy:
-        best = torch.argmax(target_logits, dim=-1).tolist()
-        a = 0
-        while a < k and drafts[a] == best[a]:
-            a += 1
-        return a, drafts[:a] + [best[a]]
+        return verify_greedy(torch.argmax(target_logits, dim=-1).tolist(), drafts)
+    return verify_probs(probs_from_logits(target_logits, params), drafts, draft_probs, generator)
+
+
+def verify_greedy(best: list[int], drafts: list[int]) -> tuple[int, list[int]]:
+    """Greedy verification from the target's argmax ids ``best[k + 1]`` (computed on the device)."""
+    if len(best) != len(drafts) + 1:
+        raise ValueError(f"best: expected {len(drafts) + 1} ids (1 + number of drafts), got {len(best)}")
+    a = 0
+    while a < len(drafts) and drafts[a] == best[a]:
+        a += 1
+    return a, drafts[:a] + [best[a]]
+
+
+def verify_probs(
+    p: torch.Tensor,
+    drafts: list[int],
+    draft_probs: list[torch.Tensor] | None,
+    generator: torch.Generator | None,
+) -> tuple[int, list[int]]:
+    """Rejection sampling from the target's processed probabilities ``p[k + 1, V]``."""
+    k = len(drafts)
+    if p.shape[0] != k + 1:
+        raise ValueError(f"p: expected {k + 1} rows (1 + number of drafts), got {p.shape[0]}")
     if draft_probs is None or len(draft_probs) != k:
         raise ValueError("draft_probs: rejection sampling needs the draft distribution of every draft token")
-    p = probs_from_logits(target_logits, params)
     for j, d in enumerate(drafts):
         q = draft_probs[j]
         u = torch.rand((), generator=generator, device=p.device).item()
