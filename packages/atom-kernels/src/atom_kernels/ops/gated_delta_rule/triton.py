@@ -36,8 +36,8 @@ from atom_kernels.ops.gated_delta_rule.checks import (
     check_gated_delta_rule_chunked,
     check_gated_delta_rule_recurrent,
 )
+from atom_kernels.ops.l2norm.checks import DEFAULT_EPS as L2NORM_EPS
 
-L2NORM_EPS = 1e-6
 FLA_CHUNK_SIZES = (16, 32, 64)
 
 

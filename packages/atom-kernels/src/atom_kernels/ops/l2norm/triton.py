@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_kernels.ops.l2norm.checks import check_l2norm
+from atom_kernels.ops.l2norm.checks import DEFAULT_EPS, check_l2norm
 
 
 @triton.jit
@@ -25,7 +25,7 @@ def _l2norm_kernel(x_ptr, y_ptr, R, D, eps, s_x, s_y, ROWS: tl.constexpr, BD: tl
     tl.store(y_ptr + r64 * s_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def l2norm(x: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """See :func:`atom_kernels.ops.l2norm.reference.l2norm` (same contract)."""
     check_l2norm(x, eps)
     D = x.shape[-1]

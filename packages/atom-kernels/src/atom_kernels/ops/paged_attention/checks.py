@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from atom_kernels.ops._checks import FLOAT_DTYPES, FP8_DTYPES, Checker
+from atom_kernels.ops._checks import FLOAT_DTYPES, FP8_DTYPES, Checker, values_checkable
 
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
@@ -78,3 +78,41 @@ def check_paged_attention(
             key_cache.dtype == q.dtype,
             f"key_cache must have q's dtype {q.dtype} (or fp8), got {key_cache.dtype}",
         )
+
+
+def check_slot_mapping_values(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """``kv_cache_write``: slots must be ``< B * block_size`` (< 0: skipped). Reads values: the backends
+    call it only where that costs no device sync (see docs/kernel-api.md)."""
+    if values_checkable(slot_mapping) and slot_mapping.numel() > 0:
+        hi = int(slot_mapping.max())
+        if hi >= num_blocks * block_size:
+            raise ValueError(
+                f"kv_cache_write: slot_mapping must be < B * block_size = {num_blocks * block_size}, got {hi}"
+            )
+
+
+def check_paged_attention_values(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+    num_tokens: int,
+) -> None:
+    """``paged_attention``: ``query_start_loc`` non-decreasing and ``<= T``, each sequence at least as long
+    as its queries and fitting in ``max_blocks`` blocks. Reads values (see above)."""
+    if not values_checkable(block_tables, seq_lens, query_start_loc):
+        return
+    op = "paged_attention"
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for n, seq_len in enumerate(lens):
+        q_len = starts[n + 1] - starts[n]
+        if q_len < 0 or starts[n + 1] > num_tokens:
+            raise ValueError(
+                f"{op}: query_start_loc must be non-decreasing and <= T={num_tokens}, got {starts}"
+            )
+        if seq_len < q_len:
+            raise ValueError(f"{op}: seq_lens[{n}]={seq_len} is shorter than its {q_len} queries")
+        if -(-seq_len // block_size) > block_tables.shape[1]:
+            raise ValueError(
+                f"{op}: seq_lens[{n}]={seq_len} needs more than max_blocks={block_tables.shape[1]} blocks"
+            )

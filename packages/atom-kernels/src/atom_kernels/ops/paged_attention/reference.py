@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from atom_kernels.ops._checks import FP8_DTYPES, values_checkable
+from atom_kernels.ops._checks import FP8_DTYPES
 from atom_kernels.ops._fp8_math import FP8_MAX, scale_tensor
-from atom_kernels.ops.paged_attention.checks import check_kv_cache_write, check_paged_attention
+from atom_kernels.ops.paged_attention.checks import (
+    check_kv_cache_write,
+    check_paged_attention,
+    check_paged_attention_values,
+    check_slot_mapping_values,
+)
 
 
 def _store(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
@@ -45,12 +50,7 @@ def kv_cache_write(
     """
     check_kv_cache_write(k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     num_blocks, block_size = key_cache.shape[:2]
-    if values_checkable(slot_mapping) and slot_mapping.numel() > 0:
-        hi = int(slot_mapping.max())
-        if hi >= num_blocks * block_size:
-            raise ValueError(
-                f"kv_cache_write: slot_mapping must be < B * block_size = {num_blocks * block_size}, got {hi}"
-            )
+    check_slot_mapping_values(slot_mapping, num_blocks, block_size)
     keep = (slot_mapping >= 0).nonzero().squeeze(1)
     slots = slot_mapping[keep]
     block, offset = slots // block_size, slots % block_size
@@ -90,8 +90,8 @@ def paged_attention(
     check_paged_attention(
         q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
     )
-    op = "paged_attention"
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    check_paged_attention_values(block_tables, seq_lens, query_start_loc, block_size, q.shape[0])
     group = q.shape[1] // num_kv_heads
     ks, vs = scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -99,18 +99,8 @@ def paged_attention(
     for n, seq_len in enumerate(lens):
         qs, qe = starts[n], starts[n + 1]
         q_len = qe - qs
-        if q_len < 0 or qe > q.shape[0]:
-            raise ValueError(
-                f"{op}: query_start_loc must be non-decreasing and <= T={q.shape[0]}, got {starts}"
-            )
         if q_len == 0:
             continue
-        if seq_len < q_len:
-            raise ValueError(f"{op}: seq_lens[{n}]={seq_len} is shorter than its {q_len} queries")
-        if -(-seq_len // block_size) > block_tables.shape[1]:
-            raise ValueError(
-                f"{op}: seq_lens[{n}]={seq_len} needs more than max_blocks={block_tables.shape[1]} blocks"
-            )
         pos = torch.arange(seq_len, device=q.device)
         blocks = block_tables[n, pos // block_size].long()
         keys = _load(key_cache[blocks, pos % block_size], ks)  # [S, Hkv, D]
