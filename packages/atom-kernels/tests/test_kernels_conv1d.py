@@ -11,9 +11,13 @@ from atom_kernels.testing import assert_close, randn
 TOL = {
     ("conv", torch.float32): (1e-5, 1e-5),  # measured 1.2e-06
     ("conv", torch.bfloat16): (2e-2, 1e-2),  # measured 2.5e-02 at |out| ~ 5 (rel 5e-03; bf16 output rounding)
-    # self-consistency (same op, different batching / token split): measured 0 for the reference
+    # self-consistency (same op, different batching / token split): measured 0 for the reference (CPU)
+    # and for triton under TRITON_INTERPRET=1 (float32)
     ("conv_self", torch.float32): (1e-6, 1e-6),
-    ("conv_self", torch.bfloat16): (1e-2, 1e-2),  # allows one bf16 ulp where float32 sums round differently
+    # measured 0 for the reference on CPU (verify vs sequential, both layouts); triton bf16 was not measured
+    # by this test on a GPU (it passed on the H200 within this bound, max not recorded). The bound allows
+    # one bf16 ulp where a backend's float32 sums round differently between the two paths.
+    ("conv_self", torch.bfloat16): (1e-2, 1e-2),
 }
 DTYPES = [torch.float32, torch.bfloat16]
 C, K, SPEC = 48, 4, 2  # channels, kernel width, speculative tokens
