@@ -21,47 +21,19 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import gdn_conv  # noqa: E402
+from gdn_harness import BF16, FP32, QUICK, QWEN3_NEXT_80B, SMOKE, Run, get_impl  # noqa: E402
 
-BF16, FP32 = torch.bfloat16, torch.float32
-MAX_K = 4  # speculative tokens the conv state pool is sized for
 # fla-core 0.6.0's fused_recurrent_gated_delta_rule hit an illegal memory access at B=256 with 4 tokens per
 # sequence on the H200 (batch and varlen calls, runs 1 and 2), which ends the CUDA context: not run there.
 FLA_RECURRENT_FAULT_TOKENS = 1024
 SWEEP_CONFIGS = ((8, 1), (8, 2), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4))
-
-
-@dataclass(frozen=True)
-class Shape:
-    hk: int = 16
-    hv: int = 32
-    dk: int = 128
-    dv: int = 128
-    kw: int = 4
-    batches: tuple[int, ...] = (1, 8, 64, 256)
-    qs: tuple[int, ...] = (1, 2, 3, 4, 5)
-    prefills: tuple[tuple[int, int], ...] = ((1, 4096), (16, 512))
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.hk * self.dk + self.hv * self.dv
-
-    @property
-    def scale(self) -> float:
-        return self.dk**-0.5
-
-
-QWEN3_NEXT_80B = Shape()
-QUICK = replace(QWEN3_NEXT_80B, batches=(1, 64, 256), qs=(1, 4))
-# tiny shapes to exercise this script's plumbing on CPU (TRITON_INTERPRET=1); no timings
-SMOKE = Shape(hk=2, hv=4, dk=16, dv=32, batches=(1, 3), qs=(1, 3), prefills=((1, 70), (3, 20)))
 
 # (what, state dtype) -> (atol, rtol) of the bf16-activation Triton result against the float32 reference.
 # Measured worst max abs error over every shape on the H200 (run 2, results/gdn_run2.json) in the comments.
@@ -80,101 +52,9 @@ TOL = {
 }
 
 
-def get_impl(op: str, backend: str, device: torch.device, dtype: torch.dtype):
-    from atom_kernels import registry
-
-    try:
-        return registry.resolve(op, device, dtype, backend).fn
-    except registry.KernelBackendError as exc:
-        print(f"[skip] {op}/{backend}: {exc}")
-        return None
-
-
-def fla_ops():
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-    except ImportError as exc:
-        print(f"[skip] fla-core not importable: {exc}")
-        return None, None
-    return fused_recurrent_gated_delta_rule, chunk_gated_delta_rule
-
-
-def max_err(a: torch.Tensor, e: torch.Tensor) -> float:
-    return (a.double() - e.double()).abs().max().item() if a.numel() else 0.0
-
-
-def close(a: torch.Tensor, e: torch.Tensor, tol: tuple[float, float]) -> bool:
-    a, e = a.double(), e.double()
-    return bool((((a - e).abs() <= tol[0] + tol[1] * e.abs()) & ~a.isnan()).all())
-
-
-class Run:
-    def __init__(self, out: Path, device: torch.device, shape: Shape, quick: bool) -> None:
-        self.out, self.device, self.shape, self.quick = out, device, shape, quick
-        self.timed = device.type == "cuda"
-        self.rep_ms = 50
-        self.t0 = time.monotonic()
-        self.deadline_s = float("inf")
-        self.ceil = common.ceilings(out, device) if self.timed else {"copy_gbps": 1.0, "matmul_tflops": 1.0}
-        self.rows: list[dict] = []
-        self.checks: list[dict] = []
-        self.failed = False
-        self.fla_rec, self.fla_chunk = fla_ops()
-
-    def time(self, fn, graph: bool) -> tuple[float | None, str]:
-        if not self.timed:
-            return None, "not timed (cpu)"
-        try:
-            fn()  # compile / autotune outside the timed region
-            torch.cuda.synchronize()
-            if graph:
-                try:
-                    return common.time_ms(fn, rep_ms=self.rep_ms, graph=True), "graph"
-                except Exception:  # not capturable (host syncs): time eagerly
-                    torch.cuda.synchronize()
-            return common.time_ms(fn, warmup_ms=10, rep_ms=self.rep_ms), "eager"
-        except Exception as exc:
-            traceback.print_exc()
-            return None, f"error: {type(exc).__name__}: {exc}"[:200]
-
-    def add(self, bench, case, impl, fn, nbytes, flops=0.0, graph=True, **extra):
-        ms, mode = self.time(fn, graph)
-        print(
-            f"  {bench:12s} {case:26s} {impl:20s} {ms if ms is None else round(ms, 4)} ms ({mode})",
-            flush=True,
-        )
-        self.rows.append(
-            common.row(
-                bench=bench,
-                case=case,
-                impl=impl,
-                ms=ms,
-                ceil=self.ceil,
-                nbytes=nbytes,
-                flops=flops,
-                timing=mode,
-                **extra,
-            )
-        )
-
-    def check(self, what, sd, case, got, ref) -> None:
-        tol = TOL[(what, sd)]
-        err = max_err(got, ref)
-        ok = close(got, ref, tol)
-        self.checks.append(
-            {
-                "what": what,
-                "state_dtype": str(sd),
-                "case": case,
-                "max_abs_err": err,
-                "atol": tol[0],
-                "rtol": tol[1],
-                "ok": ok,
-            }
-        )
-        if not ok:
-            self.failed = True
-            print(f"[FAIL] {what} {sd} {case}: max abs err {err:.3e} > atol {tol[0]} rtol {tol[1]}")
+class GdnRun(Run):
+    """The delta-rule cases; conv1d and gating are in gdn_conv.py (methods here keep the case names that
+    :meth:`Run.guarded` records)."""
 
     # ---------------------------------------------------------------- recurrent (decode / verify)
     def recurrent_inputs(self, sd: torch.dtype, B: int, Q: int):
@@ -375,134 +255,15 @@ class Run:
                 **extra,
             )
 
-    # ---------------------------------------------------------------- conv1d
+    # ---------------------------------------------------------------- conv1d, gating (gdn_conv.py)
     def conv_update(self, B: int, Q: int) -> None:
-        dev = self.device
-        sh = self.shape
-        KW, CONV_DIM = sh.kw, sh.conv_dim
-        gen = torch.Generator(device=dev).manual_seed(31 * B + Q)
-        W = KW - 1 + MAX_K
-        x = torch.randn(B, Q, CONV_DIM, generator=gen, device=dev).to(BF16)
-        w = (torch.randn(CONV_DIM, KW, generator=gen, device=dev) * 0.5).to(BF16)
-        bias = None
-        S = B + 3
-        state = torch.randn(S, W, CONV_DIM, generator=gen, device=dev).to(BF16).transpose(1, 2)  # vLLM layout
-        idx = torch.randperm(S, generator=gen, device=dev)[:B].to(torch.int32)
-        na = torch.randint(1, MAX_K + 1, (B,), generator=gen, device=dev, dtype=torch.int32)
-        case = f"B={B} Q={Q}"
-        tri = get_impl("causal_conv1d_update", "triton", dev, BF16)
-        ref = get_impl("causal_conv1d_update", "reference", dev, BF16)
-        ref32 = get_impl("causal_conv1d_update", "reference", dev, FP32)
-        if tri is None or ref32 is None:
-            return
-        st_t, st_r = state.clone(), state.float()
-        o_t = tri(x, w, bias, st_t, idx, na, "silu")
-        o_r = ref32(x.float(), w.float(), bias, st_r, idx, na, "silu")
-        self.check("conv_out", BF16, case, o_t, o_r)
-        self.check("conv_state", BF16, case, st_t.float(), st_r)
-        nbytes = B * CONV_DIM * 2 * (2 * Q + (KW - 1) + (KW - 2 + Q)) + CONV_DIM * KW * 2
-        extra = dict(B=B, Q=Q)
-        self.add(
-            "conv_update", case, "triton", lambda: tri(x, w, bias, state, idx, na, "silu"), nbytes, **extra
-        )
-        if ref is not None and not self.quick:
-            self.add(
-                "conv_update",
-                case,
-                "reference",
-                lambda: ref(x, w, bias, state, idx, na, "silu"),
-                nbytes,
-                graph=False,
-                **extra,
-            )
+        gdn_conv.conv_update(self, B, Q)
 
     def conv_varlen(self, N: int, L: int) -> None:
-        dev = self.device
-        sh = self.shape
-        KW, CONV_DIM = sh.kw, sh.conv_dim
-        gen = torch.Generator(device=dev).manual_seed(97 * N + L)
-        T = N * L
-        W = KW - 1 + MAX_K
-        x = torch.randn(T, CONV_DIM, generator=gen, device=dev).to(BF16)
-        w = (torch.randn(CONV_DIM, KW, generator=gen, device=dev) * 0.5).to(BF16)
-        bias = None
-        cu = torch.arange(0, T + 1, L, device=dev, dtype=torch.int32)
-        S = 2 * N
-        state = torch.randn(S, W, CONV_DIM, generator=gen, device=dev).to(BF16).transpose(1, 2)
-        idx = torch.randperm(S, generator=gen, device=dev)[:N].to(torch.int32)
-        has = torch.arange(N, device=dev) % 2 == 1
-        case = f"{N}x{L}"
-        tri = get_impl("causal_conv1d_varlen", "triton", dev, BF16)
-        ref = get_impl("causal_conv1d_varlen", "reference", dev, BF16)
-        ref32 = get_impl("causal_conv1d_varlen", "reference", dev, FP32)
-        if tri is None or ref32 is None:
-            return
-        st_t, st_r = state.clone(), state.float()
-        o_t = tri(x, w, bias, cu, st_t, idx, has, "silu")
-        o_r = ref32(x.float(), w.float(), bias, cu, st_r, idx, has, "silu")
-        self.check("conv_out", BF16, case, o_t, o_r)
-        self.check("conv_state", BF16, case, st_t.float(), st_r)
-        nbytes = 2 * T * CONV_DIM * 2 + 2 * N * (KW - 1) * CONV_DIM * 2
-        extra = dict(N=N, L=L)
-        self.add(
-            "conv_varlen",
-            case,
-            "triton",
-            lambda: tri(x, w, bias, cu, state, idx, has, "silu"),
-            nbytes,
-            graph=False,
-            **extra,
-        )
-        if ref is not None and not self.quick:
-            self.add(
-                "conv_varlen",
-                case,
-                "reference",
-                lambda: ref(x, w, bias, cu, state, idx, has, "silu"),
-                nbytes,
-                graph=False,
-                **extra,
-            )
+        gdn_conv.conv_varlen(self, N, L)
 
-    # ---------------------------------------------------------------- gating
     def gating(self, T: int) -> None:
-        dev = self.device
-        sh = self.shape
-        HV = sh.hv
-        gen = torch.Generator(device=dev).manual_seed(T)
-        A_log = torch.randn(HV, generator=gen, device=dev)
-        dt = torch.randn(HV, generator=gen, device=dev)
-        a = (torch.randn(T, HV, generator=gen, device=dev) * 4).to(BF16)
-        b = (torch.randn(T, HV, generator=gen, device=dev) * 4).to(BF16)
-        tri = get_impl("gdn_gating", "triton", dev, BF16)
-        ref = get_impl("gdn_gating", "reference", dev, BF16)
-        if tri is None or ref is None:
-            return
-        g_t, b_t = tri(A_log, a, dt, b)
-        g_r, b_r = ref(A_log, a.float(), dt, b.float())
-        case = f"T={T}"
-        self.check("gating", FP32, case + " g", g_t, g_r)
-        self.check("gating", FP32, case + " beta", b_t, b_r)
-        nbytes = T * HV * (2 + 2 + 4 + 4)
-        self.add("gating", case, "triton", lambda: tri(A_log, a, dt, b), nbytes, T=T)
-        if not self.quick:
-            self.add("gating", case, "reference", lambda: ref(A_log, a, dt, b), nbytes, graph=False, T=T)
-
-    def guarded(self, fn, *args) -> None:
-        if time.monotonic() - self.t0 > self.deadline_s:
-            print(f"[deadline] skipped {fn.__name__}{args}")
-            self.checks.append({"what": fn.__name__, "case": str(args), "ok": True, "skipped": "deadline"})
-            return
-        try:
-            fn(*args)
-        except Exception:
-            traceback.print_exc()
-            self.failed = True
-            self.checks.append({"what": fn.__name__, "case": str(args), "ok": False, "error": "exception"})
-        try:
-            torch.cuda.empty_cache()
-        except Exception:  # the context is gone (a kernel faulted): later cases will fail fast
-            self.failed = True
+        gdn_conv.gating(self, T)
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -535,7 +296,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def sweep(run: Run) -> list[dict]:
+def sweep(run: GdnRun) -> list[dict]:
     """Block size / warps of the recurrent kernel (fp32 state), to choose its launch heuristic."""
     sh, dev = run.shape, run.device
     tri = get_impl("gated_delta_rule_recurrent", "triton", dev, BF16)
@@ -594,7 +355,7 @@ def main() -> None:
         device, shape = torch.device("cpu"), SMOKE
     else:
         device, shape = common.require_cuda(), QUICK if args.quick else QWEN3_NEXT_80B
-    run = Run(out, device, shape, args.quick or args.smoke)
+    run = GdnRun(out, device, shape, args.quick or args.smoke, TOL)
     parts = set(args.only.split(",")) if args.only else {"recurrent", "chunked", "conv", "gating"}
     sweep_rows: list[dict] = []
 
