@@ -17,26 +17,15 @@ Usage: python benchmarks/gpu/bench_attention.py [--out DIR] [--quick]
 # ruff: noqa: B023  (closures are timed inside the loop iteration that made them)
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-
-
-def backend_ops(backend: str, device: torch.device, names: list[str]) -> SimpleNamespace:
-    """The ``backend`` implementations of ``names`` (bf16), resolved op by op: forcing a backend for the
-    whole Kernels set would fail on ops this bench does not use (e.g. fla-backed GDN without fla-core)."""
-    from atom_kernels import registry
-
-    return SimpleNamespace(**{n: registry.resolve(n, device, torch.bfloat16, backend).fn for n in names})
-
 
 HQ, HKV, D = 16, 2, 256
 BLOCK = 16
@@ -306,14 +295,8 @@ def bench_mixed(kern, ceil, device):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--quick", action="store_true", help="fewer cases (smoke test)")
-    args = ap.parse_args()
-    out = common.out_dir(args.out)
-    device = common.require_cuda()
-    ceil = common.ceilings(out, device)
-    kern = backend_ops("triton", device, ["paged_attention"])
+    args, out, device, ceil = common.bench_setup(__doc__, quick_help="fewer cases (smoke test)")
+    kern = common.backend_ops("triton", device, ["paged_attention"])
     rows = []
     batches = [1, 8, 64, 256] if not args.quick else [8]
     ctxs = [1024, 8192, 32768] if not args.quick else [8192]

@@ -19,25 +19,14 @@ Usage: python benchmarks/gpu/bench_moe.py [--out DIR] [--quick]
 # ruff: noqa: B023  (closures are timed inside the loop iteration that made them)
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-
-
-def backend_ops(backend: str, device: torch.device, names: list[str]) -> SimpleNamespace:
-    """The ``backend`` implementations of ``names`` (bf16), resolved op by op: forcing a backend for the
-    whole Kernels set would fail on ops this bench does not use (e.g. fla-backed GDN without fla-core)."""
-    from atom_kernels import registry
-
-    return SimpleNamespace(**{n: registry.resolve(n, device, torch.bfloat16, backend).fn for n in names})
-
 
 E, K, H, INTER = 512, 10, 2048, 512
 
@@ -84,17 +73,11 @@ def weight_bytes(ids, inter=INTER, hidden=H):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    out = common.out_dir(args.out)
-    device = common.require_cuda()
-    ceil = common.ceilings(out, device)
+    args, out, device, ceil = common.bench_setup(__doc__)
     from atom_kernels.ops.moe import triton as moe_triton
 
-    kern = backend_ops("triton", device, ["moe_experts"])
-    ref = backend_ops("reference", device, ["moe_experts"])
+    kern = common.backend_ops("triton", device, ["moe_experts"])
+    ref = common.backend_ops("reference", device, ["moe_experts"])
     torch.manual_seed(0)
     w13 = torch.randn(E + 1, 2 * INTER, H, device=device, dtype=torch.bfloat16) * H**-0.5
     w2 = torch.randn(E + 1, H, INTER, device=device, dtype=torch.bfloat16) * INTER**-0.5

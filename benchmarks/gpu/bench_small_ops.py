@@ -16,39 +16,24 @@ Usage: python benchmarks/gpu/bench_small_ops.py [--out DIR] [--quick]
 # ruff: noqa: B023  (closures are timed inside the loop iteration that made them)
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-
-def backend_ops(backend: str, device: torch.device, names: list[str]) -> SimpleNamespace:
-    """The ``backend`` implementations of ``names`` (bf16), resolved op by op: forcing a backend for the
-    whole Kernels set would fail on ops this bench does not use (e.g. fla-backed GDN without fla-core)."""
-    from atom_kernels import registry
-
-    return SimpleNamespace(**{n: registry.resolve(n, device, torch.bfloat16, backend).fn for n in names})
-
-
 H, HQ, HKV, D, ROT, THETA = 2048, 16, 2, 256, 64, 1e7
 HV, DV = 32, 128
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    out = common.out_dir(args.out)
-    device = common.require_cuda()
-    ceil = common.ceilings(out, device)
-    tri = backend_ops("triton", device, ["rms_norm", "gated_rms_norm", "rope", "silu_and_mul", "moe_router"])
-    ref = backend_ops(
+    args, out, device, ceil = common.bench_setup(__doc__)
+    tri = common.backend_ops(
+        "triton", device, ["rms_norm", "gated_rms_norm", "rope", "silu_and_mul", "moe_router"]
+    )
+    ref = common.backend_ops(
         "reference", device, ["rms_norm", "gated_rms_norm", "rope", "silu_and_mul", "moe_router"]
     )
     bf = dict(device=device, dtype=torch.bfloat16)

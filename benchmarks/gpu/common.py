@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -141,6 +142,28 @@ def ceilings(out: Path, device: torch.device | None = None) -> dict[str, float]:
     ceil = {"copy_gbps": measure_copy_gbps(device), "matmul_tflops": measure_matmul_tflops(device)}
     write_json(path, {"env": environment(), "ceilings": ceil})
     return ceil
+
+
+def bench_setup(
+    doc: str, quick_help: str | None = None
+) -> tuple[argparse.Namespace, Path, torch.device, dict[str, float]]:
+    """The prologue of a benchmark's ``main()``: parse ``--out`` / ``--quick`` (description: the first line
+    of ``doc``), then the output folder, the CUDA device and this run's ceilings."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    args = ap.parse_args()
+    out = out_dir(args.out)
+    device = require_cuda()
+    return args, out, device, ceilings(out, device)
+
+
+def backend_ops(backend: str, device: torch.device, names: Sequence[str]) -> SimpleNamespace:
+    """The ``backend`` implementations of ``names`` (bf16), resolved op by op: forcing a backend for the
+    whole Kernels set would fail on ops a bench does not use (e.g. fla-backed GDN without fla-core)."""
+    from atom_kernels import registry
+
+    return SimpleNamespace(**{n: registry.resolve(n, device, torch.bfloat16, backend).fn for n in names})
 
 
 def row(
