@@ -56,7 +56,8 @@ def _moe_router_kernel(
     for j in tl.static_range(TOP_K):  # K rounds of argmax: descending order; on exact ties (bf16 logits)
         v = tl.max(tl.where(free, key, float("-inf")), 0)  # the highest index first, as torch.topk on CPU
         i = tl.max(tl.where(free & (key == v), offs, -1), 0)
-        top_w = tl.where(slots == j, tl.sum(tl.where(offs == i, p, 0.0), 0), top_w)
+        w = tl.where(v == float("-inf"), float("nan"), v)  # v is -inf only where p[i] is NaN
+        top_w = tl.where(slots == j, w, top_w)
         top_i = tl.where(slots == j, i.to(tl.int64), top_i)
         free = free & (offs != i)
     if RENORM:
