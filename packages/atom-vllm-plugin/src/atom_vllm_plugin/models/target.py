@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any, ClassVar, Literal
 
@@ -13,6 +14,8 @@ from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalcu
 from atom_vllm_plugin.config import from_vllm
 from atom_vllm_plugin.cores import VllmCoreFactory
 from atom_vllm_plugin.models.common import all_parameter_names, checkpoint_dir, gdn_state_spec, kernels_for
+
+logger = logging.getLogger("vllm.atom_vllm_plugin")
 
 
 class AtomQwen3NextForCausalLM(nn.Module):
@@ -34,6 +37,12 @@ class AtomQwen3NextForCausalLM(nn.Module):
         self.atom = Qwen3NextForCausalLM(
             self.atom_config.model, self.cores, kernels, dtype=self.atom_config.dtype
         )
+        mode = getattr(vllm_config.compilation_config, "mode", None)
+        if mode is not None and int(mode) != 0:
+            # vLLM compiles only models decorated with its support_torch_compile; ours is not (yet).
+            logger.info(
+                "ATOM Qwen3-Next runs eagerly: vLLM compilation mode %s is not applied to plugin models", mode
+            )
 
     # vLLM's proposer reads target.model.embed_tokens and target.lm_head (see _maybe_share_embeddings)
     @property
