@@ -134,16 +134,6 @@ class AtomGDNCore(nn.Module, MambaBase):
             out.index_copy_(0, ni, o_p)
         return out
 
-    def _split_qkv(self, x: torch.Tensor):
-        s = self.state
-        q, k, v = torch.split(x, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
-        lead = x.shape[:-1]
-        return (
-            q.reshape(*lead, s.num_k_heads, s.head_k_dim),
-            k.reshape(*lead, s.num_k_heads, s.head_k_dim),
-            v.reshape(*lead, s.num_v_heads, s.head_v_dim),
-        )
-
     def _prefill(self, x, b, a, layer, conv_args, md: GDNAttentionMetadata) -> torch.Tensor:
         """Prompt chunks (varlen): conv from offset-0 history, chunked delta rule, final states to slot 0."""
         kern, s = self.kernels, self.state
@@ -152,7 +142,7 @@ class AtomGDNCore(nn.Module, MambaBase):
         idx = md.prefill_state_indices[:n].to(torch.int32)
         has_init = md.prefill_has_initial_state[:n]
         x = kern.causal_conv1d_varlen(x, *conv_args, cu, self.conv_state(), idx, has_init, activation="silu")
-        q, k, v = self._split_qkv(x)
+        q, k, v = layer.split_qkv(x)
         g, beta = kern.gdn_gating(layer.A_log, a, layer.dt_bias, b)
         return kern.gated_delta_rule_chunked(
             q, k, v, g, beta, cu, self.ssm_state(), idx, has_init, scale=s.scale, use_qk_l2norm=True
@@ -188,7 +178,7 @@ class AtomGDNCore(nn.Module, MambaBase):
         idx = slots[:, :q_max].to(torch.int32)
         conv_slots = slots[:, 0].to(torch.int32).contiguous()
         xc = kern.causal_conv1d_update(xp, *conv_args, self.conv_state(), conv_slots, acc, activation="silu")
-        q, k, v = self._split_qkv(xc)
+        q, k, v = layer.split_qkv(xc)
         g, beta = kern.gdn_gating(
             layer.A_log, ap.reshape(n * q_max, -1), layer.dt_bias, bp.reshape(n * q_max, -1)
         )
