@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from atom_kernels.testing import assert_close, gen, randn
+from atom_kernels.testing import assert_close, gated_delta_rule_loop, gdn_inputs, gen, randn
 
 # (what, dtype) -> (atol, rtol); dtype is q/k/v's (the state is float32 unless the test says bf16).
 # Measured max abs error (CPU, reference) in the comments; |o| is up to ~1, states up to ~2.
@@ -39,31 +39,12 @@ SCALE = DK**-0.5
 
 def make_inputs(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: torch.device):
     """q, k [*shape, HK, DK], v [*shape, HV, DV] in dtype; g, beta [*shape, HV] float32 like the model."""
-    q = randn(*shape, HK, DK, seed=seed, dtype=dtype, device=device)
-    k = randn(*shape, HK, DK, seed=seed + 1, dtype=dtype, device=device)
-    v = randn(*shape, HV, DV, seed=seed + 2, dtype=dtype, device=device)
-    a = randn(*shape, HV, seed=seed + 3, dtype=torch.float32, device=device)
-    g = -torch.exp(torch.linspace(-4.0, 0.5, HV, device=device)) * F.softplus(a)
-    beta = torch.sigmoid(randn(*shape, HV, seed=seed + 4, dtype=torch.float32, device=device))
-    return q, k, v, g, beta
+    return gdn_inputs(shape, seed, dtype, device, (HK, HV, DK, DV))
 
 
 def naive(q, k, v, g, beta, state, scale=SCALE, l2=True):
     """float64 token loop for one sequence: q, k [L, HK, DK]; state [HV, DV, DK]. Returns (o, states)."""
-    q, k, v, g, beta, s = (t.double().cpu() for t in (q, k, v, g, beta, state))
-    if l2:
-        q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
-    rep = v.shape[1] // q.shape[1]
-    q, k = q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1)
-    outs, states = [], []
-    for t in range(q.shape[0]):
-        s = s * g[t].exp()[:, None, None]
-        kv = torch.einsum("hvk,hk->hv", s, k[t])
-        s = s + torch.einsum("hv,hk->hvk", beta[t][:, None] * (v[t] - kv), k[t])
-        outs.append(torch.einsum("hvk,hk->hv", s, q[t]) * scale)
-        states.append(s)
-    o = torch.stack(outs) if outs else torch.zeros(0, v.shape[1], v.shape[2], dtype=torch.float64)
-    return o, states
+    return gated_delta_rule_loop(q, k, v, g, beta, state, scale, l2)
 
 
 def test_gdn_gating(impl, tol, device):

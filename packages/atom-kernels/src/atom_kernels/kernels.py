@@ -31,6 +31,7 @@ class Kernels:
     causal_conv1d_update: Callable
     gated_delta_rule_chunked: Callable
     gated_delta_rule_recurrent: Callable
+    gated_delta_rule_verify: Callable
     kv_cache_write: Callable
     paged_attention: Callable
     fp8_block_dequant: Callable

@@ -42,6 +42,7 @@ OPS: tuple[str, ...] = (
     "causal_conv1d_update",
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
+    "gated_delta_rule_verify",
     "kv_cache_write",
     "paged_attention",
     "fp8_block_dequant",

@@ -45,3 +45,41 @@ def randn(
 ) -> torch.Tensor:
     """Seeded normal tensor, drawn on CPU in float32 (the same values on every device), then cast."""
     return (torch.randn(*shape, generator=gen(seed)) * scale).to(device=device, dtype=dtype)
+
+
+def gdn_inputs(
+    shape: tuple[int, ...],
+    seed: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    heads: tuple[int, int, int, int],
+):
+    """Delta-rule inputs: q, k ``[*shape, Hk, Dk]``, v ``[*shape, Hv, Dv]`` in dtype; g (log decay, <= 0),
+    beta ``[*shape, Hv]`` float32 as the model's gating makes them. ``heads = (Hk, Hv, Dk, Dv)``."""
+    hk, hv, dk, dv = heads
+    q = randn(*shape, hk, dk, seed=seed, dtype=dtype, device=device)
+    k = randn(*shape, hk, dk, seed=seed + 1, dtype=dtype, device=device)
+    v = randn(*shape, hv, dv, seed=seed + 2, dtype=dtype, device=device)
+    a = randn(*shape, hv, seed=seed + 3, dtype=torch.float32, device=device)
+    g = -torch.exp(torch.linspace(-4.0, 0.5, hv, device=device)) * torch.nn.functional.softplus(a)
+    beta = torch.sigmoid(randn(*shape, hv, seed=seed + 4, dtype=torch.float32, device=device))
+    return q, k, v, g, beta
+
+
+def gated_delta_rule_loop(q, k, v, g, beta, state, scale: float, l2: bool = True):
+    """float64 token loop for one sequence (the test oracle): q, k ``[L, Hk, Dk]``, v ``[L, Hv, Dv]``,
+    state ``[Hv, Dv, Dk]``. Returns ``(o [L, Hv, Dv], [state after each token])``."""
+    q, k, v, g, beta, s = (t.double().cpu() for t in (q, k, v, g, beta, state))
+    if l2:
+        q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    rep = v.shape[1] // q.shape[1]
+    q, k = q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1)
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        s = s * g[t].exp()[:, None, None]
+        kv = torch.einsum("hvk,hk->hv", s, k[t])
+        s = s + torch.einsum("hv,hk->hvk", beta[t][:, None] * (v[t] - kv), k[t])
+        outs.append(torch.einsum("hvk,hk->hv", s, q[t]) * scale)
+        states.append(s)
+    o = torch.stack(outs) if outs else torch.zeros(0, v.shape[1], v.shape[2], dtype=torch.float64)
+    return o, states

@@ -33,6 +33,7 @@ REFERENCE_OPS = {
     "causal_conv1d_update": conv1d.causal_conv1d_update,
     "gated_delta_rule_chunked": gdr.gated_delta_rule_chunked,
     "gated_delta_rule_recurrent": gdr.gated_delta_rule_recurrent,
+    "gated_delta_rule_verify": gdr.gated_delta_rule_verify,
     "kv_cache_write": paged.kv_cache_write,
     "paged_attention": paged.paged_attention,
     "fp8_block_dequant": fp8.fp8_block_dequant,

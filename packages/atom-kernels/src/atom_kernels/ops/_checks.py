@@ -159,11 +159,11 @@ def check_cu_seqlens_values(op: str, cu_seqlens: torch.Tensor, total: int) -> No
 
 
 def check_num_accepted_values(
-    op: str, num_accepted: torch.Tensor | None, limit: int, limit_text: str
+    op: str, num_accepted: torch.Tensor | None, limit: int, limit_text: str, low: int = 1
 ) -> None:
-    """``num_accepted`` (None: all ones) must lie in ``[1, limit]``; ``limit_text`` names the bound."""
+    """``num_accepted`` (None: all ones) must lie in ``[low, limit]``; ``limit_text`` names the bound."""
     if num_accepted is None or num_accepted.numel() == 0 or not values_checkable(num_accepted):
         return
     lo, hi = int(num_accepted.min()), int(num_accepted.max())
-    if lo < 1 or hi > limit:
-        raise ValueError(f"{op}: num_accepted must lie in [1, {limit_text}], got values in [{lo}, {hi}]")
+    if lo < low or hi > limit:
+        raise ValueError(f"{op}: num_accepted must lie in [{low}, {limit_text}], got values in [{lo}, {hi}]")

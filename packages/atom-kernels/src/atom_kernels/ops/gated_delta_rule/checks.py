@@ -64,3 +64,38 @@ def check_gated_delta_rule_recurrent(
     c.tensor("state_indices", state_indices, ("N", "Q"), INDEX_DTYPES)
     c.optional("num_accepted", num_accepted, ("N",), INDEX_DTYPES)
     _common(c, ssm_state, scale, use_qk_l2norm)
+
+
+def pending_width(num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int) -> int:
+    """Floats per pending token of :func:`gated_delta_rule_verify`: ``[k (Hk*Dk) | v (Hv*Dv) | g (Hv) | beta (Hv)]``."""
+    return num_k_heads * head_k_dim + num_v_heads * head_v_dim + 2 * num_v_heads
+
+
+def check_gated_delta_rule_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    pending: torch.Tensor,
+    state_indices: torch.Tensor,
+    num_accepted: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> None:
+    c = Checker("gated_delta_rule_verify")
+    c.tensor("q", q, ("N", "Q", "Hk", "Dk"), FLOAT_DTYPES)
+    c.tensor("k", k, ("N", "Q", "Hk", "Dk"), (q.dtype,))
+    c.tensor("v", v, ("N", "Q", "Hv", "Dv"), FLOAT_DTYPES)
+    c.tensor("g", g, ("N", "Q", "Hv"), FLOAT_DTYPES)
+    c.tensor("beta", beta, ("N", "Q", "Hv"), FLOAT_DTYPES)
+    c.tensor("state_indices", state_indices, ("N",), INDEX_DTYPES)
+    c.tensor("num_accepted", num_accepted, ("N",), INDEX_DTYPES)
+    _common(c, ssm_state, scale, use_qk_l2norm)
+    c.dims["P"] = pending_width(c.dim("Hk"), c.dim("Dk"), c.dim("Hv"), c.dim("Dv"))
+    c.tensor("pending", pending, ("S", "R", "P"), (torch.float32,))
+    c.require(
+        c.dim("Q") <= c.dim("R"),
+        f"the verify tokens Q={c.dim('Q')} must fit the pending buffer (R={c.dim('R')} tokens per slot)",
+    )

@@ -1,0 +1,157 @@
+"""``gated_delta_rule_verify``: MTP verification with deferred commit (docs/kernel-api.md, last section).
+
+Oracles: the per-token recurrent op driven the old way (a state slot per verify token, resume from
+``num_accepted - 1``) over several steps with varying acceptance, which must give the same outputs and
+committed states (same float32 math, same rounding points); a float64 token loop; and the contract's
+edge rules (padding rows, ``num_accepted = 0``, the zero identity token after a prefill).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from atom_kernels.ops.gated_delta_rule import pending_width
+from atom_kernels.testing import assert_close, gated_delta_rule_loop, gdn_inputs, gen, randn
+
+# (what, state dtype) -> (atol, rtol); measured max abs error in the comments (|o| < 1, |S| < 2).
+TOL = {
+    # Reference vs reference: the same float32 ops in the same order, the same rounding points.
+    ("vs_per_token", torch.float32): (0.0, 0.0),  # measured 0 (CPU)
+    ("vs_per_token", torch.bfloat16): (0.0, 0.0),  # measured 0 (CPU): one rounding per step in both
+    ("vs_naive", torch.float32): (2e-5, 1e-5),  # measured 1.2e-07 (float64 loop, commit + verify)
+    # Triton: its own reduction order; a bf16 pool can round the other way (one ulp of |S| ~ 1-2).
+    ("vs_per_token", torch.float32, "triton"): (1e-5, 1e-5),  # TODO(measure on H200)
+    ("vs_per_token", torch.bfloat16, "triton"): (2e-2, 2e-2),  # TODO(measure on H200)
+    ("vs_naive", torch.float32, "triton"): (2e-5, 1e-5),  # TODO(measure on H200)
+}
+HK, HV, DK, DV = 2, 4, 32, 16  # GQA group 2, as test_kernels_gdn.py
+SCALE = DK**-0.5
+P = pending_width(HK, DK, HV, DV)
+
+
+def make_inputs(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: torch.device):
+    return gdn_inputs(shape, seed, dtype, device, (HK, HV, DK, DV))
+
+
+def naive(q, k, v, g, beta, state):
+    return gated_delta_rule_loop(q, k, v, g, beta, state, SCALE)
+
+
+def _drive(impl, dtype, state_dtype, device, accept_plan, q_len, n_slots=8, seed=100):
+    """Run len(accept_plan) verify steps with both designs on the same tokens; yield per step
+    (outputs_verify, outputs_per_token, committed slot states of both)."""
+    verify = impl("gated_delta_rule_verify", dtype)
+    per_token = impl("gated_delta_rule_recurrent", dtype)
+    n = len(accept_plan[0])
+    start = randn(n, HV, DV, DK, seed=seed, dtype=torch.float32, device=device, scale=0.3).to(state_dtype)
+    # Deferred commit: one slot per sequence (scattered), pending pool [S, R, P].
+    slots = torch.randperm(n_slots, generator=gen(seed))[:n].to(torch.int32).to(device)
+    pool = torch.zeros(n_slots, HV, DV, DK, dtype=state_dtype, device=device)
+    pool[slots.long()] = start
+    pending = torch.full((n_slots, q_len, P), float("nan"), device=device)
+    pending[slots.long(), 0] = 0.0  # the identity token a prefill leaves behind
+    # Per-token design: q_len slots per sequence, the start state in column 0.
+    cols = torch.arange(n * q_len, dtype=torch.int32, device=device).reshape(n, q_len)
+    pool_pt = torch.zeros(n * q_len, HV, DV, DK, dtype=state_dtype, device=device)
+    pool_pt[cols[:, 0].long()] = start
+    acc = torch.ones(n, dtype=torch.int32, device=device)  # vLLM's value after a prefill
+    for step, nxt in enumerate(accept_plan):
+        q, k, v, g, beta = make_inputs((n, q_len), seed + 10 * (step + 1), dtype, device)
+        # The state the per-token design resumes from this step == what verify commits at its start.
+        committed_pt = pool_pt[cols.gather(1, (acc.long() - 1)[:, None]).squeeze(1).long()].clone()
+        o = verify(q, k, v, g, beta, pool, pending, slots, acc, SCALE)
+        o_pt = per_token(q, k, v, g, beta, pool_pt, cols, acc, SCALE)
+        yield o, o_pt, pool[slots.long()], committed_pt
+        acc = torch.tensor(nxt, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_verify_equals_per_token_states_over_steps(impl, tol, device, dtype, state_dtype):
+    """Four verify steps (k = 3) with every acceptance count: outputs and committed states equal the
+    per-token design's outputs and the state it would resume from."""
+    plan = [[1, 4, 2, 3], [4, 1, 3, 2], [2, 2, 4, 1], [3, 4, 1, 4]]
+    t = tol("vs_per_token", state_dtype)
+    for step, (o, o_pt, committed, committed_pt) in enumerate(
+        _drive(impl, dtype, state_dtype, device, plan, 4)
+    ):
+        assert_close(o, o_pt, t, f"step {step}: outputs, q {dtype}, state {state_dtype}")
+        assert_close(committed.float(), committed_pt.float(), t, f"step {step}: committed state")
+
+
+def test_verify_matches_float64_loop(impl, tol, device):
+    """Commit a tokens of step 1, verify step 2: outputs == float64 loop over (step1[:a] ++ step2)."""
+    fn = impl("gated_delta_rule_verify", torch.float32)
+    n, q_len = 3, 3
+    q, k, v, g, beta = make_inputs((n, 2 * q_len), 200, torch.float32, device)
+    start = randn(n, HV, DV, DK, seed=209, dtype=torch.float32, device=device, scale=0.3)
+    pool, slots = start.clone(), torch.arange(n, dtype=torch.int32, device=device)
+    pending = torch.zeros(n, q_len, P, device=device)
+    first = [t[:, :q_len] for t in (q, k, v, g, beta)]
+    second = [t[:, q_len:] for t in (q, k, v, g, beta)]
+    o1 = fn(*first, pool, pending, slots, torch.zeros(n, dtype=torch.int32, device=device), SCALE)
+    accepted = torch.tensor([1, 3, 2], dtype=torch.int32, device=device)
+    o2 = fn(*second, pool, pending, slots, accepted, SCALE)
+    t = tol("vs_naive", torch.float32)
+    for i in range(n):
+        a = int(accepted[i])
+        o_ref1, _ = naive(*[x[i] for x in first], start[i])
+        assert_close(o1[i], o_ref1, t, f"step 1 outputs, seq {i}")
+        seq = [torch.cat([x[i, :a], y[i]]) for x, y in zip(first, second)]
+        o_ref, states = naive(*seq, start[i])
+        assert_close(o2[i], o_ref[a:], t, f"step 2 outputs, seq {i}, a={a}")
+        assert_close(pool[i], states[a - 1], t, f"committed state, seq {i}, a={a}")
+
+
+def test_padding_rows_and_zero_commit(impl, device):
+    """A slot < 0 touches no pool row; num_accepted = 0 commits nothing; a zero pending token is the
+    identity; pending rows past Q keep their contents."""
+    fn = impl("gated_delta_rule_verify", torch.float32)
+    n, q_len, r = 3, 2, 4
+    q, k, v, g, beta = make_inputs((n, q_len), 300, torch.float32, device)
+    pool = randn(4, HV, DV, DK, seed=301, dtype=torch.float32, device=device, scale=0.3)
+    pending = randn(4, r, P, seed=302, dtype=torch.float32, device=device)
+    pending[2, 0] = 0.0
+    slots = torch.tensor([1, -1, 2], dtype=torch.int32, device=device)
+    acc = torch.tensor([0, 3, 1], dtype=torch.int32, device=device)
+    pool0, pending0 = pool.clone(), pending.clone()
+    o = fn(q, k, v, g, beta, pool, pending, slots, acc, SCALE)
+    exact = (0.0, 0.0)
+    assert_close(pool[1], pool0[1], exact, "num_accepted 0 commits nothing")
+    assert_close(pool[2], pool0[2], exact, "a zero pending token is the identity")
+    for s in (0, 3):
+        assert_close(pool[s], pool0[s], exact, f"unlisted slot {s} state")
+        assert_close(pending[s], pending0[s], exact, f"unlisted slot {s} pending (also the padding row's)")
+    for s in (1, 2):
+        assert_close(pending[s, q_len:], pending0[s, q_len:], exact, f"slot {s} pending rows >= Q")
+        stash = torch.cat(
+            [k[slots == s].flatten(2), v[slots == s].flatten(2), g[slots == s], beta[slots == s]], -1
+        )
+        assert_close(pending[s, :q_len], stash[0], exact, f"slot {s} stashed inputs")
+    o_pad, _ = naive(q[1], k[1], v[1], g[1], beta[1], torch.zeros(HV, DV, DK))
+    assert_close(o[1], o_pad, (2e-5, 1e-5), "padding row computes from a zero state")
+
+
+def test_bad_inputs(impl, device):
+    fn = impl("gated_delta_rule_verify", torch.float32)
+    n, q_len = 2, 3
+    q, k, v, g, beta = make_inputs((n, q_len), 400, torch.float32, device)
+    pool = torch.zeros(4, HV, DV, DK, device=device)
+    pending = torch.zeros(4, q_len, P, device=device)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    acc = torch.ones(n, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"Q=3 must fit the pending buffer \(R=2"):
+        fn(q, k, v, g, beta, pool, pending[:, :2], slots, acc, SCALE)
+    with pytest.raises(ValueError, match=rf"pending must have shape \[S=4, R, P={P}\]"):
+        fn(q, k, v, g, beta, pool, pending[..., 1:], slots, acc, SCALE)
+    with pytest.raises(ValueError, match="pending must have dtype float32"):
+        fn(q, k, v, g, beta, pool, pending.bfloat16(), slots, acc, SCALE)
+    with pytest.raises(ValueError, match="num_accepted must have dtype int32"):
+        fn(q, k, v, g, beta, pool, pending, slots, acc.long(), SCALE)
+    with pytest.raises(ValueError, match=r"state_indices must have shape \[N=2\]"):
+        fn(q, k, v, g, beta, pool, pending, slots[:, None].expand(n, q_len), acc, SCALE)
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match=r"num_accepted must lie in \[0, R=3\], got values in \[1, 4\]"):
+            fn(q, k, v, g, beta, pool, pending, slots, acc * torch.tensor([1, 4], device=device).int(), SCALE)
+        with pytest.raises(ValueError, match="state_indices must be < S=4"):
+            fn(q, k, v, g, beta, pool, pending, slots + 3, acc, SCALE)
