@@ -45,7 +45,7 @@ def test_greedy_lossless(engines, greedy_cases, k):
         # fewer target steps than tokens: speculation really skipped steps
         assert sum(r.num_steps for r in results) < sum(len(r.output_ids) for r in results)
     assert eng.caches.blocks.num_free == eng.caches.blocks.num_blocks
-    assert eng.caches.slots.num_free == eng.caches.slots.num_groups
+    assert eng.caches.slots.num_free == eng.caches.slots.num_slots
 
 
 def test_mixed_batch_equals_separate(engines, greedy_cases):
@@ -78,7 +78,7 @@ def test_mixed_batch_equals_separate(engines, greedy_cases):
 def test_requests_finish_at_different_steps_and_free_slots(engines, greedy_cases):
     cases = greedy_cases["cases"]
     eng = engines(3, max_num_seqs=2, num_blocks=40)
-    blocks, groups = eng.caches.blocks, eng.caches.slots
+    blocks, slots = eng.caches.blocks, eng.caches.slots
     lens = [(13, 2), (48, 20), (30, 7)]  # (prompt length, max_tokens)
     ids = [
         eng.add_request(c["prompt_ids"][:n], SamplingParams(max_tokens=m, ignore_eos=True))
@@ -97,13 +97,13 @@ def test_requests_finish_at_different_steps_and_free_slots(engines, greedy_cases
             admitted_at.setdefault(rid, step)
         # everything not held by a running request is back in the free lists
         assert blocks.num_free == blocks.num_blocks - sum(len(r.blocks) for r in eng.running)
-        assert groups.num_free == groups.num_groups - len(eng.running)
+        assert slots.num_free == slots.num_slots - len(eng.running)
         assert len(eng.running) <= 2
     assert set(finished_at) == set(ids)
-    # request 0 finishes first; request 2 only gets in once a slot group was freed
+    # request 0 finishes first; request 2 only gets in once a GDN slot was freed
     assert finished_at[ids[0]] < finished_at[ids[1]]
     assert admitted_at[ids[2]] == finished_at[ids[0]] + 1
-    assert blocks.num_free == blocks.num_blocks and groups.num_free == groups.num_groups
+    assert blocks.num_free == blocks.num_blocks and slots.num_free == slots.num_slots
 
 
 def test_temperature_sampling_is_seeded_and_speculation_keeps_running(engines, greedy_cases):
@@ -139,7 +139,7 @@ def test_eos_inside_accepted_drafts_stops_the_request(model_dir, greedy_cases):
     produced = 1 + res.stats.num_drafts + res.stats.num_accepted_tokens
     assert res.num_steps == 1 + res.stats.num_drafts
     assert produced > len(res.output_ids), (produced, len(res.output_ids), res.stats.as_dict())
-    assert eng.caches.slots.num_free == eng.caches.slots.num_groups
+    assert eng.caches.slots.num_free == eng.caches.slots.num_slots
 
 
 @pytest.mark.gpu

@@ -66,36 +66,61 @@ def test_block_allocator_detects_double_and_foreign_free():
 def test_slot_allocator_detects_double_free():
     from atom_models.engine.cache import SlotAllocator
 
-    alloc = SlotAllocator(num_groups=3, group=4)
+    alloc = SlotAllocator(num_slots=3)
     s = alloc.allocate()
-    assert s == [0, 1, 2, 3] and alloc.group_of(s) == 0
+    assert s == 0
     alloc.free(s)
     with pytest.raises(RuntimeError, match="double free"):
         alloc.free(s)
     t = alloc.allocate()
-    with pytest.raises(RuntimeError, match="not an allocated group"):
-        alloc.free(t[1:])  # not the whole group
-    with pytest.raises(RuntimeError, match="not an allocated group"):
-        alloc.free([8, 9, 10, 11])  # group 2, never handed out
-    assert alloc.num_free == 2
+    with pytest.raises(RuntimeError, match="not allocated"):
+        alloc.free(2)  # never handed out
+    assert [alloc.allocate(), alloc.allocate()] == [1, 2] and alloc.num_free == 0
+    with pytest.raises(RuntimeError, match="exhausted"):
+        alloc.allocate()
+    alloc.free(t)
+    assert alloc.allocate() == t  # a freed slot is handed out again
+    with pytest.raises(ValueError, match="num_slots must be >= 1"):
+        SlotAllocator(0)
 
 
-def test_conv_state_has_one_row_per_sequence(model_dir):
+def _caches(cfg, k: int, max_num_seqs: int = 5):
     import torch
-    from atom_core import Qwen3NextConfig
     from atom_models.engine.cache import EngineCaches
 
-    cfg = Qwen3NextConfig.from_hf(model_dir)
-    caches = EngineCaches(
+    return EngineCaches(
         cfg,
         num_blocks=4,
         block_size=16,
-        max_num_seqs=5,
-        num_speculative_tokens=3,
+        max_num_seqs=max_num_seqs,
+        num_speculative_tokens=k,
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_gdn_state_is_one_slot_per_sequence_plus_pending(model_dir, k):
+    """One conv row and ONE recurrent state per sequence whatever k; with MTP a float32 pending pool
+    [S, 1 + k, P] per GDN layer (docs/kernel-api.md, deferred commit); none without."""
+    import torch
+    from atom_core import Qwen3NextConfig
+
+    cfg = Qwen3NextConfig.from_hf(model_dir)
+    caches = _caches(cfg, k)
+    assert set(caches.gdn) == set(cfg.linear_attention_layers)
+    hv, dv, dk = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim
     for conv, ssm in caches.gdn.values():
-        assert conv.shape[0] == 5, conv.shape
-        assert ssm.shape[0] == 5 * 4, ssm.shape
-        assert conv.shape[2] == cfg.linear_conv_kernel_dim - 1 + 3
+        assert conv.shape == (5, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1 + k), conv.shape
+        assert ssm.shape == (5, hv, dv, dk) and ssm.dtype == torch.float32, ssm.shape
+    p = cfg.linear_num_key_heads * dk + hv * dv + 2 * hv  # [k | v | g | beta] per pending token
+    if k == 0:
+        assert caches.pending == {}
+    else:
+        assert set(caches.pending) == set(cfg.linear_attention_layers)
+        for pend in caches.pending.values():
+            assert pend.shape == (5, 1 + k, p) and pend.dtype == torch.float32, pend.shape
+    per_seq = caches.gdn_bytes_per_seq()
+    layers = len(cfg.linear_attention_layers)
+    assert per_seq["ssm"] == layers * hv * dv * dk * 4
+    assert per_seq["pending"] == layers * (1 + k) * p * 4 * (k > 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from atom_core import Qwen3NextConfig
+from atom_kernels.ops.gated_delta_rule import pending_width
 
 
 class BlockAllocator:
@@ -36,45 +37,45 @@ class BlockAllocator:
 
 
 class SlotAllocator:
-    """GDN state slots, handed out in groups of ``group`` (1 + k slots per sequence for verification).
+    """GDN state slots, one per sequence: slot ``s`` is row ``s`` of every GDN layer's conv state, recurrent
+    state and (with MTP) pending pool."""
 
-    Group ``g`` owns recurrent-state slots ``g * group .. (g + 1) * group - 1`` and conv-state row ``g``.
-    """
-
-    def __init__(self, num_groups: int, group: int):
-        self.group = group
-        self.num_groups = num_groups
-        self._free = list(range(num_groups - 1, -1, -1))
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
         self._allocated: set[int] = set()
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> list[int]:
+    def allocate(self) -> int:
         if not self._free:
             raise RuntimeError("GDN state slots exhausted")
-        g = self._free.pop()
-        self._allocated.add(g)
-        return list(range(g * self.group, (g + 1) * self.group))
+        s = self._free.pop()
+        self._allocated.add(s)
+        return s
 
-    def group_of(self, slots: list[int]) -> int:
-        """The group id (conv-state row) of a sequence's slots."""
-        return slots[0] // self.group
-
-    def free(self, slots: list[int]) -> None:
-        g = self.group_of(slots) if slots else None
-        if g not in self._allocated or list(slots) != list(range(g * self.group, (g + 1) * self.group)):
-            raise RuntimeError(f"slots: freeing {list(slots)}, not an allocated group (double free?)")
-        self._allocated.remove(g)
-        self._free.append(g)
+    def free(self, slot: int) -> None:
+        if slot not in self._allocated:
+            raise RuntimeError(f"slots: freeing slot {slot}, not allocated (double free?)")
+        self._allocated.remove(slot)
+        self._free.append(slot)
 
 
 class EngineCaches:
-    """Per-layer tensors: ``kv[layer] = (key_cache, value_cache)`` ``[num_blocks, block_size, Hkv, D]`` for
-    every full-attention layer (target and MTP), and ``gdn[layer] = (conv_state[max_num_seqs, C, K - 1 + k],
-    ssm_state[max_num_seqs * (1 + k), Hv, Dv, Dk])`` for every GDN layer: one conv row per sequence (the
-    conv update keeps the last ``K - 1 + k`` inputs and resumes at ``num_accepted``), 1 + k recurrent states.
+    """Per-layer tensors, for ``S = max_num_seqs`` sequences (one GDN slot each):
+
+    - ``kv[layer] = (key_cache, value_cache)`` ``[num_blocks, block_size, Hkv, D]`` for every full-attention
+      layer (target and MTP);
+    - ``gdn[layer] = (conv_state[S, C, K - 1 + k], ssm_state[S, Hv, Dv, Dk])`` for every GDN layer: the conv
+      update keeps the last ``K - 1 + k`` inputs and resumes at ``num_accepted``; ONE committed recurrent
+      state per sequence;
+    - ``pending[layer] = [S, 1 + k, P]`` float32 (only with MTP, k > 0): the raw inputs of the sequence's
+      last verify step, committed by ``gated_delta_rule_verify`` at the start of the next one
+      (``P = pending_width(Hk, Dk, Hv, Dv)``; docs/kernel-api.md, deferred commit).
     """
 
     def __init__(
@@ -92,7 +93,7 @@ class EngineCaches:
     ):
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.slots_per_seq = 1 + num_speculative_tokens
+        k = num_speculative_tokens
         kv_shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         attn_layers = list(config.full_attention_layers)
         if with_mtp:
@@ -104,20 +105,44 @@ class EngineCaches:
             )
             for i in attn_layers
         }
-        s = max_num_seqs * self.slots_per_seq
-        width = config.linear_conv_kernel_dim - 1 + num_speculative_tokens
+        conv_shape = (max_num_seqs, config.linear_conv_dim, config.linear_conv_kernel_dim - 1 + k)
         ssm_shape = (
-            s,
+            max_num_seqs,
             config.linear_num_value_heads,
             config.linear_value_head_dim,
             config.linear_key_head_dim,
         )
         self.gdn = {
             i: (
-                torch.zeros(max_num_seqs, config.linear_conv_dim, width, dtype=dtype, device=device),
+                torch.zeros(conv_shape, dtype=dtype, device=device),
                 torch.zeros(ssm_shape, dtype=ssm_dtype, device=device),
             )
             for i in config.linear_attention_layers
         }
+        self.pending: dict[int, torch.Tensor] = {}
+        if k > 0:
+            width = pending_width(
+                config.linear_num_key_heads,
+                config.linear_key_head_dim,
+                config.linear_num_value_heads,
+                config.linear_value_head_dim,
+            )
+            self.pending = {
+                i: torch.zeros(max_num_seqs, 1 + k, width, dtype=torch.float32, device=device)
+                for i in config.linear_attention_layers
+            }
         self.blocks = BlockAllocator(num_blocks)
-        self.slots = SlotAllocator(max_num_seqs, self.slots_per_seq)
+        self.slots = SlotAllocator(max_num_seqs)
+
+    def gdn_bytes_per_seq(self) -> dict[str, int]:
+        """Bytes of GDN state one sequence holds, summed over the GDN layers: conv rows, recurrent state,
+        pending pool (one slot's row of each tensor)."""
+
+        def row_bytes(t: torch.Tensor) -> int:
+            return t[0].numel() * t.element_size()
+
+        return {
+            "conv": sum(row_bytes(conv) for conv, _ in self.gdn.values()),
+            "ssm": sum(row_bytes(ssm) for _, ssm in self.gdn.values()),
+            "pending": sum(row_bytes(p) for p in self.pending.values()),
+        }

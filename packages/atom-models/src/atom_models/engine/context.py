@@ -23,21 +23,27 @@ class GDNPrefill:
 
     num_tokens: int
     cu_seqlens: torch.Tensor  # [Np + 1] int32
-    state_indices: torch.Tensor  # [Np] int32: recurrent-state slot (slot 0 of each sequence's group)
+    state_indices: torch.Tensor  # [Np] int32: the sequence's GDN slot (conv row and recurrent state)
     has_initial_state: torch.Tensor  # [Np] bool
-    conv_indices: torch.Tensor  # [Np] int32: conv-state row (the sequence's group id)
 
 
 @dataclass(frozen=True)
 class GDNDecodeGroup:
-    """``num_seqs`` sequences of ``q_len`` tokens each (decode: 1, verify: 1 + k), contiguous from ``start``."""
+    """``num_seqs`` sequences of ``q_len`` tokens each, contiguous from ``start``.
+
+    ``num_commit is None``: plain decodes (q_len 1, no MTP for these requests) through
+    ``gated_delta_rule_recurrent``, which updates the slot's state in place. Otherwise verifications (the
+    pending token plus the drafts) through ``gated_delta_rule_verify``: it first commits ``num_commit[n]``
+    tokens stashed in the slot's pending row by the previous verify step, then verifies these tokens
+    without storing their states and stashes them.
+    """
 
     start: int
     num_seqs: int
     q_len: int
-    state_indices: torch.Tensor  # [N, q_len] int32: slot of the state after each token
-    conv_indices: torch.Tensor  # [N] int32: conv-state row (the sequence's group id)
-    num_accepted: torch.Tensor  # [N] int32: tokens accepted in the sequence's previous step
+    state_indices: torch.Tensor  # [N] int32: the sequence's GDN slot (conv row and recurrent state)
+    num_accepted: torch.Tensor  # [N] int32 >= 1: conv history offset (tokens accepted in the previous step)
+    num_commit: torch.Tensor | None = None  # [N] int32: pending tokens to commit (0 right after a prefill)
 
 
 @dataclass(frozen=True)

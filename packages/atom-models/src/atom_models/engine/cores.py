@@ -1,4 +1,4 @@
-"""Cores of the standalone engine: paged attention and GDN with per-sequence state slots."""
+"""Cores of the standalone engine: paged attention and GDN with one state slot per sequence."""
 
 from __future__ import annotations
 
@@ -28,8 +28,10 @@ class PagedAttentionCore(nn.Module):
 
 
 class SlotGDNCore(nn.Module):
-    """Prefill tokens (first in the batch) go through the varlen conv + chunked rule; decode/verify groups
-    through the conv update + recurrent rule, resuming from slot ``num_accepted - 1``."""
+    """Prefill tokens (first in the batch) go through the varlen conv + chunked rule, which writes the final
+    state to the sequence's slot; plain decode groups through the conv update + recurrent rule (Q = 1, the
+    slot updated in place); verify groups through the conv update (resuming at ``num_accepted``) +
+    ``gated_delta_rule_verify`` (deferred commit into the slot, pending tokens in ``caches.pending``)."""
 
     def __init__(self, layer_idx: int, config: Qwen3NextConfig, caches: EngineCaches, kernels):
         super().__init__()
@@ -53,7 +55,7 @@ class SlotGDNCore(nn.Module):
                 bias,
                 pre.cu_seqlens,
                 conv_state,
-                pre.conv_indices,
+                pre.state_indices,
                 pre.has_initial_state,
                 activation="silu",
             )
@@ -79,23 +81,39 @@ class SlotGDNCore(nn.Module):
                 weight,
                 bias,
                 conv_state,
-                grp.conv_indices,
+                grp.state_indices,
                 grp.num_accepted,
                 activation="silu",
             )
             q, k, v = layer.split_qkv(x)
-            o = kern.gated_delta_rule_recurrent(
-                q,
-                k,
-                v,
-                g[s:e].view(n, ql, -1),
-                beta[s:e].view(n, ql, -1),
-                ssm_state,
-                grp.state_indices,
-                grp.num_accepted,
-                scale=scale,
-                use_qk_l2norm=True,
-            )
+            g_n, beta_n = g[s:e].view(n, ql, -1), beta[s:e].view(n, ql, -1)
+            if grp.num_commit is None:
+                o = kern.gated_delta_rule_recurrent(
+                    q,
+                    k,
+                    v,
+                    g_n,
+                    beta_n,
+                    ssm_state,
+                    grp.state_indices.view(n, 1),
+                    None,
+                    scale=scale,
+                    use_qk_l2norm=True,
+                )
+            else:
+                o = kern.gated_delta_rule_verify(
+                    q,
+                    k,
+                    v,
+                    g_n,
+                    beta_n,
+                    ssm_state,
+                    self.caches.pending[self.layer_idx],
+                    grp.state_indices,
+                    grp.num_commit,
+                    scale=scale,
+                    use_qk_l2norm=True,
+                )
             out[s:e] = o.reshape(e - s, layer.num_v_heads, layer.head_v_dim)
         return out
 

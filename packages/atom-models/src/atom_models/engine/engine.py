@@ -2,9 +2,11 @@
 
 Each step runs ONE target forward over a flat batch mixing new prompts (prefill), plain decodes (1 token)
 and verifications (the pending token plus k drafts), then the MTP draft (one varlen pass over the newly
-accepted positions, then k - 1 single-row steps) to propose the next drafts. GDN layers resume from the
-state after the last accepted token through ``num_accepted`` and 1 + k state slots per sequence
-(docs/kernel-api.md), so rejected drafts are never recomputed.
+accepted positions, then k - 1 single-row steps) to propose the next drafts. Each sequence holds ONE GDN
+state slot; a verification runs ``gated_delta_rule_verify`` (docs/kernel-api.md, deferred commit): it
+commits the tokens the previous step accepted (their raw inputs wait in the pending pool), verifies the new
+ones without storing their states and stashes them, so rejected drafts are never recomputed. The conv state
+resumes at ``num_accepted`` in its rolled window.
 """
 
 from __future__ import annotations
@@ -210,7 +212,7 @@ class LLMEngine:
                 break
             self.waiting.popleft()
             req.blocks = self.caches.blocks.allocate(need)
-            req.slots = self.caches.slots.allocate()
+            req.slot = self.caches.slots.allocate()
             budget -= len(req.prompt_ids)
             admitted.append(req)
         if not admitted and not self.running and self.waiting:
@@ -223,8 +225,8 @@ class LLMEngine:
 
     def _free(self, req: Request) -> None:
         self.caches.blocks.free(req.blocks)
-        self.caches.slots.free(req.slots)
-        req.blocks, req.slots = [], []
+        self.caches.slots.free(req.slot)
+        req.blocks, req.slot = [], -1
 
     # ---- batch description ---------------------------------------------------------------------------
     def _block_tables(self, reqs: list[Request]) -> torch.Tensor:
@@ -285,7 +287,8 @@ class LLMEngine:
         prefills = self._admit()
         if not prefills and not self.running:
             return StepInfo(0, 0, 0, 0, 0, ())
-        decodes = sorted(self.running, key=lambda r: r.num_spec)  # contiguous groups of equal q_len
+        # contiguous groups of equal q_len (1 + num_spec: every running MTP request holds num_spec drafts)
+        decodes = sorted(self.running, key=lambda r: r.num_spec)
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[tuple[Request, int, int]] = []
@@ -302,27 +305,25 @@ class LLMEngine:
             ids += q
             positions += range(start, start + len(q))
             seqs.append((req, start, len(q)))
-        # GDN decode groups (requests sorted by q_len)
+        # GDN decode groups: plain decodes (requests without MTP) and verifications (deferred commit) of
+        # each q_len; with ``decodes`` sorted by num_spec each group is contiguous
         offset = num_prefill_tokens
-        i = 0
-        while i < len(decodes):
-            ql = 1 + len(decodes[i].drafts)
-            j = i
-            while j < len(decodes) and 1 + len(decodes[j].drafts) == ql:
-                j += 1
-            grp = decodes[i:j]
+        for (verify, ql), grp in itertools.groupby(
+            decodes, key=lambda r: (r.num_spec > 0, 1 + len(r.drafts))
+        ):
+            grp = list(grp)
             groups.append(
                 GDNDecodeGroup(
                     start=offset,
                     num_seqs=len(grp),
                     q_len=ql,
-                    state_indices=self._i32([r.slots[:ql] for r in grp]),
-                    conv_indices=self._i32([self.caches.slots.group_of(r.slots) for r in grp]),
-                    num_accepted=self._i32([r.num_accepted for r in grp]),
+                    state_indices=self._i32([r.slot for r in grp]),
+                    num_accepted=self._i32([max(1, r.num_accepted) for r in grp]),
+                    # after the prefill (num_accepted 0) the state is committed and nothing is pending
+                    num_commit=self._i32([r.num_accepted for r in grp]) if verify else None,
                 )
             )
             offset += len(grp) * ql
-            i = j
         gdn_prefill = None
         if prefills:
             cu = [0]
@@ -331,9 +332,8 @@ class LLMEngine:
             gdn_prefill = GDNPrefill(
                 num_tokens=num_prefill_tokens,
                 cu_seqlens=self._i32(cu),
-                state_indices=self._i32([r.slots[0] for r in prefills]),
+                state_indices=self._i32([r.slot for r in prefills]),
                 has_initial_state=torch.zeros(len(prefills), dtype=torch.bool, device=self.device),
-                conv_indices=self._i32([self.caches.slots.group_of(r.slots) for r in prefills]),
             )
         tables = self._block_tables([r for r, _, _ in seqs])
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
@@ -371,7 +371,7 @@ class LLMEngine:
                 accepted_inputs = a + 1  # the pending token and the accepted drafts
             req.num_steps += 1
             req.num_computed = start + accepted_inputs
-            req.num_accepted = 1 if req.request_id in new_ids else accepted_inputs
+            req.num_accepted = 0 if req.request_id in new_ids else accepted_inputs
             emitted_total += self._emit(req, new)
             if req.finished:
                 finished.append(req)

@@ -68,9 +68,11 @@ class Request:
     stats: SpecStats = field(default_factory=SpecStats)
     # cache state
     blocks: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
+    slot: int = -1  # GDN state slot (conv row, recurrent state, pending row); -1: none held
     num_computed: int = 0  # tokens whose target KV / GDN state is final (positions 0..num_computed-1)
-    num_accepted: int = 1  # tokens of the previous target step that were accepted (GDN resume offset)
+    # tokens of the previous target step that were accepted: the pending tokens the next verify commits
+    # and the conv history offset; 0 right after the prefill (its state is already committed)
+    num_accepted: int = 0
     drafts: list[int] = field(default_factory=list)
     draft_probs: list[torch.Tensor] | None = None
     finished: bool = False
