@@ -21,6 +21,7 @@ import triton  # noqa: F401  (an ImportError here marks the whole backend unavai
 
 from atom_kernels.ops.conv1d import triton as conv1d
 from atom_kernels.ops.gated_delta_rule import triton as gdr
+from atom_kernels.ops.gated_delta_rule import triton_verify as gdr_verify
 from atom_kernels.ops.gdn_gating import triton as gdn_gating
 from atom_kernels.ops.l2norm import triton as l2norm
 from atom_kernels.registry import register
@@ -68,6 +69,13 @@ register("causal_conv1d_varlen", BACKEND, conv1d.causal_conv1d_varlen, available
 register("causal_conv1d_update", BACKEND, conv1d.causal_conv1d_update, available=on_gpu, priority=PRIORITY)
 register(
     "gated_delta_rule_recurrent", BACKEND, gdr.gated_delta_rule_recurrent, available=on_gpu, priority=PRIORITY
+)
+register(
+    "gated_delta_rule_verify",
+    BACKEND,
+    gdr_verify.gated_delta_rule_verify,
+    available=on_gpu,
+    priority=PRIORITY,
 )
 register(
     "gated_delta_rule_chunked",

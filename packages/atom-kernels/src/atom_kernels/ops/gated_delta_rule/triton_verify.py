@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels.ops._checks import check_num_accepted_values, check_slot_values
 from atom_kernels.ops.gated_delta_rule.checks import check_gated_delta_rule_verify
 from atom_kernels.ops.gated_delta_rule.triton import recurrent_launch_config
 from atom_kernels.ops.l2norm.checks import DEFAULT_EPS as L2NORM_EPS
@@ -110,17 +111,20 @@ def _verify_kernel(
     o_r = tl.arange(0, RP)
     m_k = o_k < DK
     m_v = o_v < DV
-    m_h = m_v[:, None] & m_k[None, :]
     m_q = o_q < Q
 
     slot = tl.load(idx_ptr + i_n * s_in).to(tl.int64)
-    valid = (slot >= 0).to(tl.int1)
-    n_acc = tl.minimum(tl.load(acc_ptr + i_n), R)
-    n_acc = tl.where(valid, n_acc, 0)
+    valid = slot >= 0
+    n_acc = tl.where(valid, tl.minimum(tl.load(acc_ptr + i_n), R), 0)
+    # Value-row masks of the pool accesses: empty on padding rows, and for the state store also when
+    # nothing is committed. (Scalar conditions enter masks through these bounds, not `mask & cond`:
+    # Triton 3.9's interpreter turns a tensor & scalar bool into int32, which tl.load rejects.)
+    m_vs = o_v < tl.where(valid, DV, 0)
+    m_vc = o_v < tl.where(n_acc > 0, DV, 0)
 
     # ---- every load first: state tile, pending tokens (only the accepted ones), verify tokens.
     p_h = state_ptr + slot * s_ss + i_hv * s_sh + o_v[:, None] * s_sv + o_k[None, :] * s_sk
-    h = tl.load(p_h, mask=m_h & valid, other=0.0).to(tl.float32)
+    h = tl.load(p_h, mask=m_vs[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     p_pend = pend_ptr + slot * s_ps + o_r[:, None] * s_pr  # [RP, 1]: token rows of this slot
     m_r = (o_r < n_acc)[:, None]
     pk = tl.load(p_pend + (i_hk * DK + o_k[None, :]) * s_pp, mask=m_r & m_k[None, :], other=0.0)
@@ -158,7 +162,7 @@ def _verify_kernel(
         c_u = c_b * (c_v - tl.sum(h * c_k[None, :], 1))
         h = h + c_u[:, None] * c_k[None, :]
     h = h.to(state_ptr.dtype.element_ty)
-    tl.store(p_h, h, mask=m_h & (n_acc > 0))
+    tl.store(p_h, h, mask=m_vc[:, None] & m_k[None, :])
     h = h.to(tl.float32)
 
     # ---- 2. verify the Q tokens; outputs only.
@@ -182,7 +186,7 @@ def _verify_kernel(
 
     # ---- 3. stash this program's own v rows (only it reads them, above); k, g, beta: _stash_kernel.
     p_sv = pend_ptr + slot * s_ps + o_q[:, None] * s_pr + (HK * DK + i_hv * DV + o_v[None, :]) * s_pp
-    tl.store(p_sv, b_v, mask=m_qv & valid)
+    tl.store(p_sv, b_v, mask=m_q[:, None] & m_vs[None, :])
 
 
 @triton.jit
@@ -258,6 +262,10 @@ def gated_delta_rule_verify(
     N, Q, HK, DK = q.shape
     HV, DV = v.shape[2], v.shape[3]
     R = pending.shape[1]
+    if q.device.type == "cpu":  # reads values: only under the interpreter (no device sync on a GPU)
+        op = "gated_delta_rule_verify"
+        check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
+        check_num_accepted_values(op, num_accepted, R, f"R={R}", low=0)
     o = torch.empty((N, Q, HV, DV), dtype=q.dtype, device=q.device)
     if N == 0 or Q == 0:
         return o
