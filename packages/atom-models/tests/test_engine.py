@@ -80,10 +80,10 @@ def test_requests_finish_at_different_steps_and_free_slots(engines, greedy_cases
     eng = engines(3, max_num_seqs=2, num_blocks=40)
     blocks, slots = eng.caches.blocks, eng.caches.slots
     lens = [(13, 2), (48, 20), (30, 7)]  # (prompt length, max_tokens)
-    ids = [
-        eng.add_request(c["prompt_ids"][:n], SamplingParams(max_tokens=m, ignore_eos=True))
-        for c, (n, m) in zip(cases, lens)
-    ]
+    prompts = [c["prompt_ids"][:n] for c, (n, _) in zip(cases, lens)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in lens]
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    reqs = list(eng.waiting)
     finished_at: dict[int, int] = {}
     admitted_at: dict[int, int] = {}
     step = 0
@@ -104,6 +104,12 @@ def test_requests_finish_at_different_steps_and_free_slots(engines, greedy_cases
     assert finished_at[ids[0]] < finished_at[ids[1]]
     assert admitted_at[ids[2]] == finished_at[ids[0]] + 1
     assert blocks.num_free == blocks.num_blocks and slots.num_free == slots.num_slots
+    assert all(r.slot == -1 for r in reqs)
+    # request 2 reused request 0's slot (stale state and pending row): still the non-speculative tokens
+    plain = engines(0, max_num_seqs=2, num_blocks=40)
+    assert [r.output_ids for r in reqs] == [
+        plain.generate([p], sp)[0].output_ids for p, sp in zip(prompts, params)
+    ]
 
 
 def test_temperature_sampling_is_seeded_and_speculation_keeps_running(engines, greedy_cases):
