@@ -1,12 +1,16 @@
 """The GDN core over vLLM-style state and metadata == dense GDN over each sequence from zero state.
 
-Three engine steps with hand-built ``GDNAttentionMetadata`` (k = 2, float32):
+Engine steps with hand-built ``GDNAttentionMetadata`` (k = 2, float32), the state bound the way vLLM binds
+it (``MambaBase.bind_kv_cache`` slicing conv / ssm / pending views out of one padded int8 page per slot):
 1. prefill of A (5 tokens) and B (4) - the non-spec path;
-2. verification of 3 tokens each for A and B (uniform spec batch, ``num_accepted = 1``);
+2. verification of 3 tokens each for A and B (uniform spec batch, ``num_accepted = 1``: commits the
+   identity token the prefill left in ``pending[s, 0]``);
 3. a mixed batch ``[A: 3 verify tokens, C: 6-token prefill, B: 1 token]`` in that token order, after A
-   kept all 3 and B kept 2 of step 2's tokens - ragged spec rows, a prefill between them, and
-   resumption from the per-token states of step 2 (nothing copied back on rejection).
+   kept all 3 and B kept 2 of step 2's tokens - ragged spec rows, a prefill between them, and deferred
+   commit of 3 and 2 pending tokens (the rejected draft of B is never applied);
+4. a single 1-token row committing 3 pending tokens (``Q = 1 < num_accepted``).
 Each step's outputs must equal the dense reference on the sequence as accepted so far, at the right rows.
+Columns 1..k of the spec block table point at slots filled with NaN: nothing may read or write them.
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ from atom_models.gdn import GatedDeltaNet  # noqa: E402
 from atom_vllm_plugin.layers.gdn import AtomGDNCore  # noqa: E402
 from atom_vllm_plugin.layers.gdn_state import GDNStateSpec  # noqa: E402
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
+from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 
 # float32, reference kernels; measured max |error| 1e-6 .. 5e-6 (chunked vs recurrent summation order)
 ATOL = {torch.float32: 1e-4}
 K_SPEC = 2
 SLOTS = {"A": [0, 1, 2], "B": [3, 4, 5], "C": [6, 7, 8]}
+UNUSED = [1, 2, 4, 5, 7, 8]  # columns 1..k of the spec block table: deferred commit never touches them
+PAGE_PAD = 64  # bytes: vLLM pads a Mamba page up to the attention page; the views must not assume tight pages
 
 
 def _config() -> Qwen3NextConfig:
@@ -52,9 +59,19 @@ def setup():
             p.normal_(0, 0.5)
     state = GDNStateSpec.from_config(cfg, K_SPEC, torch.float32, torch.float32)
     core = AtomGDNCore("model.layers.0.linear_attn", state, kern)
-    conv_shape, ssm_shape = state.shapes()
-    core.kv_cache = (torch.zeros(9, *conv_shape), torch.zeros(9, *ssm_shape))
+    _bind(core, 9)
+    for t in core.kv_cache:
+        t.fill_(3.0)  # stale state of earlier requests: a prefill must neither read it nor commit it
+        t[UNUSED] = float("nan")
     return cfg, kern, layer, core
+
+
+def _bind(core: AtomGDNCore, num_slots: int) -> torch.Tensor:
+    """vLLM's binding: one raw int8 page per slot (``[B, 1, 1, page]``), split by ``MambaBase.bind_kv_cache``."""
+    spec = MambaSpec(shapes=core.get_state_shape(), dtypes=core.get_state_dtype(), block_size=1)
+    raw = torch.zeros(num_slots, 1, 1, spec.page_size_bytes + PAGE_PAD, dtype=torch.int8)
+    core.bind_kv_cache(raw)
+    return raw
 
 
 def _tokens(n: int, layer) -> dict[str, torch.Tensor]:
@@ -145,21 +162,51 @@ def test_prefill_verify_and_mixed_resume(setup):
     out = core.run(md, batch["x"], batch["b"], batch["a"], layer)
     err = (out[0] - _dense(layer, kern, A3)[11]).abs().max().item()
     assert err < atol, f"1-token batch resuming at num_accepted=3: max error {err}"
+    for i, t in enumerate(core.kv_cache):
+        assert t[UNUSED].isnan().all(), f"state tensor {i}: a slot of columns 1..k was written"
 
 
 def test_state_shapes_match_vllm_calculator():
-    """Our per-slot state shapes == vLLM's own GDN calculator for every k (incl. the k extra conv columns)."""
+    """conv / ssm shapes == vLLM's own GDN calculator for every k (incl. the k extra conv columns); with
+    MTP a third tensor, pending ``[1 + k, Hk*Dk + Hv*Dv + 2*Hv]`` float32, without MTP none."""
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
     cfg = _config()
+    p = 2 * 16 + 4 * 8 + 2 * 4  # Hk*Dk + Hv*Dv + 2*Hv of _config()
     for k in range(0, 5):
-        ours = GDNStateSpec.from_config(cfg, k, torch.float32, torch.float32).shapes()
+        spec = GDNStateSpec.from_config(cfg, k, torch.bfloat16, torch.float32)
+        ours = spec.shapes()
         theirs = MambaStateShapeCalculator.gated_delta_net_state_shape(
             1, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
             cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, k,
         )  # fmt: skip
-        assert tuple(ours) == tuple(theirs), (k, ours, theirs)
+        assert tuple(ours[:2]) == tuple(theirs), (k, ours, theirs)
         assert ours[0][0] == cfg.linear_conv_kernel_dim - 1 + k
+        if k == 0:
+            assert len(ours) == 2 and spec.dtypes == (torch.bfloat16, torch.float32), (ours, spec.dtypes)
+        else:
+            assert ours[2] == (1 + k, p), (k, ours)
+            assert spec.dtypes == (torch.bfloat16, torch.float32, torch.float32), spec.dtypes
+
+
+def test_prefill_resets_pending_of_real_slots_only(setup):
+    """After a prefill, ``pending[s, 0]`` of its slot is an identity token; a padding row (slot -1) is not
+    clamped onto slot 0, and no other pending entry changes."""
+    _, kern, layer, _ = setup
+    state = GDNStateSpec.from_config(_config(), K_SPEC, torch.float32, torch.float32)
+    core = AtomGDNCore("model.layers.0.linear_attn", state, kern)
+    _bind(core, 4)
+    pending = core.pending()
+    pending.fill_(7.0)
+    seq = _tokens(7, layer)
+    md = _md(num_prefills=2, num_prefill_tokens=7, num_actual_tokens=7, prefill_query_start_loc=_i32([0, 4, 7]),
+             prefill_state_indices=_i32([2, -1]), prefill_has_initial_state=torch.tensor([False, False]),
+             non_spec_state_indices_tensor=_i32([2, -1]))  # fmt: skip
+    core.run(md, seq["x"], seq["b"], seq["a"], layer)
+    assert not pending[2, 0].any(), "pending[2, 0] is not the identity token after the prefill of slot 2"
+    untouched = torch.ones_like(pending, dtype=torch.bool)
+    untouched[2, 0] = False
+    assert (pending[untouched] == 7.0).all(), "the prefill changed pending entries of other slots"
 
 
 def test_mismatched_metadata_type_is_rejected(setup):

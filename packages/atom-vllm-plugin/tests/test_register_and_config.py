@@ -40,7 +40,9 @@ def _vllm_config(k: int | None, cache_dtype: str = "auto", draft_type: str = "qw
     return SimpleNamespace(
         model_config=SimpleNamespace(hf_text_config=hf, hf_config=hf, dtype=torch.bfloat16),
         speculative_config=spec,
-        cache_config=SimpleNamespace(cache_dtype=cache_dtype, block_size=16),
+        cache_config=SimpleNamespace(
+            cache_dtype=cache_dtype, block_size=16, mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto"
+        ),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
     )
 
@@ -104,3 +106,27 @@ def test_other_methods_and_fp8_kv_cache_are_refused():
 def test_draft_without_speculative_config_is_refused():
     with pytest.raises(ConfigError, match="method 'mtp'"):
         from_vllm(_vllm_config(k=None), "draft")
+
+
+def test_mamba_state_has_pending_tensor_only_with_mtp():
+    """What vLLM sizes the GDN pages from (before the model exists): without MTP the two tensors of vLLM's
+    own GDN (conv, ssm); with MTP k a third, pending ``[1 + k, Hk*Dk + Hv*Dv + 2*Hv]`` float32, and the
+    page grows by exactly its bytes."""
+    from atom_vllm_plugin.models.target import AtomQwen3NextForCausalLM as Target
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    def state(vc):
+        return Target.get_mamba_state_shape_from_config(vc), Target.get_mamba_state_dtype_from_config(vc)
+
+    shapes, dtypes = state(_vllm_config(k=None))
+    assert len(shapes) == len(dtypes) == 2, (shapes, dtypes)
+    # the fixture: Hk=2, Dk=128, Hv=4, Dv=128, conv kernel 4, conv channels 2*256 + 512
+    assert sorted(shapes[0]) == [3, 1024] and shapes[1] == (4, 128, 128), shapes
+    for k in (1, 3):
+        shapes_k, dtypes_k = state(_vllm_config(k=k))
+        assert len(shapes_k) == len(dtypes_k) == 3, (k, shapes_k, dtypes_k)
+        assert shapes_k[2] == (1 + k, 2 * 128 + 4 * 128 + 2 * 4) and dtypes_k[2] == torch.float32
+        assert sorted(shapes_k[0]) == [3 + k, 1024] and shapes_k[1] == shapes[1] and dtypes_k[:2] == dtypes
+        page = MambaSpec(shapes=shapes_k, dtypes=dtypes_k, block_size=1).page_size_bytes
+        without = MambaSpec(shapes=shapes_k[:2], dtypes=dtypes_k[:2], block_size=1).page_size_bytes
+        assert page - without == (1 + k) * 776 * 4, (k, page, without)

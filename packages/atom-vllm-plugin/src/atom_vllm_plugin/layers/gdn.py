@@ -1,11 +1,19 @@
 """Gated DeltaNet core for vLLM: a vLLM Mamba layer over vLLM's conv / recurrent state, computed by atom_kernels.
 
 atom-models' ``GatedDeltaNet`` calls ``core(mixed_qkv, b, a, layer, ctx)`` with the pre-conv q|k|v.
-State (allocated by vLLM, one page per slot): conv state stored ``[S, K - 1 + k, C]`` (vLLM's "SD" layout;
-the kernels take the transposed ``[S, C, W]`` view) and recurrent state ``[S, Hv, Dv, Dk]``.
-A request owns ``1 + k`` slots (a row of the spec block table); the conv history lives in slot 0 and is
-rolled per atom_kernels' convention, the recurrent state after verify token j lands in slot j, and the
-next step resumes from slot ``num_accepted - 1``: nothing is copied back on rejection.
+State (allocated by vLLM, one page per slot, see ``gdn_state``): conv state stored ``[S, K - 1 + k, C]``
+(vLLM's "SD" layout; the kernels take the transposed ``[S, C, W]`` view), the committed recurrent state
+``[S, Hv, Dv, Dk]`` and, with MTP (k > 0), ``pending [S, 1 + k, P]`` float32.
+
+Everything of a request lives in its column-0 slot (the first entry of its row of the spec block table;
+vLLM's other ``k`` columns are not read or written). Verification uses deferred commit
+(``gated_delta_rule_verify``): a verify step first commits the ``num_accepted`` tokens of the previous
+step that vLLM accepted (replaying their stashed raw k/v/g/beta on the committed state), verifies its own
+``1 + drafts`` tokens without storing any per-token state, and stashes them as the new pending tokens. So a
+rejected draft is never applied and nothing has to be copied back. The conv history stays rolled per
+atom_kernels' convention (the next step reads it at offset ``num_accepted - 1``). A prefill writes the
+committed state and zeroes ``pending[s, 0]`` (an identity token): vLLM passes ``num_accepted = 1`` to the
+first verify after a prefill. Without MTP there is no pending tensor and decodes use the plain recurrent op.
 """
 
 from __future__ import annotations
@@ -32,17 +40,17 @@ class AtomGDNCore(nn.Module, MambaBase):
         self.prefix = prefix
         self.state = state
         self.kernels = kernels
-        self.kv_cache = (torch.tensor([]), torch.tensor([]))
+        self.kv_cache = tuple(torch.tensor([]) for _ in state.shapes())  # replaced by bind_kv_cache
 
     # ---- vLLM's MambaBase ----------------------------------------------------------------------
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
         return MambaAttentionBackendEnum.GDN_ATTN
 
-    def get_state_shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
         return self.state.shapes()
 
-    def get_state_dtype(self) -> tuple[torch.dtype, torch.dtype]:
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
         return self.state.dtypes
 
     def get_attn_backend(self) -> type[AtomGDNAttentionBackend]:
@@ -59,6 +67,14 @@ class AtomGDNCore(nn.Module, MambaBase):
 
     def ssm_state(self) -> torch.Tensor:
         return self.kv_cache[1]
+
+    def pending(self) -> torch.Tensor:
+        """``[S, 1 + k, P]`` float32: the previous verify step's raw tokens per slot (MTP only)."""
+        if not self.state.has_pending:
+            raise RuntimeError(
+                f"{self.layer_name}: no pending-token state without speculative decoding (k = 0)"
+            )
+        return self.kv_cache[2]
 
     # ---- the core ----------------------------------------------------------------------------------
     def forward(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, layer: nn.Module, ctx=None):
@@ -88,9 +104,7 @@ class AtomGDNCore(nn.Module, MambaBase):
             nd, ndt = md.num_decodes, md.num_decode_tokens
             if nd > 0:
                 idx = md.non_spec_state_indices_tensor[:nd]
-                out[:ndt] = self._verify(
-                    mixed_qkv[:ndt], b[:ndt], a[:ndt], layer, conv_args, idx.view(nd, 1), None, [1] * nd
-                )
+                out[:ndt] = self._decode(mixed_qkv[:ndt], b[:ndt], a[:ndt], layer, conv_args, idx)
             if md.num_prefills > 0:
                 lo, hi = ndt, ndt + md.num_prefill_tokens
                 out[lo:hi] = self._prefill(mixed_qkv[lo:hi], b[lo:hi], a[lo:hi], layer, conv_args, md)
@@ -135,7 +149,8 @@ class AtomGDNCore(nn.Module, MambaBase):
         return out
 
     def _prefill(self, x, b, a, layer, conv_args, md: GDNAttentionMetadata) -> torch.Tensor:
-        """Prompt chunks (varlen): conv from offset-0 history, chunked delta rule, final states to slot 0."""
+        """Prompt chunks (varlen): conv from offset-0 history, chunked delta rule, final states to slot 0;
+        then ``pending[s, 0]`` becomes an identity token (see ``_reset_pending``)."""
         kern, s = self.kernels, self.state
         n = md.num_prefills
         cu = md.prefill_query_start_loc[: n + 1].to(torch.int32)
@@ -144,25 +159,50 @@ class AtomGDNCore(nn.Module, MambaBase):
         x = kern.causal_conv1d_varlen(x, *conv_args, cu, self.conv_state(), idx, has_init, activation="silu")
         q, k, v = layer.split_qkv(x)
         g, beta = kern.gdn_gating(layer.A_log, a, layer.dt_bias, b)
-        return kern.gated_delta_rule_chunked(
+        o = kern.gated_delta_rule_chunked(
             q, k, v, g, beta, cu, self.ssm_state(), idx, has_init, scale=s.scale, use_qk_l2norm=True
         )
+        self._reset_pending(idx)
+        return o
+
+    def _decode(self, x, b, a, layer, conv_args, slots: torch.Tensor) -> torch.Tensor:
+        """Plain one-token decodes (the non-speculative path): recurrent op from and to each row's slot.
+
+        With MTP vLLM sends every decode row down the speculative path; only a one-token prompt chunk
+        lands here. It leaves ``pending[s, 0]`` an identity token (as the prefill did before it), so the
+        next verify's ``num_accepted = 1`` commits nothing new.
+        """
+        kern, s = self.kernels, self.state
+        n = x.shape[0]
+        idx = slots.to(torch.int32).contiguous()
+        xc = kern.causal_conv1d_update(
+            x.view(n, 1, -1), *conv_args, self.conv_state(), idx, None, activation="silu"
+        )
+        q, k, v = layer.split_qkv(xc)
+        g, beta = kern.gdn_gating(layer.A_log, a, layer.dt_bias, b)
+        o = kern.gated_delta_rule_recurrent(
+            q, k, v, g.view(n, 1, -1), beta.view(n, 1, -1), self.ssm_state(), idx.view(n, 1), None,
+            scale=s.scale, use_qk_l2norm=True,
+        )  # fmt: skip
+        self._reset_pending(idx)
+        return o.reshape(n, s.num_v_heads, s.head_v_dim)
 
     def _verify(self, x, b, a, layer, conv_args, slots, num_accepted, lens: list[int]) -> torch.Tensor:
-        """Decode / verification rows of ``lens[i]`` tokens each (flat ``x``), padded to a uniform ``[N, Q]``.
+        """Verification rows of ``lens[i]`` tokens each (flat ``x``), padded to a uniform ``[N, Q]``.
 
-        The recurrent state after token j goes to ``slots[i, j]``; the initial state is read from column
-        ``num_accepted - 1`` before anything is written. Padding tokens follow a row's real tokens, so they
-        never reach its real outputs; the states and conv history they write land in columns the next
-        step never reads (it resumes at ``num_accepted' - 1 < lens[i]``). Padding columns must NOT be
-        masked: the initial-state column of a short row (a row without drafts after accepting several
-        tokens) can lie beyond its own length.
+        Deferred commit in each row's column-0 slot: ``gated_delta_rule_verify`` commits the first
+        ``num_accepted[i]`` pending tokens of the previous step, verifies these tokens and stashes them.
+        ``Q = max(lens)``: the initial state is always the committed one, so nothing has to reach back to a
+        column beyond a row's own length (``num_accepted <= 1 + k`` fits the pending buffer regardless).
+        Padding tokens follow a row's real tokens, so they never reach its real outputs; they are stashed
+        and written to conv columns, but never used: the next step commits ``num_accepted' <= lens[i]``
+        pending tokens (the accepted drafts plus one) and reads the conv history ending at token
+        ``num_accepted' - 1``.
         """
         kern, s = self.kernels, self.state
         n = len(lens)
-        acc = None if num_accepted is None else num_accepted[:n].to(torch.int32)
-        # Pad at least to the initial-state column: rows without drafts can follow a step that accepted more.
-        q_max = max(max(lens), 1 if acc is None else int(acc.max()))
+        acc = num_accepted[:n].to(torch.int32)
+        q_max = max(max(lens), 1)
         uniform = all(ln == q_max for ln in lens)
         if uniform:
             xp, bp, ap = x.view(n, q_max, -1), b.view(n, q_max, -1), a.view(n, q_max, -1)
@@ -175,20 +215,20 @@ class AtomGDNCore(nn.Module, MambaBase):
             bp = b.new_zeros(n, q_max, b.shape[-1])
             ap = a.new_zeros(n, q_max, a.shape[-1])
             xp[rows, cols], bp[rows, cols], ap[rows, cols] = x, b, a
-        idx = slots[:, :q_max].to(torch.int32)
-        conv_slots = slots[:, 0].to(torch.int32).contiguous()
-        xc = kern.causal_conv1d_update(xp, *conv_args, self.conv_state(), conv_slots, acc, activation="silu")
+        idx = slots[:, 0].to(torch.int32).contiguous()
+        xc = kern.causal_conv1d_update(xp, *conv_args, self.conv_state(), idx, acc, activation="silu")
         q, k, v = layer.split_qkv(xc)
         g, beta = kern.gdn_gating(
             layer.A_log, ap.reshape(n * q_max, -1), layer.dt_bias, bp.reshape(n * q_max, -1)
         )
-        o = kern.gated_delta_rule_recurrent(
+        o = kern.gated_delta_rule_verify(
             q,
             k,
             v,
             g.view(n, q_max, -1),
             beta.view(n, q_max, -1),
             self.ssm_state(),
+            self.pending(),
             idx,
             acc,
             scale=s.scale,
@@ -197,6 +237,19 @@ class AtomGDNCore(nn.Module, MambaBase):
         if uniform:
             return o.reshape(n * q_max, s.num_v_heads, s.head_v_dim)
         return o[rows, cols]
+
+    def _reset_pending(self, slots: torch.Tensor) -> None:
+        """Make ``pending[s, 0]`` an identity token (k = v = g = beta = 0) for every real slot (>= 0).
+
+        Called after a step that wrote the committed state of ``s`` directly (prefill, plain decode): the
+        next verify commits ``num_accepted = 1`` pending token, which must then change nothing. Padding
+        rows (slot < 0) are skipped, never clamped onto a real slot.
+        """
+        if not self.state.has_pending:
+            return
+        real = slots[slots >= 0].long()
+        if real.numel() > 0:
+            self.pending()[real, 0] = 0.0
 
     def extra_repr(self) -> str:
         return f"{self.layer_name}, {self.state}"

@@ -1,7 +1,17 @@
 """Shapes and dtypes of a GDN layer's vLLM state, from atom-core config alone (no layer needed).
 
-vLLM asks the model class for these before it builds the model (``get_mamba_state_shape_from_config``)
-and every GDN layer again afterwards (``get_state_shape``); both come from here so they cannot disagree.
+vLLM asks the model class for these before it builds the model (``get_mamba_state_shape_from_config``,
+which also sizes the hybrid page that attention blocks are aligned to) and every GDN layer again afterwards
+(``get_state_shape``); both come from here so they cannot disagree.
+
+Per slot (one vLLM Mamba block) a GDN layer has:
+- ``conv``: the conv history, ``K - 1 + k`` columns (``k`` = speculative tokens: rollback room);
+- ``ssm``: the committed recurrent state ``[Hv, Dv, Dk]``;
+- ``pending`` (only with MTP, ``k > 0``): ``[1 + k, P]`` float32, the raw ``[k | v | g | beta]`` of the
+  previous verify step's tokens, ``P = Hk*Dk + Hv*Dv + 2*Hv``, for ``atom_kernels``'
+  ``gated_delta_rule_verify`` (deferred commit, docs/kernel-api.md). vLLM's ``MambaSpec`` takes any number
+  of state tensors: the page is their summed bytes and ``MambaBase.bind_kv_cache`` slices one view per
+  tensor in this order, so the third tensor needs no change in vLLM.
 """
 
 from __future__ import annotations
@@ -10,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from atom_core import Qwen3NextConfig
+from atom_kernels.ops.gated_delta_rule import pending_width
 
 
 @dataclass(frozen=True)
@@ -67,10 +78,32 @@ class GDNStateSpec:
         return self.head_k_dim**-0.5
 
     @property
-    def dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+    def has_pending(self) -> bool:
+        """Whether the layer keeps a pending-token tensor (only with speculative decoding)."""
+        return self.num_speculative_tokens > 0
+
+    @property
+    def pending_tokens(self) -> int:
+        """Pending tokens per slot (``R`` of the verify op): one verify step's ``1 + k`` tokens."""
+        return 1 + self.num_speculative_tokens
+
+    @property
+    def pending_width(self) -> int:
+        """Floats per pending token: ``Hk*Dk + Hv*Dv + 2*Hv`` (``[k | v | g | beta]``)."""
+        return pending_width(self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """``(conv, ssm)``, plus float32 for ``pending`` with MTP."""
+        if self.has_pending:
+            return (self.conv_dtype, self.ssm_dtype, torch.float32)
         return (self.conv_dtype, self.ssm_dtype)
 
-    def shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
-        """``(conv [W, C] or [C, W], ssm [Hv, Dv, Dk])`` per slot, in vLLM's storage order."""
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """``(conv [W, C] or [C, W], ssm [Hv, Dv, Dk])`` per slot in vLLM's storage order, plus
+        ``pending [1 + k, P]`` with MTP."""
         conv = (self.conv_dim, self.conv_width) if self.conv_dim_first else (self.conv_width, self.conv_dim)
-        return conv, (self.num_v_heads, self.head_v_dim, self.head_k_dim)
+        ssm = (self.num_v_heads, self.head_v_dim, self.head_k_dim)
+        if self.has_pending:
+            return conv, ssm, (self.pending_tokens, self.pending_width)
+        return conv, ssm
