@@ -4,13 +4,17 @@ Shape: 16 key heads and 32 value heads of dim 128, conv kernel 4 over 2*16*128 +
 channels, bf16 activations, recurrent state float32 or bf16 in the ``[S, Hv, Dv, Dk]`` pool.
 
 Cases: decode (Q = 1) and verify (Q = 1 + k, k = 1..4) at B = 1, 8, 64, 256; prefill 1 x 4096 and
-16 x 512; conv1d update and varlen prefill; gating. Implementations in the same run: ``triton`` (ours),
+16 x 512; conv1d update and varlen prefill; gating. Verify both ways: ``gated_delta_rule_recurrent`` with a
+state slot per token (bench ``recurrent``) and ``gated_delta_rule_verify`` (bench ``verify``: deferred
+commit, one state per sequence plus the pending tokens; ``triton-verify`` commits all Q pending tokens of
+the previous step, the most replay work, ``triton-verify-a1`` commits one). Implementations in the same run: ``triton`` (ours),
 ``reference`` (atom-kernels' torch spec, on the GPU), fla-core's ``fused_recurrent_gated_delta_rule``
 and ``chunk_gated_delta_rule`` (dense states, final state only), and ``triton-final``: our verify
 kernel with only the last token's slot valid (the traffic of a design that keeps only the final state).
 
 Every case is first checked against the reference run in float32 (inputs upcast, float32 state):
-outputs and every per-token state of a verify step, with the tolerances in :data:`TOL`.
+outputs and every per-token state of a verify step (deferred commit: outputs, the committed state and the
+pending tokens), with the tolerances in :data:`TOL`.
 Timing: decode/verify through CUDA-graph replay (how vLLM runs decode), prefill eagerly; both median.
 
 Writes ``<out>/gdn.json`` and ``<out>/gdn.png``; exits non-zero if a check fails.
@@ -42,6 +46,12 @@ TOL = {
     ("recurrent_state", FP32): (1e-4, 1e-4),  # 8.3e-07 (every per-token state)
     ("recurrent_out", BF16): (3e-2, 3e-2),  # 4.9e-04
     ("recurrent_state", BF16): (3e-2, 2e-2),  # 7.8e-03 (one bf16 ulp of |S| ~ 1-2)
+    ("verify_out", FP32): (2e-2, 2e-2),  # TODO(measure: run 4)
+    ("verify_state", FP32): (1e-4, 1e-4),  # TODO(measure: run 4)
+    ("verify_out", BF16): (3e-2, 3e-2),  # TODO(measure: run 4)
+    ("verify_state", BF16): (3e-2, 2e-2),  # TODO(measure: run 4)
+    ("verify_pending", FP32): (0.0, 0.0),  # a copy of the raw inputs (bf16 -> float32 is exact)
+    ("verify_pending", BF16): (0.0, 0.0),
     ("chunked_out", FP32): (3e-2, 3e-2),  # 7.9e-04
     ("chunked_state", FP32): (3e-2, 3e-2),  # 7.5e-03 (fla-core multiplies bf16 operands)
     ("chunked_out", BF16): (3e-2, 3e-2),  # 7.9e-04
@@ -125,6 +135,51 @@ class GdnRun(Run):
                 (1 + Q) * sbytes + act,
                 graph=False,
                 **extra,
+            )
+
+    # ---------------------------------------------------------------- verify with deferred commit
+    def verify(self, sd: torch.dtype, B: int, Q: int) -> None:
+        """``gated_delta_rule_verify``: Q tokens per sequence, one slot per sequence, pending [S, Q, P]
+        holding raw random tokens of a previous step; ``num_accepted`` = Q (every pending token
+        committed) and = 1. Checked: outputs, committed states and the pending tokens after the stash."""
+        from atom_kernels.ops.gated_delta_rule import pending_width
+
+        dev, sh = self.device, self.shape
+        q, k, v, g, beta, _, _, pool, sbytes, act = self.recurrent_inputs(sd, B, Q)
+        S = pool.shape[0]  # B * Q slots: each sequence's slot is scattered among them
+        gen = torch.Generator(device=dev).manual_seed(77 * B + Q)
+        idx = torch.randperm(S, generator=gen, device=dev)[:B].to(torch.int32)
+        P = pending_width(sh.hk, sh.dk, sh.hv, sh.dv)
+        pend = torch.randn(S, Q, P, generator=gen, device=dev)
+        kd, vd = sh.hk * sh.dk, sh.hv * sh.dv
+        pend[..., kd + vd : kd + vd + sh.hv] = -torch.rand(S, Q, sh.hv, generator=gen, device=dev) * 0.5
+        pend[..., kd + vd + sh.hv :] = torch.rand(S, Q, sh.hv, generator=gen, device=dev)
+        case = f"B={B} Q={Q} state={str(sd)[6:]}"
+        tri = get_impl("gated_delta_rule_verify", "triton", dev, BF16)
+        ref32 = get_impl("gated_delta_rule_verify", "reference", dev, FP32)
+        if tri is None or ref32 is None:
+            return
+        na = torch.full((B,), Q, dtype=torch.int32, device=dev)
+        pool_t, pool_r, pend_t, pend_r = pool.clone(), pool.float(), pend.clone(), pend.clone()
+        o_t = tri(q, k, v, g, beta, pool_t, pend_t, idx, na, sh.scale, True)
+        o_r = ref32(q.float(), k.float(), v.float(), g, beta, pool_r, pend_r, idx, na, sh.scale, True)
+        self.check("verify_out", sd, case, o_t, o_r)
+        self.check("verify_state", sd, case, pool_t[idx.long()].float(), pool_r[idx.long()])
+        self.check("verify_pending", sd, case, pend_t, pend_r)
+        del pool_t, pool_r, pend_t, pend_r
+        na1 = torch.ones_like(na)
+        pbytes = B * P * 4  # one pending token of every sequence
+        for impl, acc in (("triton-verify", na), ("triton-verify-a1", na1)):
+            self.add(
+                "verify",
+                case,
+                impl,
+                lambda acc=acc: tri(q, k, v, g, beta, pool, pend, idx, acc, sh.scale, True),
+                2 * sbytes + (int(acc[0]) + Q) * pbytes + act,  # state r+w, pending read + stash, q/k/v/o
+                B=B,
+                Q=Q,
+                state_dtype=str(sd)[6:],
+                num_accepted=int(acc[0]),
             )
 
     def fla_recurrent(self, sd: torch.dtype, B: int, Q: int) -> None:
@@ -271,12 +326,13 @@ def summarize(rows: list[dict]) -> list[dict]:
     t = {(r["bench"], r["case"], r["impl"]): r.get("ms") for r in rows}
     out = []
     for r in rows:
-        if r["bench"] == "recurrent" and r["Q"] == 4 and r["impl"] in ("triton", "triton-final"):
-            base = t.get(("recurrent", r["case"].replace("Q=4", "Q=1"), "triton"))
+        verify_impls = ("triton", "triton-final", "triton-verify", "triton-verify-a1", "fla-fused_recurrent")
+        if r["bench"] in ("recurrent", "verify") and r["Q"] > 1 and r["impl"] in verify_impls:
+            base = t.get(("recurrent", r["case"].replace(f"Q={r['Q']}", "Q=1"), "triton"))
             if base and r.get("ms"):
                 out.append(
                     {
-                        "goal": "verify k=3 / decode <= 1.3",
+                        "goal": f"verify k={r['Q'] - 1} / decode" + (" <= 1.3" if r["Q"] == 4 else ""),
                         "case": r["case"],
                         "impl": r["impl"],
                         "value": r["ms"] / base,
@@ -297,9 +353,12 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def sweep(run: GdnRun) -> list[dict]:
-    """Block size / warps of the recurrent kernel (fp32 state), to choose its launch heuristic."""
+    """Block size / warps of the recurrent and verify kernels (fp32 state), to choose the launch heuristic."""
     sh, dev = run.shape, run.device
+    from atom_kernels.ops.gated_delta_rule import pending_width
+
     tri = get_impl("gated_delta_rule_recurrent", "triton", dev, BF16)
+    ver = get_impl("gated_delta_rule_verify", "triton", dev, BF16)
     rows = []
     for B in (64, 256):
         for Q in (1, 4):
@@ -329,6 +388,44 @@ def sweep(run: GdnRun) -> list[dict]:
                         timing=mode,
                     )
                 )
+            if Q > 1 and ver is not None:  # the deferred-commit op, every pending token committed
+                vidx = idx[:, 0].contiguous()
+                pend = torch.randn(B * Q, Q, pending_width(sh.hk, sh.dk, sh.hv, sh.dv), device=dev) * 0.1
+                na = torch.full((B,), Q, device=dev, dtype=torch.int32)
+                vbytes = 2 * nbytes // (1 + Q) + 2 * Q * B * pend.shape[-1] * 4
+                for bv, nw in SWEEP_CONFIGS:
+                    ms, mode = run.time(
+                        lambda bv=bv, nw=nw, q=q, k=k, v=v, g=g, beta=beta, pool=pool, pend=pend, vidx=vidx, na=na: (
+                            ver(
+                                q,
+                                k,
+                                v,
+                                g,
+                                beta,
+                                pool,
+                                pend,
+                                vidx,
+                                na,
+                                sh.scale,
+                                True,
+                                block_v=bv,
+                                num_warps=nw,
+                            )
+                        ),
+                        graph=True,
+                    )
+                    rows.append(
+                        common.row(
+                            bench="sweep",
+                            case=f"verify B={B} Q={Q}",
+                            impl=f"BV={bv} w={nw}",
+                            ms=ms,
+                            ceil=run.ceil,
+                            nbytes=vbytes,
+                            timing=mode,
+                        )
+                    )
+                del pend
             del pool
             torch.cuda.empty_cache()
     best = {}
@@ -347,7 +444,7 @@ def main() -> None:
         "--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1), no timings"
     )
     ap.add_argument("--sweep", action="store_true", help="also sweep the recurrent kernel's block sizes")
-    ap.add_argument("--only", default="", help="comma list of: recurrent,chunked,conv,gating")
+    ap.add_argument("--only", default="", help="comma list of: recurrent (with verify),chunked,conv,gating")
     ap.add_argument("--deadline-s", type=float, default=float("inf"), help="skip cases started after this")
     args = ap.parse_args()
     out = common.out_dir(args.out)
@@ -377,6 +474,7 @@ def main() -> None:
             for B in shape.batches:
                 for Q in shape.qs:
                     run.guarded(run.recurrent, sd, B, Q)
+                    run.guarded(run.verify, sd, B, Q)
         save()
     if "chunked" in parts:
         for sd in (FP32, BF16):
@@ -407,7 +505,7 @@ def main() -> None:
     if run.timed:
         common.plot_rows(
             out / "gdn.png",
-            [r for r in run.rows if r["bench"] in ("recurrent", "chunked")],
+            [r for r in run.rows if r["bench"] in ("recurrent", "verify", "chunked")],
             value="frac_copy",
             title="GDN (Qwen3-Next-80B TP1): fraction of measured copy bandwidth",
             xlabel="achieved bytes/s / device copy bytes/s",
