@@ -18,8 +18,12 @@ Two launches, in stream order:
    the key head's group) and ``g`` / ``beta`` (read by every value-row block of the head), after all
    programs of launch 1 have read the old ones.
 
-The per-token math is the recurrent kernel's, in the same order (decay, ``h k`` reduction, rank-1
-update, ``h q`` reduction). Slots < 0 are padding rows: zero state, nothing read from or written to
+The per-token math is the recurrent kernel's (decay, ``h k`` reduction, rank-1 update, ``h q``
+reduction) with the update written as ``h + (beta v) k^T - (beta h k) k^T`` instead of
+``h + beta (v - h k) k^T``: the ``v`` term does not depend on ``h``, so the layout conversion Triton puts
+between the value-row vectors of the token tiles and those of the state tile happens off the dependency
+chain (compiled for sm_90: no conversion left between one token's ``h k`` reduction and the next). The
+results differ from the recurrent kernel's by float32 rounding only. Slots < 0 are padding rows: zero state, nothing read from or written to
 ``ssm_state`` / ``pending`` (``num_accepted`` is ignored there); ``num_accepted`` above ``R`` is clamped.
 
 Only ``tl`` primitives: the sources compile for ROCm too.
@@ -159,8 +163,8 @@ def _verify_kernel(
         c_g = tl.sum(tl.where(o_r == j, pg, 0.0))
         c_b = tl.sum(tl.where(o_r == j, pb, 0.0))
         h = h * tl.exp(c_g)
-        c_u = c_b * (c_v - tl.sum(h * c_k[None, :], 1))
-        h = h + c_u[:, None] * c_k[None, :]
+        c_hk = tl.sum(h * c_k[None, :], 1)
+        h = h + (c_b * c_v)[:, None] * c_k[None, :] - (c_b * c_hk)[:, None] * c_k[None, :]
     h = h.to(state_ptr.dtype.element_ty)
     tl.store(p_h, h, mask=m_vc[:, None] & m_k[None, :])
     h = h.to(tl.float32)
@@ -174,8 +178,8 @@ def _verify_kernel(
         t_g = tl.sum(tl.where(o_q == j, b_g, 0.0))
         t_b = tl.sum(tl.where(o_q == j, b_b, 0.0))
         h = h * tl.exp(t_g)
-        t_u = t_b * (t_v - tl.sum(h * t_k[None, :], 1))
-        h = h + t_u[:, None] * t_k[None, :]
+        t_hk = tl.sum(h * t_k[None, :], 1)
+        h = h + (t_b * t_v)[:, None] * t_k[None, :] - (t_b * t_hk)[:, None] * t_k[None, :]
         t_o = tl.sum(h * t_q[None, :], 1) * scale
         b_o = tl.where(o_q[:, None] == j, t_o[None, :], b_o)
     tl.store(
