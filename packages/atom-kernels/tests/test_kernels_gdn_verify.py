@@ -37,7 +37,12 @@ def naive(q, k, v, g, beta, state):
     return gated_delta_rule_loop(q, k, v, g, beta, state, SCALE)
 
 
-def _drive(impl, dtype, state_dtype, device, accept_plan, q_len, n_slots=8, seed=100):
+def _channel_major(x: torch.Tensor) -> torch.Tensor:
+    """The same values with the last dim strided, as the conv update's output reaches the op."""
+    return x.transpose(1, -1).contiguous().transpose(1, -1)
+
+
+def _drive(impl, dtype, state_dtype, device, accept_plan, q_len, n_slots=8, seed=100, strided=False):
     """Run len(accept_plan) verify steps with both designs on the same tokens; yield per step
     (outputs_verify, outputs_per_token, committed slot states of both)."""
     verify = impl("gated_delta_rule_verify", dtype)
@@ -57,6 +62,8 @@ def _drive(impl, dtype, state_dtype, device, accept_plan, q_len, n_slots=8, seed
     acc = torch.ones(n, dtype=torch.int32, device=device)  # vLLM's value after a prefill
     for step, nxt in enumerate(accept_plan):
         q, k, v, g, beta = make_inputs((n, q_len), seed + 10 * (step + 1), dtype, device)
+        if strided:
+            q, k, v = (_channel_major(x) for x in (q, k, v))
         # The state the per-token design resumes from this step == what verify commits at its start.
         committed_pt = pool_pt[cols.gather(1, (acc.long() - 1)[:, None]).squeeze(1).long()].clone()
         o = verify(q, k, v, g, beta, pool, pending, slots, acc, SCALE)
@@ -67,13 +74,15 @@ def _drive(impl, dtype, state_dtype, device, accept_plan, q_len, n_slots=8, seed
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_verify_equals_per_token_states_over_steps(impl, tol, device, dtype, state_dtype):
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "channel_major"])
+def test_verify_equals_per_token_states_over_steps(impl, tol, device, dtype, state_dtype, strided):
     """Four verify steps (k = 3) with every acceptance count: outputs and committed states equal the
-    per-token design's outputs and the state it would resume from."""
+    per-token design's outputs and the state it would resume from (also for strided q/k/v, the layout
+    the conv update hands over: the replay reads contiguous pending tokens and must round alike)."""
     plan = [[1, 4, 2, 3], [4, 1, 3, 2], [2, 2, 4, 1], [3, 4, 1, 4]]
     t = tol("vs_per_token", state_dtype)
     for step, (o, o_pt, committed, committed_pt) in enumerate(
-        _drive(impl, dtype, state_dtype, device, plan, 4)
+        _drive(impl, dtype, state_dtype, device, plan, 4, strided=strided)
     ):
         assert_close(o, o_pt, t, f"step {step}: outputs, q {dtype}, state {state_dtype}")
         assert_close(committed.float(), committed_pt.float(), t, f"step {step}: committed state")

@@ -28,7 +28,9 @@ def _prepare_qk(
     q: torch.Tensor, k: torch.Tensor, num_v_heads: int, scale: float, use_qk_l2norm: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 q (scaled), k with the key heads repeated to the value heads (head dim -2)."""
-    q32, k32 = q.float(), k.float()
+    # contiguous: the L2-norm sum must round the same for strided inputs (the conv output is channel-major)
+    # and for the contiguous pending tokens that gated_delta_rule_verify replays.
+    q32, k32 = q.float().contiguous(), k.float().contiguous()
     if use_qk_l2norm:
         q32, k32 = l2norm_f32(q32), l2norm_f32(k32)
     group = num_v_heads // q.shape[-2]
