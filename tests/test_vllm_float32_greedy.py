@@ -73,11 +73,13 @@ def test_float32_chunked_prefill_mixed_batches_reproduce_greedy() -> None:
 
 
 def test_float32_preemption_keeps_outputs_exact() -> None:
-    """A KV pool of 11 blocks for 8 requests growing to 348 tokens. Here a request takes 5 blocks when it
-    starts (1 attention block of 256 tokens + 2 Mamba groups x (1 + k) state blocks) and 1 more past 256
-    tokens, so two run, and the second to cross 256 tokens finds the pool empty: vLLM preempts it and
-    later recomputes it (its GDN state is rebuilt by a fresh prefill). With 14 blocks nothing is
-    preempted (measured). The first 64 tokens must still equal greedy.json, the rest be the float32 argmax."""
+    """A KV pool of 11 blocks for 8 requests growing to 348 tokens. Here a request takes 3 blocks when it
+    starts (1 attention block of 256 tokens + 2 Mamba groups x 1 state block: with deferred commit the
+    plugin asks vLLM for no per-token speculative state blocks) and 1 more past 256 tokens, so three run,
+    and the third to cross 256 tokens finds the pool empty: vLLM preempts it and later recomputes it (its
+    GDN state and pending tokens are rebuilt by a fresh prefill). Measured: 4 preemptions (7 when a request
+    took 1 + k state blocks per group). The first 64 tokens must still equal greedy.json, the rest be the
+    float32 argmax."""
     from _reference import consistency
     from _vllm import model_dir
 

@@ -219,3 +219,21 @@ def test_profiling_run_returns_zeros(setup):
     _, _, layer, core = setup
     out = core.run(None, torch.randn(3, layer.conv_dim), torch.randn(3, 4), torch.randn(3, 4), layer)
     assert out.shape == (3, layer.num_v_heads, layer.head_v_dim) and not out.any()
+
+
+@pytest.mark.parametrize(("mode", "blocks"), [("none", 0), ("align", K_SPEC)])
+def test_kv_cache_spec_asks_for_one_state_block_per_request(setup, mode, blocks):
+    """Deferred commit needs no per-token state blocks: vLLM's default ``num_speculative_blocks = k`` is
+    dropped (``mamba_cache_mode == "none"``), so a request holds 1 Mamba block instead of ``1 + k``."""
+    from types import SimpleNamespace
+
+    _, _, _, core = setup
+    cache = SimpleNamespace(
+        mamba_block_size=512, mamba_page_size_padded=None, mamba_cache_mode=mode, use_replayssm=False
+    )
+    vc = SimpleNamespace(cache_config=cache, num_speculative_tokens=K_SPEC)
+    spec = core.get_kv_cache_spec(vc)
+    assert isinstance(spec, MambaSpec) and spec.num_speculative_blocks == blocks, spec
+    assert spec.shapes == core.get_state_shape() and len(spec.shapes) == 3
+    if mode == "none":
+        assert spec.max_num_blocks_per_req(vc, 512) == 1

@@ -5,8 +5,9 @@ State (allocated by vLLM, one page per slot, see ``gdn_state``): conv state stor
 (vLLM's "SD" layout; the kernels take the transposed ``[S, C, W]`` view), the committed recurrent state
 ``[S, Hv, Dv, Dk]`` and, with MTP (k > 0), ``pending [S, 1 + k, P]`` float32.
 
-Everything of a request lives in its column-0 slot (the first entry of its row of the spec block table;
-vLLM's other ``k`` columns are not read or written). Verification uses deferred commit
+Everything of a request lives in one slot: its block-table row has a single column, since
+``get_kv_cache_spec`` asks vLLM for no speculative state blocks (vLLM's default is ``1 + k`` per request,
+one per verify token). Verification uses deferred commit
 (``gated_delta_rule_verify``): a verify step first commits the ``num_accepted`` tokens of the previous
 step that vLLM accepted (replaying their stashed raw k/v/g/beta on the committed state), verifies its own
 ``1 + drafts`` tokens without storing any per-token state, and stashes them as the new pending tokens. So a
@@ -17,6 +18,8 @@ first verify after a prefill. Without MTP there is no pending tensor and decodes
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -57,7 +60,19 @@ class AtomGDNCore(nn.Module, MambaBase):
         return AtomGDNAttentionBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig):
-        return super().get_kv_cache_spec(vllm_config)
+        """vLLM's Mamba spec, but one state block per request instead of ``1 + k``.
+
+        ``MambaBase`` reserves ``num_speculative_blocks = k`` extra blocks per request for per-token
+        verify states; deferred commit keeps everything in column 0, so they would be dead memory. With
+        none of them, vLLM's block tables have one column, and its GDN metadata builder's
+        ``spec_state_indices_tensor`` (``block_table[:, :1 + k]``) has one column, which is all ``_verify``
+        reads. Only for ``mamba_cache_mode == "none"``: "align" (prefix caching) positions its blocks and
+        copies states around the speculative blocks, which this core does not support either way.
+        """
+        spec = super().get_kv_cache_spec(vllm_config)
+        if vllm_config.cache_config.mamba_cache_mode == "none" and spec.num_speculative_blocks > 0:
+            spec = dataclasses.replace(spec, num_speculative_blocks=0)
+        return spec
 
     # ---- state views -----------------------------------------------------------------------------
     def conv_state(self) -> torch.Tensor:
