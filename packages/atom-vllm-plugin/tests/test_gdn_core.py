@@ -237,3 +237,39 @@ def test_kv_cache_spec_asks_for_one_state_block_per_request(setup, mode, blocks)
     assert spec.shapes == core.get_state_shape() and len(spec.shapes) == 3
     if mode == "none":
         assert spec.max_num_blocks_per_req(vc, 512) == 1
+
+
+@pytest.mark.parametrize("k", [0, K_SPEC])
+def test_plain_decodes_after_prefill(setup, k):
+    """The non-speculative decode path (k = 0 models; with MTP only a 1-token prompt chunk takes it):
+    recurrent op in the row's slot. Without MTP the layer has two state tensors; with MTP the decode
+    leaves ``pending[s, 0]`` an identity token whatever it held, so the next verify (num_accepted = 1)
+    continues exactly."""
+    cfg, kern, layer, _ = setup
+    atol = ATOL[torch.float32]
+    core = AtomGDNCore(
+        "model.layers.0.linear_attn", GDNStateSpec.from_config(cfg, k, torch.float32, torch.float32), kern
+    )
+    _bind(core, 2)
+    assert len(core.kv_cache) == (3 if k else 2)
+    A = _tokens(8, layer)
+    md = _md(num_prefills=1, num_prefill_tokens=4, num_actual_tokens=4, prefill_query_start_loc=_i32([0, 4]),
+             prefill_state_indices=_i32([1]), prefill_has_initial_state=torch.tensor([False]),
+             non_spec_state_indices_tensor=_i32([1]))  # fmt: skip
+    core.run(md, A["x"][:4], A["b"][:4], A["a"][:4], layer)
+    want = _dense(layer, kern, A)
+    for t in (4, 5):
+        if k:
+            core.pending()[1].fill_(3.0)  # stale pending tokens must not survive a plain decode
+        md = _md(
+            num_decodes=1, num_decode_tokens=1, num_actual_tokens=1, non_spec_state_indices_tensor=_i32([1])
+        )
+        out = core.run(md, A["x"][t : t + 1], A["b"][t : t + 1], A["a"][t : t + 1], layer)
+        err = (out[0] - want[t]).abs().max().item()
+        assert err < atol, f"k={k}: plain decode of token {t}: max error {err}"
+    if k:
+        md = _md(num_spec_decodes=1, num_spec_decode_tokens=2, num_actual_tokens=2, spec_sequence_masks=torch.tensor([True]),
+                 spec_query_start_loc=_i32([0, 2]), spec_state_indices_tensor=_i32([[1]]), num_accepted_tokens=_i32([1]))  # fmt: skip
+        out = core.run(md, A["x"][6:8], A["b"][6:8], A["a"][6:8], layer)
+        err = (out - want[6:8]).abs().max().item()
+        assert err < atol, f"verify after plain decodes (one-column state indices): max error {err}"
