@@ -7,7 +7,9 @@ Cases: decode (Q = 1) and verify (Q = 1 + k, k = 1..4) at B = 1, 8, 64, 256; pre
 16 x 512; conv1d update and varlen prefill; gating. Verify both ways: ``gated_delta_rule_recurrent`` with a
 state slot per token (bench ``recurrent``) and ``gated_delta_rule_verify`` (bench ``verify``: deferred
 commit, one state per sequence plus the pending tokens; ``triton-verify`` commits all Q pending tokens of
-the previous step, the most replay work, ``triton-verify-a1`` commits one). Implementations in the same run: ``triton`` (ours),
+the previous step, the most replay work, ``triton-verify-a1`` commits one; both the WY/UT-form kernel with
+tf32x3 dots, ``triton-verify-ieee`` the same with ieee dots, ``triton-verify-pt`` the per-token kernel of
+run 4). Implementations in the same run: ``triton`` (ours),
 ``reference`` (atom-kernels' torch spec, on the GPU), fla-core's ``fused_recurrent_gated_delta_rule``
 and ``chunk_gated_delta_rule`` (dense states, final state only), and ``triton-final``: our verify
 kernel with only the last token's slot valid (the traffic of a design that keeps only the final state).
@@ -160,21 +162,34 @@ class GdnRun(Run):
         if tri is None or ref32 is None:
             return
         na = torch.full((B,), Q, dtype=torch.int32, device=dev)
-        pool_t, pool_r, pend_t, pend_r = pool.clone(), pool.float(), pend.clone(), pend.clone()
-        o_t = tri(q, k, v, g, beta, pool_t, pend_t, idx, na, sh.scale, True)
-        o_r = ref32(q.float(), k.float(), v.float(), g, beta, pool_r, pend_r, idx, na, sh.scale, True)
-        self.check("verify_out", sd, case, o_t, o_r)
-        self.check("verify_state", sd, case, pool_t[idx.long()].float(), pool_r[idx.long()])
-        self.check("verify_pending", sd, case, pend_t, pend_r)
-        del pool_t, pool_r, pend_t, pend_r
         na1 = torch.ones_like(na)
+        # (impl, kernel knobs, num_accepted, checked): the WY/UT kernel (tf32x3 dots, and ieee), the
+        # per-token kernel of run 4; num_accepted = Q replays every pending token, = 1 one.
+        variants = [
+            ("triton-verify", dict(kernel="wy"), na, True),
+            ("triton-verify-a1", dict(kernel="wy"), na1, False),
+            ("triton-verify-ieee", dict(kernel="wy", input_precision="ieee"), na, True),
+            ("triton-verify-pt", dict(kernel="per_token"), na, True),
+        ]
         pbytes = B * P * 4  # one pending token of every sequence
-        for impl, acc in (("triton-verify", na), ("triton-verify-a1", na1)):
+        for impl, kw, acc, checked in variants:
+            if checked:
+                pool_t, pool_r, pend_t, pend_r = pool.clone(), pool.float(), pend.clone(), pend.clone()
+                o_t = tri(q, k, v, g, beta, pool_t, pend_t, idx, acc, sh.scale, True, **kw)
+                o_r = ref32(
+                    q.float(), k.float(), v.float(), g, beta, pool_r, pend_r, idx, acc, sh.scale, True
+                )
+                self.check("verify_out", sd, f"{case} {impl}", o_t, o_r)
+                self.check(
+                    "verify_state", sd, f"{case} {impl}", pool_t[idx.long()].float(), pool_r[idx.long()]
+                )
+                self.check("verify_pending", sd, f"{case} {impl}", pend_t, pend_r)
+                del pool_t, pool_r, pend_t, pend_r
             self.add(
                 "verify",
                 case,
                 impl,
-                lambda acc=acc: tri(q, k, v, g, beta, pool, pend, idx, acc, sh.scale, True),
+                lambda acc=acc, kw=kw: tri(q, k, v, g, beta, pool, pend, idx, acc, sh.scale, True, **kw),
                 2 * sbytes + (int(acc[0]) + Q) * pbytes + act,  # state r+w, pending read + stash, q/k/v/o
                 B=B,
                 Q=Q,
@@ -326,7 +341,15 @@ def summarize(rows: list[dict]) -> list[dict]:
     t = {(r["bench"], r["case"], r["impl"]): r.get("ms") for r in rows}
     out = []
     for r in rows:
-        verify_impls = ("triton", "triton-final", "triton-verify", "triton-verify-a1", "fla-fused_recurrent")
+        verify_impls = (
+            "triton",
+            "triton-final",
+            "triton-verify",
+            "triton-verify-a1",
+            "triton-verify-ieee",
+            "triton-verify-pt",
+            "fla-fused_recurrent",
+        )
         if r["bench"] in ("recurrent", "verify") and r["Q"] > 1 and r["impl"] in verify_impls:
             base = t.get(("recurrent", r["case"].replace(f"Q={r['Q']}", "Q=1"), "triton"))
             if base and r.get("ms"):
@@ -444,7 +467,11 @@ def main() -> None:
         "--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1), no timings"
     )
     ap.add_argument("--sweep", action="store_true", help="also sweep the recurrent kernel's block sizes")
-    ap.add_argument("--only", default="", help="comma list of: recurrent (with verify),chunked,conv,gating")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma list of: recurrent (decode + verify), chunked, conv, gating, fla (fla's recurrent op)",
+    )
     ap.add_argument("--deadline-s", type=float, default=float("inf"), help="skip cases started after this")
     args = ap.parse_args()
     out = common.out_dir(args.out)
@@ -453,7 +480,7 @@ def main() -> None:
     else:
         device, shape = common.require_cuda(), QUICK if args.quick else QWEN3_NEXT_80B
     run = GdnRun(out, device, shape, args.quick or args.smoke, TOL)
-    parts = set(args.only.split(",")) if args.only else {"recurrent", "chunked", "conv", "gating"}
+    parts = set(args.only.split(",")) if args.only else {"recurrent", "chunked", "conv", "gating", "fla"}
     sweep_rows: list[dict] = []
 
     def save() -> None:  # after every part, so a run cut short still leaves its results
@@ -492,7 +519,7 @@ def main() -> None:
         for T in (256, 4096):
             run.guarded(run.gating, T)
         save()
-    if "recurrent" in parts and run.timed:  # after our parts: see Run.fla_recurrent
+    if "fla" in parts and run.timed:  # after our parts: see Run.fla_recurrent
         for sd in (FP32, BF16):
             for B in shape.batches:
                 for Q in shape.qs:

@@ -26,6 +26,12 @@ chain (compiled for sm_90: no conversion left between one token's ``h k`` reduct
 results differ from the recurrent kernel's by float32 rounding only. Slots < 0 are padding rows: zero state, nothing read from or written to
 ``ssm_state`` / ``pending`` (``num_accepted`` is ignored there); ``num_accepted`` above ``R`` is clamped.
 
+``_verify_wy_kernel`` (``kernel="wy"``, not the default): the same step in the chunked WY/UT form, the
+commit tokens as one chunk and the verify tokens as another (``tl.dot`` tiles, (I + A)^{-1} by Neumann
+squarings). Correct on the H200 (run 5, ``results/gdn_run5_verify.log``: 22 tests passed, bench checks
+ok, fp32 committed state 6.3e-7 from the reference) but 10-14x SLOWER than the per-token kernel
+(B=64 Q=4 fp32: 1.68 ms tf32x3 / 1.43 ms ieee vs 0.136 ms): kept selectable for investigation only.
+
 Only ``tl`` primitives: the sources compile for ROCm too.
 """
 
