@@ -22,6 +22,7 @@ pytest.importorskip("vllm")
 
 from atom_core import Qwen3NextConfig  # noqa: E402
 from atom_kernels import select_kernels  # noqa: E402
+from atom_kernels.ops.gated_delta_rule import pending_width  # noqa: E402
 from atom_models.dense_cores import DenseContext, DenseGDNCore  # noqa: E402
 from atom_models.gdn import GatedDeltaNet  # noqa: E402
 from atom_vllm_plugin.layers.gdn import AtomGDNCore  # noqa: E402
@@ -168,11 +169,12 @@ def test_prefill_verify_and_mixed_resume(setup):
 
 def test_state_shapes_match_vllm_calculator():
     """conv / ssm shapes == vLLM's own GDN calculator for every k (incl. the k extra conv columns); with
-    MTP a third tensor, pending ``[1 + k, Hk*Dk + Hv*Dv + 2*Hv]`` float32, without MTP none."""
+    MTP a third tensor, pending ``[1 + k, P]`` float32 with the verify op's ``P = pending_width(...)``,
+    without MTP none."""
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
     cfg = _config()
-    p = 2 * 16 + 4 * 8 + 2 * 4  # Hk*Dk + Hv*Dv + 2*Hv of _config()
+    p = pending_width(2, 16, 4, 8)  # Hk, Dk, Hv, Dv of _config(): the width the verify op checks
     for k in range(0, 5):
         spec = GDNStateSpec.from_config(cfg, k, torch.bfloat16, torch.float32)
         ours = spec.shapes()

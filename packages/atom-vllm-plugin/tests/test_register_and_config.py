@@ -110,8 +110,10 @@ def test_draft_without_speculative_config_is_refused():
 
 def test_mamba_state_has_pending_tensor_only_with_mtp():
     """What vLLM sizes the GDN pages from (before the model exists): without MTP the two tensors of vLLM's
-    own GDN (conv, ssm); with MTP k a third, pending ``[1 + k, Hk*Dk + Hv*Dv + 2*Hv]`` float32, and the
+    own GDN (conv, ssm); with MTP k a third, pending ``[1 + k, P]`` float32 (``P``: the verify op's
+    ``pending_width``), and the
     page grows by exactly its bytes."""
+    from atom_kernels.ops.gated_delta_rule import pending_width
     from atom_vllm_plugin.models.target import AtomQwen3NextForCausalLM as Target
     from vllm.v1.kv_cache_interface import MambaSpec
 
@@ -122,11 +124,12 @@ def test_mamba_state_has_pending_tensor_only_with_mtp():
     assert len(shapes) == len(dtypes) == 2, (shapes, dtypes)
     # the fixture: Hk=2, Dk=128, Hv=4, Dv=128, conv kernel 4, conv channels 2*256 + 512
     assert sorted(shapes[0]) == [3, 1024] and shapes[1] == (4, 128, 128), shapes
+    p = pending_width(2, 128, 4, 128)  # Hk, Dk, Hv, Dv of the fixture
     for k in (1, 3):
         shapes_k, dtypes_k = state(_vllm_config(k=k))
         assert len(shapes_k) == len(dtypes_k) == 3, (k, shapes_k, dtypes_k)
-        assert shapes_k[2] == (1 + k, 2 * 128 + 4 * 128 + 2 * 4) and dtypes_k[2] == torch.float32
+        assert shapes_k[2] == (1 + k, p) and dtypes_k[2] == torch.float32
         assert sorted(shapes_k[0]) == [3 + k, 1024] and shapes_k[1] == shapes[1] and dtypes_k[:2] == dtypes
         page = MambaSpec(shapes=shapes_k, dtypes=dtypes_k, block_size=1).page_size_bytes
         without = MambaSpec(shapes=shapes_k[:2], dtypes=dtypes_k[:2], block_size=1).page_size_bytes
-        assert page - without == (1 + k) * 776 * 4, (k, page, without)
+        assert page - without == (1 + k) * p * 4, (k, page, without)

@@ -9,7 +9,7 @@ Everything of a request lives in one slot: its block-table row has a single colu
 ``get_kv_cache_spec`` asks vLLM for no speculative state blocks (vLLM's default is ``1 + k`` per request,
 one per verify token). Verification uses deferred commit
 (``gated_delta_rule_verify``): a verify step first commits the ``num_accepted`` tokens of the previous
-step that vLLM accepted (replaying their stashed raw k/v/g/beta on the committed state), verifies its own
+step that vLLM accepted (replaying what it stashed for them on the committed state), verifies its own
 ``1 + drafts`` tokens without storing any per-token state, and stashes them as the new pending tokens. So a
 rejected draft is never applied and nothing has to be copied back. The conv history stays rolled per
 atom_kernels' convention (the next step reads it at offset ``num_accepted - 1``). A prefill writes the
@@ -84,7 +84,7 @@ class AtomGDNCore(nn.Module, MambaBase):
         return self.kv_cache[1]
 
     def pending(self) -> torch.Tensor:
-        """``[S, 1 + k, P]`` float32: the previous verify step's raw tokens per slot (MTP only)."""
+        """``[S, 1 + k, P]`` float32: the previous verify step's stashed tokens per slot (MTP only)."""
         if not self.state.has_pending:
             raise RuntimeError(
                 f"{self.layer_name}: no pending-token state without speculative decoding (k = 0)"
@@ -254,7 +254,8 @@ class AtomGDNCore(nn.Module, MambaBase):
         return o[rows, cols]
 
     def _reset_pending(self, slots: torch.Tensor) -> None:
-        """Make ``pending[s, 0]`` an identity token (k = v = g = beta = 0) for every real slot (>= 0).
+        """Make ``pending[s, 0]`` an identity token (all zeros, per the verify op's contract) for every
+        real slot (>= 0).
 
         Called after a step that wrote the committed state of ``s`` directly (prefill, plain decode): the
         next verify commits ``num_accepted = 1`` pending token, which must then change nothing. Padding

@@ -1,8 +1,9 @@
 """ATOM's Gated DeltaNet backend for vLLM: vLLM's GDN metadata format, our builder class.
 
 vLLM's ``GDNAttentionMetadata`` already describes exactly what our GDN core needs (prefill / decode /
-spec-decode split, per-request state slots with ``1 + k`` columns for verification, ``num_accepted_tokens``,
-spec / non-spec token index lists for mixed batches), and the model runner passes
+spec-decode split, per-request state slots (one column: ``AtomGDNCore.get_kv_cache_spec`` asks for no
+speculative state blocks, and deferred-commit verification needs only the request's own slot),
+``num_accepted_tokens``, spec / non-spec token index lists for mixed batches), and the model runner passes
 ``num_accepted_tokens`` / ``num_decode_draft_tokens_cpu`` only to builders that are instances of
 ``GDNAttentionMetadataBuilder``. So our builder subclasses it; the backend is ours so the layers name
 their own builder and never reach vLLM's kernels.

@@ -7,11 +7,14 @@ which also sizes the hybrid page that attention blocks are aligned to) and every
 Per slot (one vLLM Mamba block) a GDN layer has:
 - ``conv``: the conv history, ``K - 1 + k`` columns (``k`` = speculative tokens: rollback room);
 - ``ssm``: the committed recurrent state ``[Hv, Dv, Dk]``;
-- ``pending`` (only with MTP, ``k > 0``): ``[1 + k, P]`` float32, the raw ``[k | v | g | beta]`` of the
-  previous verify step's tokens, ``P = Hk*Dk + Hv*Dv + 2*Hv``, for ``atom_kernels``'
-  ``gated_delta_rule_verify`` (deferred commit, docs/kernel-api.md). vLLM's ``MambaSpec`` takes any number
+- ``pending`` (only with MTP, ``k > 0``): ``[1 + k, P]`` float32, the previous verify step's tokens as
+  ``atom_kernels``' ``gated_delta_rule_verify`` stashes them (deferred commit, docs/kernel-api.md), ``P``
+  from ``atom_kernels.ops.gated_delta_rule.pending_width`` (the kernels own the token format). vLLM's ``MambaSpec`` takes any number
   of state tensors: the page is their summed bytes and ``MambaBase.bind_kv_cache`` slices one view per
-  tensor in this order, so the third tensor needs no change in vLLM.
+  tensor in this order, so the third tensor needs no change in vLLM. One side effect: vLLM's CPU platform
+  keeps an explicitly requested bf16/fp16 ``mamba_ssm_cache_dtype`` only for models whose state dtypes are
+  a pair (``platforms/cpu.py`` ``_cpu_mamba_backend``); with MTP it resets it to float32 (the default
+  "auto" is reset to float32 there anyway).
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ class GDNStateSpec:
 
     @property
     def pending_width(self) -> int:
-        """Floats per pending token: ``Hk*Dk + Hv*Dv + 2*Hv`` (``[k | v | g | beta]``)."""
+        """Floats per pending token, as the verify op defines it (``pending_width``)."""
         return pending_width(self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
 
     @property
