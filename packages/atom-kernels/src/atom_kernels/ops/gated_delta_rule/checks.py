@@ -67,8 +67,8 @@ def check_gated_delta_rule_recurrent(
 
 
 def pending_width(num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int) -> int:
-    """Floats per pending token of :func:`gated_delta_rule_verify`: ``[k (Hk*Dk) | v (Hv*Dv) | g (Hv) | beta (Hv)]``."""
-    return num_k_heads * head_k_dim + num_v_heads * head_v_dim + 2 * num_v_heads
+    """Floats per pending token of :func:`gated_delta_rule_verify`: ``[k (Hk*Dk) | u (Hv*Dv) | g (Hv)]``."""
+    return num_k_heads * head_k_dim + num_v_heads * head_v_dim + num_v_heads
 
 
 def check_gated_delta_rule_verify(

@@ -190,7 +190,7 @@ def gated_delta_rule_recurrent(
     v32, g32, b32 = v.float(), g.float(), beta.float()
     out = torch.empty(v.shape, dtype=torch.float32, device=q.device)
     for j in range(q_len):
-        state = _delta_step(state, k32[:, j], v32[:, j], g32[:, j], b32[:, j])
+        state, _ = _delta_step(state, k32[:, j], v32[:, j], g32[:, j], b32[:, j])
         out[:, j] = (state @ q32[:, j, :, :, None]).squeeze(-1)
         keep = (slots[:, j] >= 0).nonzero().squeeze(1)
         ssm_state[slots[keep, j]] = state[keep].to(ssm_state.dtype)
@@ -199,11 +199,14 @@ def gated_delta_rule_recurrent(
 
 def _delta_step(
     state: torch.Tensor, k32: torch.Tensor, v32: torch.Tensor, g32: torch.Tensor, b32: torch.Tensor
-) -> torch.Tensor:
-    """One token of the rule on ``state[N, Hv, Dv, Dk]`` (k already normalised and repeated to Hv)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the rule on ``state[N, Hv, Dv, Dk]`` (k already normalised and repeated to Hv).
+
+    Returns the new state and the token's update coefficients ``u = beta (v - (state * exp(g)) k)``
+    ``[N, Hv, Dv]`` (the new state is ``state * exp(g) + u k^T``)."""
     state = state * g32.exp()[..., None, None]
     delta = b32[..., None] * (v32 - (state @ k32[..., None]).squeeze(-1))  # [N, Hv, Dv]
-    return state + delta[..., :, None] * k32[..., None, :]
+    return state + delta[..., :, None] * k32[..., None, :], delta
 
 
 def gated_delta_rule_verify(
@@ -224,15 +227,17 @@ def gated_delta_rule_verify(
     Args:
         q, k: ``[N, Q, Hk, Dk]``; v: ``[N, Q, Hv, Dv]``; g, beta: ``[N, Q, Hv]``.
         ssm_state: ``[S, Hv, Dv, Dk]`` float32/bf16: the committed state of each slot, updated in place.
-        pending: ``[S, R, P]`` float32, ``P = Hk*Dk + Hv*Dv + 2*Hv``: per slot the raw inputs
-            ``[k | v | g | beta]`` of the previous verify step's tokens; overwritten with this step's.
+        pending: ``[S, R, P]`` float32, ``P = Hk*Dk + Hv*Dv + Hv``: per slot the previous verify step's
+            tokens ``[k (raw) | u | g]``, ``u = beta (v - (S exp(g)) k)`` the token's update
+            coefficients; overwritten with this step's.
         state_indices: ``[N]`` int32 slots (< 0: padding row, zero state, nothing read or written).
         num_accepted: ``[N]`` int32 in ``[0, R]``: how many pending tokens to commit first.
         scale: query scale; use_qk_l2norm: L2-normalise q and k (also the pending k on replay).
 
     Returns:
         ``o [N, Q, Hv, Dv]`` in q.dtype. No per-token state is stored: the committed state is written
-        once (rounded to the pool dtype) and the verify continues from that rounded value.
+        once (rounded to the pool dtype) and the verify continues from that rounded value. Committing a
+        token is ``S = S exp(g) + u k^T``: no reduction over the state, so committing is cheap.
     """
     check_gated_delta_rule_verify(
         q, k, v, g, beta, ssm_state, pending, state_indices, num_accepted, scale, use_qk_l2norm
@@ -247,33 +252,32 @@ def gated_delta_rule_verify(
     safe = slots.clamp(min=0)
     state = _read_states(ssm_state, safe, valid)  # [N, Hv, Dv, Dk] float32
 
-    # 1. commit the first num_accepted pending tokens of each slot.
+    # 1. commit the first num_accepted pending tokens of each slot: S = S exp(g) + u k^T.
     old = pending[safe]  # [N, R, P] (a copy: the stash below cannot disturb it)
     kd, vd = num_k_heads * dk, num_v_heads * dv
     pk = old[..., :kd].view(num_seqs, -1, num_k_heads, dk)
-    pv = old[..., kd : kd + vd].view(num_seqs, -1, num_v_heads, dv)
-    pg = old[..., kd + vd : kd + vd + num_v_heads]
-    pb = old[..., kd + vd + num_v_heads :]
+    pu = old[..., kd : kd + vd].view(num_seqs, -1, num_v_heads, dv)
+    pg = old[..., kd + vd :]
     _, pk32 = _prepare_qk(pk, pk, num_v_heads, 1.0, use_qk_l2norm)
     n_commit = num_accepted.long() * valid
     for j in range(int(n_commit.max()) if num_seqs > 0 else 0):
-        stepped = _delta_step(state, pk32[:, j], pv[:, j], pg[:, j], pb[:, j])
+        stepped = state * pg[:, j].exp()[..., None, None]
+        stepped = stepped + pu[:, j, :, :, None] * pk32[:, j, :, None, :]
         state = torch.where((j < n_commit)[:, None, None, None], stepped, state)
     keep = valid.nonzero().squeeze(1)
     ssm_state[slots[keep]] = state[keep].to(ssm_state.dtype)
     state = state.to(ssm_state.dtype).float()  # continue from the stored (rounded) value
 
-    # 2. verify the Q new tokens; no state is stored.
+    # 2. verify the Q new tokens; no state is stored, only each token's u.
     q32, k32 = _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm)
     v32, g32, b32 = v.float(), g.float(), beta.float()
     out = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+    us = torch.empty(v.shape, dtype=torch.float32, device=q.device)
     for j in range(q_len):
-        state = _delta_step(state, k32[:, j], v32[:, j], g32[:, j], b32[:, j])
+        state, us[:, j] = _delta_step(state, k32[:, j], v32[:, j], g32[:, j], b32[:, j])
         out[:, j] = (state @ q32[:, j, :, :, None]).squeeze(-1)
 
-    # 3. stash this step's raw inputs for the next step's commit.
-    new = torch.cat(
-        [k.float().flatten(2), v.float().flatten(2), g.float(), beta.float()], dim=-1
-    )  # [N, Q, P]
+    # 3. stash this step's tokens for the next step's commit.
+    new = torch.cat([k.float().flatten(2), us.flatten(2), g.float()], dim=-1)  # [N, Q, P]
     pending[slots[keep], :q_len] = new[keep]
     return out.to(q.dtype)
