@@ -113,7 +113,7 @@ def test_gdn_state_is_one_slot_per_sequence_plus_pending(model_dir, k):
     for conv, ssm in caches.gdn.values():
         assert conv.shape == (5, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1 + k), conv.shape
         assert ssm.shape == (5, hv, dv, dk) and ssm.dtype == torch.float32, ssm.shape
-    p = cfg.linear_num_key_heads * dk + hv * dv + 2 * hv  # [k | v | g | beta] per pending token
+    p = cfg.linear_num_key_heads * dk + hv * dv + hv  # [k | u | g] per pending token
     if k == 0:
         assert caches.pending == {}
     else:
