@@ -81,7 +81,7 @@ def _verify_kmajor_kernel(
 
 
 def verify_kmajor(q, k, v, g, beta, ssm_state, pending, state_indices, num_accepted, scale, bv=8, nw=1):
-    from atom_kernels.ops.gated_delta_rule.triton_verify import _stash_kernel
+    from atom_kernels.ops.gated_delta_rule.triton_verify import stash_shared
     from atom_kernels.ops.l2norm.checks import DEFAULT_EPS
 
     N, Q, HK, DK = q.shape
@@ -94,12 +94,7 @@ def verify_kmajor(q, k, v, g, beta, ssm_state, pending, state_indices, num_accep
         Q=Q, R=pending.shape[1], HK=HK, HV=HV, GROUP=HV // HK, DK=DK, DV=DV,
         BK=triton.next_power_of_2(DK), BV=bv, num_warps=nw,
     )  # fmt: skip
-    _stash_kernel[(N, Q)](
-        k, g, pending, state_indices,
-        *k.stride(), *g.stride(), *pending.stride(), state_indices.stride(0),
-        HK=HK, HV=HV, DK=DK, DV=DV, BLOCK=min(2048, triton.next_power_of_2(HK * DK)),
-        BH=triton.next_power_of_2(HV), num_warps=4,
-    )  # fmt: skip
+    stash_shared(k, g, pending, state_indices)
     return o
 
 

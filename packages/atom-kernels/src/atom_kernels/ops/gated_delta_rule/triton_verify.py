@@ -243,6 +243,22 @@ def _stash_kernel(
         tl.store(p_row + (HK * DK + HV * DV + o_h) * s_pp, b_g.to(tl.float32), mask=m_h)
 
 
+def stash_shared(
+    k: torch.Tensor, g: torch.Tensor, pending: torch.Tensor, state_indices: torch.Tensor
+) -> None:
+    """Launch 2 of the verify op: ``pending[slot, j]``'s k and g parts = this step's token j. Must follow
+    every read of the old pending tokens (stream order after the verify kernel)."""
+    N, Q, HK, DK = k.shape
+    HV = g.shape[2]
+    DV = (pending.shape[2] - HK * DK - HV) // HV
+    _stash_kernel[(N, Q)](
+        k, g, pending, state_indices,
+        *k.stride(), *g.stride(), *pending.stride(), state_indices.stride(0),
+        HK=HK, HV=HV, DK=DK, DV=DV, BLOCK=min(2048, triton.next_power_of_2(HK * DK)),
+        BH=triton.next_power_of_2(HV), num_warps=4,
+    )  # fmt: skip
+
+
 def gated_delta_rule_verify(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -287,10 +303,5 @@ def gated_delta_rule_verify(
         GROUP=HV // HK, DK=DK, DV=DV, BK=triton.next_power_of_2(DK), BV=bv,
         L2NORM=use_qk_l2norm, num_warps=nw,
     )  # fmt: skip
-    _stash_kernel[(N, Q)](
-        k, g, pending, state_indices,
-        *k.stride(), *g.stride(), *pending.stride(), state_indices.stride(0),
-        HK=HK, HV=HV, DK=DK, DV=DV, BLOCK=min(2048, triton.next_power_of_2(HK * DK)),
-        BH=triton.next_power_of_2(HV), num_warps=4,
-    )  # fmt: skip
+    stash_shared(k, g, pending, state_indices)
     return o
