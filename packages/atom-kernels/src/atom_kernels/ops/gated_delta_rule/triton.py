@@ -104,14 +104,15 @@ def _recurrent_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < DK
     m_v = o_v < DV
-    m_h = m_v[:, None] & m_k[None, :]
 
     col = 0
     if HAS_ACC:
         col = tl.load(acc_ptr + i_n) - 1
     slot0 = tl.load(idx_ptr + i_n * s_in + col * s_it).to(tl.int64)
     p_h = state_ptr + i_hv * s_sh + o_v[:, None] * s_sv + o_k[None, :] * s_sk  # [BV, BK] tile of one slot
-    h = tl.load(p_h + slot0 * s_ss, mask=m_h & (slot0 >= 0), other=0.0).to(tl.float32)
+    # Scalar conditions enter masks as bounds (Triton 3.9's interpreter rejects tensor & scalar-bool masks).
+    m_h0 = (o_v < tl.where(slot0 >= 0, DV, 0))[:, None] & m_k[None, :]
+    h = tl.load(p_h + slot0 * s_ss, mask=m_h0, other=0.0).to(tl.float32)
 
     for j in tl.static_range(Q):
         b_q = tl.load(q_ptr + i_n * s_qn + j * s_qt + i_hk * s_qh + o_k * s_qd, mask=m_k, other=0.0).to(
@@ -136,7 +137,8 @@ def _recurrent_kernel(
             o_ptr + i_n * s_on + j * s_ot + i_hv * s_oh + o_v * s_od, b_o.to(o_ptr.dtype.element_ty), mask=m_v
         )
         slot = tl.load(idx_ptr + i_n * s_in + j * s_it).to(tl.int64)
-        tl.store(p_h + slot * s_ss, h.to(state_ptr.dtype.element_ty), mask=m_h & (slot >= 0))
+        m_hj = (o_v < tl.where(slot >= 0, DV, 0))[:, None] & m_k[None, :]
+        tl.store(p_h + slot * s_ss, h.to(state_ptr.dtype.element_ty), mask=m_hj)
 
 
 def recurrent_launch_config(num_seqs: int, num_v_heads: int, dv: int) -> tuple[int, int]:

@@ -175,7 +175,7 @@ def _verify_kernel(
     tl.store(p_h, h, mask=m_vc[:, None] & m_k[None, :])
     h = h.to(tl.float32)
 
-    # ---- 2. verify the Q tokens; outputs only.
+    # ---- 2. verify the Q tokens: outputs and each token's u; no state stored.
     b_o = tl.zeros([QP, BV], dtype=tl.float32)
     b_u = tl.zeros([QP, BV], dtype=tl.float32)
     for j in tl.static_range(Q):
