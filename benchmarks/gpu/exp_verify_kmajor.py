@@ -100,6 +100,17 @@ def verify_kmajor(q, k, v, g, beta, ssm_state, pending, state_indices, num_accep
 
 def time_case(args_, pool, pend, idx, na, scale, configs, case, ceil) -> list[dict]:
     """CUDA-graph replay times of our decode (Q=1), our verify and the K-major candidates on one case."""
+    cands = {
+        f"verify kmajor BV={bv} w={nw}": lambda bv=bv, nw=nw: verify_kmajor(
+            *args_, pool, pend, idx, na, scale, bv, nw
+        )
+        for bv, nw in configs
+    }
+    return time_candidates(args_, pool, pend, idx, na, scale, cands, case, ceil)
+
+
+def time_candidates(args_, pool, pend, idx, na, scale, cands, case, ceil) -> list[dict]:
+    """CUDA-graph replay times of our decode (Q=1), our verify and ``cands`` (name -> call) on one case."""
     from atom_kernels.ops.gated_delta_rule import triton as gdr_triton
     from atom_kernels.ops.gated_delta_rule import triton_verify
 
@@ -111,11 +122,8 @@ def time_case(args_, pool, pend, idx, na, scale, configs, case, ceil) -> list[di
             q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], pool, idx[:, None], None, scale
         ),
         "verify (ours)": lambda: triton_verify.gated_delta_rule_verify(*args_, pool, pend, idx, na, scale),
+        **cands,
     }
-    for bv, nw in configs:
-        cands[f"verify kmajor BV={bv} w={nw}"] = lambda bv=bv, nw=nw: verify_kmajor(
-            *args_, pool, pend, idx, na, scale, bv, nw
-        )
     rows = []
     for name, fn in cands.items():
         ms = common.time_ms(fn, graph=True)

@@ -274,10 +274,12 @@ def gated_delta_rule_verify(
     *,
     block_v: int | None = None,
     num_warps: int | None = None,
+    max_registers: int | None = None,
 ) -> torch.Tensor:
     """See :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_verify`.
 
-    ``block_v`` / ``num_warps`` override :func:`recurrent_launch_config` (benchmarks only).
+    ``block_v`` / ``num_warps`` override :func:`recurrent_launch_config`; ``max_registers`` caps the
+    kernel's registers per thread (CUDA's ``maxnreg``: more resident warps, possibly spills). Benchmarks only.
     """
     check_gated_delta_rule_verify(
         q, k, v, g, beta, ssm_state, pending, state_indices, num_accepted, scale, use_qk_l2norm
@@ -294,6 +296,7 @@ def gated_delta_rule_verify(
         return o
     bv, nw = recurrent_launch_config(N, HV, DV)
     bv, nw = block_v or bv, num_warps or nw
+    extra = {"maxnreg": max_registers} if max_registers else {}
     _verify_kernel[(triton.cdiv(DV, bv), N * HV)](
         q, k, v, g, beta, o, ssm_state, pending, state_indices, num_accepted,
         float(scale), L2NORM_EPS,
@@ -301,7 +304,7 @@ def gated_delta_rule_verify(
         *ssm_state.stride(), *pending.stride(), state_indices.stride(0),
         Q=Q, R=R, QP=triton.next_power_of_2(Q), RP=triton.next_power_of_2(R), HK=HK, HV=HV,
         GROUP=HV // HK, DK=DK, DV=DV, BK=triton.next_power_of_2(DK), BV=bv,
-        L2NORM=use_qk_l2norm, num_warps=nw,
+        L2NORM=use_qk_l2norm, num_warps=nw, **extra,
     )  # fmt: skip
     stash_shared(k, g, pending, state_indices)
     return o
