@@ -170,8 +170,7 @@ class GdnRun(Run):
         variants = [
             ("triton-verify", {}, na, True),
             ("triton-verify-a1", {}, na1, False),
-            ("triton-verify-r128", {"max_registers": 128}, na, True),
-            ("triton-verify-r96", {"max_registers": 96}, na, True),
+            ("triton-verify-bv8", {"block_v": 8}, na, True),
         ]
         pbytes = B * P * 4  # one pending token of every sequence
         for impl, kw, acc, checked in variants:
@@ -348,8 +347,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             "triton-final",
             "triton-verify",
             "triton-verify-a1",
-            "triton-verify-r128",
-            "triton-verify-r96",
+            "triton-verify-bv8",
             "fla-fused_recurrent",
         )
         if r["bench"] in ("recurrent", "verify") and r["Q"] > 1 and r["impl"] in verify_impls:

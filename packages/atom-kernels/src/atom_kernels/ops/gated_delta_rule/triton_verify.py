@@ -48,6 +48,19 @@ from atom_kernels.ops.gated_delta_rule.triton import recurrent_launch_config
 from atom_kernels.ops.l2norm.checks import DEFAULT_EPS as L2NORM_EPS
 
 
+def verify_launch_config(num_seqs: int, num_v_heads: int, dv: int, state_bytes: int) -> tuple[int, int]:
+    """(BV, num_warps) of ``_verify_kernel``: one warp; 8 value rows with a float32 pool (the recurrent
+    kernel's choice), 32 with a 2-byte pool, whose smaller tile leaves the kernel short of loads in flight.
+
+    H200 sweep (session 3, results/gdn_s3_run5.json, ``bench_gdn.py --sweep``), k=3 verify: bf16 pool
+    BV=32 100 us / 363 us at B=64 / 256 against 108 / 419 us with BV=8; fp32 pool BV=8 121 / 464 us
+    against 139 / 511 us with BV=32. Two warps per program were 3-5x slower (results/gdn_s3_run4.json).
+    """
+    if state_bytes >= 4:
+        return recurrent_launch_config(num_seqs, num_v_heads, dv)
+    return min(32, triton.next_power_of_2(dv)), 1
+
+
 @triton.jit
 def _row(x, o_r, j):
     """Row ``j`` of a register tile ``x[RP, C]`` (rows indexed by ``o_r``) as a ``[C]`` vector."""
@@ -278,7 +291,7 @@ def gated_delta_rule_verify(
 ) -> torch.Tensor:
     """See :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_verify`.
 
-    ``block_v`` / ``num_warps`` override :func:`recurrent_launch_config`; ``max_registers`` caps the
+    ``block_v`` / ``num_warps`` override :func:`verify_launch_config`; ``max_registers`` caps the
     kernel's registers per thread (CUDA's ``maxnreg``: more resident warps, possibly spills). Benchmarks only.
     """
     check_gated_delta_rule_verify(
@@ -294,7 +307,7 @@ def gated_delta_rule_verify(
     o = torch.empty((N, Q, HV, DV), dtype=q.dtype, device=q.device)
     if N == 0 or Q == 0:
         return o
-    bv, nw = recurrent_launch_config(N, HV, DV)
+    bv, nw = verify_launch_config(N, HV, DV, ssm_state.element_size())
     bv, nw = block_v or bv, num_warps or nw
     extra = {"maxnreg": max_registers} if max_registers else {}
     _verify_kernel[(triton.cdiv(DV, bv), N * HV)](
