@@ -49,16 +49,22 @@ from atom_kernels.ops.l2norm.checks import DEFAULT_EPS as L2NORM_EPS
 
 
 def verify_launch_config(num_seqs: int, num_v_heads: int, dv: int, state_bytes: int) -> tuple[int, int]:
-    """(BV, num_warps) of ``_verify_kernel``: one warp; 8 value rows with a float32 pool (the recurrent
-    kernel's choice), 32 with a 2-byte pool, whose smaller tile leaves the kernel short of loads in flight.
+    """(BV, num_warps) of ``_verify_kernel``: one warp; 8 value rows (the recurrent kernel's choice), or 32
+    with a 2-byte pool when that still leaves >= 4096 programs: its smaller tile leaves the kernel short of
+    loads in flight, but fewer programs cannot fill the GPU.
 
-    H200 sweep (session 3, results/gdn_s3_run5.json, ``bench_gdn.py --sweep``), k=3 verify: bf16 pool
-    BV=32 100 us / 363 us at B=64 / 256 against 108 / 419 us with BV=8; fp32 pool BV=8 121 / 464 us
-    against 139 / 511 us with BV=32. Two warps per program were 3-5x slower (results/gdn_s3_run4.json).
+    H200, k=3 verify (session 3; results/gdn_s3_run5.json ``--sweep``, gdn_s3_run6.json side by side):
+    bf16 pool, BV=32 against BV=8: B=64 100 / 100 us against 109 / 108 us, B=256 363 / 361 us against
+    419 / 412 us, but B=1 11.9 us against 5.8 us (128 programs); at Q=1 (not a verify shape in serving)
+    BV=32 is 3-6% slower. float32 pool: BV=8 (121 us at B=64 against 139 us with BV=32). Two warps per
+    program were 3-5x slower (results/gdn_s3_run4.json). Between B=1 and B=64 (80B shape: B >= 32
+    takes BV=32) the threshold is a guess, not a measurement.
     """
-    if state_bytes >= 4:
-        return recurrent_launch_config(num_seqs, num_v_heads, dv)
-    return min(32, triton.next_power_of_2(dv)), 1
+    bv = 32 if state_bytes < 4 else recurrent_launch_config(num_seqs, num_v_heads, dv)[0]
+    bv = min(bv, triton.next_power_of_2(dv))
+    if num_seqs * num_v_heads * triton.cdiv(dv, bv) < 4096:
+        bv = recurrent_launch_config(num_seqs, num_v_heads, dv)[0]
+    return bv, 1
 
 
 @triton.jit
