@@ -211,6 +211,29 @@ def test_prefill_resets_pending_of_real_slots_only(setup):
     assert (pending[untouched] == 7.0).all(), "the prefill changed pending entries of other slots"
 
 
+@pytest.mark.parametrize(
+    "slots, zeroed",
+    [([-1, 3, -1, 1], [1, 3]), ([-1, -1], []), ([0, -1], [0]), ([2, 2, -1], [2])],
+    ids=["mixed", "padding_only", "slot0_and_padding", "repeated"],
+)
+def test_reset_pending_without_boolean_indexing(setup, slots, zeroed):
+    """The sync-free reset: exactly the real slots' ``pending[s, 0]`` become zero; padding rows change
+    nothing (also in a batch of padding only, and when slot 0 is real)."""
+    _, kern, _, _ = setup
+    state = GDNStateSpec.from_config(_config(), K_SPEC, torch.float32, torch.float32)
+    core = AtomGDNCore("model.layers.0.linear_attn", state, kern)
+    _bind(core, 4)
+    pending = core.pending()
+    pending.copy_(torch.arange(pending.numel(), dtype=torch.float32).view_as(pending) + 1.0)
+    before = pending.clone()
+    core._reset_pending(_i32(slots))
+    expect = before.clone()
+    expect[zeroed, 0] = 0.0
+    assert torch.equal(pending, expect), (
+        f"slots {slots}: rows changed {sorted(set((pending != expect).nonzero()[:, 0].tolist()))}"
+    )
+
+
 def test_mismatched_metadata_type_is_rejected(setup):
     _, _, layer, core = setup
     with pytest.raises(TypeError, match="GDNAttentionMetadata"):

@@ -259,13 +259,17 @@ class AtomGDNCore(nn.Module, MambaBase):
 
         Called after a step that wrote the committed state of ``s`` directly (prefill, plain decode): the
         next verify commits ``num_accepted = 1`` pending token, which must then change nothing. Padding
-        rows (slot < 0) are skipped, never clamped onto a real slot.
+        rows (slot < 0) are never clamped onto a real slot's data: they write zeros into the largest real
+        slot of the batch (zeroed anyway) or, in a batch of padding only, slot 0's own row back to it.
+        Device ops only (no boolean indexing, no host sync), so a captured CUDA graph can replay it.
         """
         if not self.state.has_pending:
             return
-        real = slots[slots >= 0].long()
-        if real.numel() > 0:
-            self.pending()[real, 0] = 0.0
+        pending = self.pending()
+        top = slots.max()
+        target = torch.where(slots >= 0, slots, top.clamp(min=0)).long()
+        keep = (slots < 0) & (top < 0)  # padding-only batch: write slot 0's row back unchanged
+        pending[target, 0] = torch.where(keep[:, None], pending[target, 0], 0.0)
 
     def extra_repr(self) -> str:
         return f"{self.layer_name}, {self.state}"
