@@ -316,9 +316,39 @@ def verify_wy(
 
 
 @triton.jit
-def _rows3(x):
-    """A value-row vector (the layout of a [NC, BV, KC] tile reduced over axes 0, then 1) as [1, BV, 1]."""
-    return tl.expand_dims(tl.expand_dims(x, 1), 0)
+def _tok(ptr, mask, eps, L2NORM: tl.constexpr):
+    """One token's ``[NC, KC]`` key/query vector in float32, L2-normalised when asked."""
+    t = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    if L2NORM:
+        t = t / tl.sqrt(tl.sum(tl.sum(t * t, 1), 0) + eps)
+    return t
+
+
+@triton.jit
+def _tok3(t, ROWS_FIRST: tl.constexpr):
+    """A token vector ``[NC, KC]`` broadcast against the state tile."""
+    if ROWS_FIRST:
+        return tl.expand_dims(t, 0)
+    else:
+        return tl.expand_dims(t, 1)
+
+
+@triton.jit
+def _rowsum(x, ROWS_FIRST: tl.constexpr):
+    """Row reduction of a state-shaped tile: in-thread over the chunks first, then across the KC lanes."""
+    if ROWS_FIRST:
+        return tl.sum(tl.sum(x, 1), 1)
+    else:
+        return tl.sum(tl.sum(x, 0), 1)
+
+
+@triton.jit
+def _rows3b(x, ROWS_FIRST: tl.constexpr):
+    """A value-row vector (a ``_rowsum`` result) broadcast back against the state tile."""
+    if ROWS_FIRST:
+        return tl.expand_dims(tl.expand_dims(x, 1), 1)
+    else:
+        return tl.expand_dims(tl.expand_dims(x, 1), 0)
 
 
 @triton.jit
@@ -380,6 +410,7 @@ def _verify_kc_kernel(
     BV: tl.constexpr,
     L2NORM: tl.constexpr,
     WY: tl.constexpr,
+    ROWS_FIRST: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -392,10 +423,13 @@ def _verify_kc_kernel(
     # Dk split into NC chunks of KC, the chunk axis first: [NC, BV, KC] tiles put the lanes along KC, then
     # along the value rows; the chunk axis stays in registers, so a row reduction is in-thread over NC and
     # log2(KC / vector) shuffle levels.
-    d3 = tl.arange(0, NC)[:, None, None] * KC + tl.arange(0, KC)[None, None, :]  # [NC, 1, KC]
+    # Which axis comes first decides, through the tie-break in Triton's coalescing order, whether the 8
+    # non-KC lanes go to the value rows (wanted) or to the chunks: Triton 3.9 needs [NC, BV, KC]
+    # (ROWS_FIRST=False), Triton 3.6 [BV, NC, KC] (ROWS_FIRST=True).
+    d2t = tl.arange(0, NC)[:, None] * KC + tl.arange(0, KC)[None, :]  # [NC, KC]
+    d3 = _tok3(d2t, ROWS_FIRST)
     m_d = d3 < DK
-    t3 = tl.arange(0, NC)[None, :, None] * KC + tl.arange(0, KC)[None, None, :]  # [1, NC, KC]: token tiles
-    m_t3 = t3 < DK
+    v3 = _rows3b(o_v, ROWS_FIRST)
     m_v = o_v < DV
     m_q = o_q < Q
 
@@ -406,32 +440,22 @@ def _verify_kc_kernel(
     m_vc = o_v < tl.where(n_acc > 0, DV, 0)
 
     # ---- every load first.
-    p_h = state_ptr + slot * s_ss + i_hv * s_sh + o_v[None, :, None] * s_sv + d3 * s_sk
-    h = tl.load(p_h, mask=m_vs[None, :, None] & m_d, other=0.0).to(tl.float32)
+    p_h = state_ptr + slot * s_ss + i_hv * s_sh + v3 * s_sv + d3 * s_sk
+    h = tl.load(p_h, mask=_rows3b(m_vs, ROWS_FIRST) & m_d, other=0.0).to(tl.float32)
     p_row = pend_ptr + slot * s_ps
     m_r = o_r < n_acc
-    pk = tl.load(
-        p_row + o_r[:, None, None] * s_pr + (i_hk * DK + t3) * s_pp, mask=m_r[:, None, None] & m_t3, other=0.0
-    )
     pu = tl.load(
         p_row + o_r[:, None] * s_pr + (HK * DK + i_hv * DV + o_v[None, :]) * s_pp,
         mask=m_r[:, None] & m_v[None, :],
         other=0.0,
     )
     pg = tl.load(p_row + o_r * s_pr + (HK * DK + HV * DV + i_hv) * s_pp, mask=m_r, other=0.0)
-    m_qt = m_q[:, None, None] & m_t3
-    b_k = tl.load(
-        k_ptr + i_n * s_kn + o_q[:, None, None] * s_kt + i_hk * s_kh + t3 * s_kd, mask=m_qt, other=0.0
-    )
-    b_q = tl.load(
-        q_ptr + i_n * s_qn + o_q[:, None, None] * s_qt + i_hk * s_qh + t3 * s_qd, mask=m_qt, other=0.0
-    )
-    b_k = b_k.to(tl.float32)
-    b_q = b_q.to(tl.float32)
-    if L2NORM:  # per token row; zero (masked) rows stay zero
-        pk = pk / tl.sqrt(tl.sum(tl.sum(pk * pk, 2), 1) + eps)[:, None, None]
-        b_k = b_k / tl.sqrt(tl.sum(tl.sum(b_k * b_k, 2), 1) + eps)[:, None, None]
-        b_q = b_q / tl.sqrt(tl.sum(tl.sum(b_q * b_q, 2), 1) + eps)[:, None, None]
+    # Token k / q vectors are loaded per token ([NC, KC], _tok): a [Q, NC, KC] tile gets its own layout
+    # (lanes along the token axis with Triton 3.6) and extracting a row then costs shuffles. No store
+    # precedes them, so the compiler may issue them early.
+    p_k = k_ptr + i_n * s_kn + i_hk * s_kh + d2t * s_kd
+    p_q = q_ptr + i_n * s_qn + i_hk * s_qh + d2t * s_qd
+    m_d2 = d2t < DK
     m_vq = m_v[:, None] & m_q[None, :]
     b_v = tl.load(
         v_ptr + i_n * s_vn + o_q[None, :] * s_vt + i_hv * s_vh + o_v[:, None] * s_vd, mask=m_vq, other=0.0
@@ -442,12 +466,12 @@ def _verify_kc_kernel(
 
     # ---- 1. commit the accepted pending tokens (S exp(g) + u k^T each), store once, continue rounded.
     for j in range(n_acc):
-        c_k = tl.expand_dims(tl.sum(tl.where(o_r[:, None, None] == j, pk, 0.0), 0), 1)
+        c_k = _tok3(_tok(p_row + j * s_pr + (i_hk * DK + d2t) * s_pp, m_d2, eps, L2NORM), ROWS_FIRST)
         c_u = tl.sum(tl.where(o_r[:, None] == j, pu, 0.0), 0)
         c_g = tl.sum(tl.where(o_r == j, pg, 0.0))
-        h = h * tl.exp(c_g) + _rows3(c_u) * c_k
+        h = h * tl.exp(c_g) + _rows3b(c_u, ROWS_FIRST) * c_k
     h = h.to(state_ptr.dtype.element_ty)
-    tl.store(p_h, h, mask=m_vc[None, :, None] & m_d)
+    tl.store(p_h, h, mask=_rows3b(m_vc, ROWS_FIRST) & m_d)
     h = h.to(tl.float32)
 
     b_o = tl.zeros([BV, QP], dtype=tl.float32)
@@ -457,10 +481,10 @@ def _verify_kc_kernel(
         b_x = tl.zeros([BV, QP], dtype=tl.float32)
         b_y = tl.zeros([BV, QP], dtype=tl.float32)
         for j in tl.static_range(Q):
-            t_k = tl.expand_dims(tl.sum(tl.where(o_q[:, None, None] == j, b_k, 0.0), 0), 1)
-            t_q = tl.expand_dims(tl.sum(tl.where(o_q[:, None, None] == j, b_q, 0.0), 0), 1)
-            b_x = tl.where(o_q[None, :] == j, tl.sum(tl.sum(h * t_k, 0), 1)[:, None], b_x)
-            b_y = tl.where(o_q[None, :] == j, tl.sum(tl.sum(h * t_q, 0), 1)[:, None], b_y)
+            t_k = _tok3(_tok(p_k + j * s_kt, m_d2, eps, L2NORM), ROWS_FIRST)
+            t_q = _tok3(_tok(p_q + j * s_qt, m_d2, eps, L2NORM), ROWS_FIRST)
+            b_x = tl.where(o_q[None, :] == j, _rowsum(h * t_k, ROWS_FIRST)[:, None], b_x)
+            b_y = tl.where(o_q[None, :] == j, _rowsum(h * t_q, ROWS_FIRST)[:, None], b_y)
         # ---- 2b. U = V Pv + X Px, O = V Pvn + X Pxn + Y scale diag(A) (coefficients: _coef_kernel).
         c_base = c_ptr + i_nh.to(tl.int64) * (4 * QP * QP + QP)
         c_off = o_q[:, None] * QP + o_q[None, :]
@@ -474,16 +498,16 @@ def _verify_kc_kernel(
     else:
         # ---- 2. the Q tokens one by one (decay, h k, rank-1 update, h q).
         for j in tl.static_range(Q):
-            t_k = tl.expand_dims(tl.sum(tl.where(o_q[:, None, None] == j, b_k, 0.0), 0), 1)
-            t_q = tl.expand_dims(tl.sum(tl.where(o_q[:, None, None] == j, b_q, 0.0), 0), 1)
+            t_k = _tok3(_tok(p_k + j * s_kt, m_d2, eps, L2NORM), ROWS_FIRST)
+            t_q = _tok3(_tok(p_q + j * s_qt, m_d2, eps, L2NORM), ROWS_FIRST)
             t_v = tl.sum(tl.where(o_q[None, :] == j, b_v, 0.0), 1)
             t_g = tl.sum(tl.where(o_q == j, b_g, 0.0))
             t_b = tl.sum(tl.where(o_q == j, b_b, 0.0))
             h = h * tl.exp(t_g)
-            t_hk = tl.sum(tl.sum(h * t_k, 0), 1)  # in-thread over the chunks, then across the KC lanes
+            t_hk = _rowsum(h * t_k, ROWS_FIRST)
             t_u = t_b * t_v - t_b * t_hk
-            h = h + _rows3(t_u) * t_k
-            t_o = tl.sum(tl.sum(h * t_q, 0), 1) * scale
+            h = h + _rows3b(t_u, ROWS_FIRST) * t_k
+            t_o = _rowsum(h * t_q, ROWS_FIRST) * scale
             b_o = tl.where(o_q[None, :] == j, t_o[:, None], b_o)
             b_u = tl.where(o_q[None, :] == j, t_u[:, None], b_u)
     tl.store(
@@ -494,6 +518,12 @@ def _verify_kc_kernel(
     # ---- 3. stash this program's own u rows (read only by it, above); k and g: stash_shared.
     p_su = p_row + o_q[None, :] * s_pr + (HK * DK + i_hv * DV + o_v[:, None]) * s_pp
     tl.store(p_su, b_u, mask=m_vs[:, None] & m_q[None, :])
+
+
+def rows_first() -> bool:
+    """Tile axis order that gives lanes to the value rows with this Triton (see ``_verify_kc_kernel``)."""
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    return (major, minor) < (3, 9)
 
 
 def verify_kc(
@@ -521,6 +551,7 @@ def verify_kc(
         *ssm_state.stride(), *pending.stride(), state_indices.stride(0),
         Q=Q, R=pending.shape[1], QP=QP, RP=triton.next_power_of_2(pending.shape[1]), HK=HK, HV=HV,
         GROUP=HV // HK, DK=DK, DV=DV, NC=BK // kc, KC=kc, BV=block_v, L2NORM=use_qk_l2norm, WY=wy,
+        ROWS_FIRST=rows_first(),
         num_warps=num_warps,
     )  # fmt: skip
     return c, m
@@ -528,11 +559,13 @@ def verify_kc(
 
 # name -> (launcher, kwargs); block sizes: the best of session 3's sweeps (results/gdn_s3_run2/3.json).
 CANDIDATES = {
-    "wy-dot BV=32 w=2": (verify_wy, dict(block_v=32, num_warps=2)),
     "kc BV=8 w=1": (verify_kc, dict(block_v=8, num_warps=1)),
+    "kc BV=16 w=1": (verify_kc, dict(block_v=16, num_warps=1)),
     "wykc BV=8 w=1": (verify_kc, dict(block_v=8, num_warps=1, wy=True)),
-    "wykc BV=32 w=4": (verify_kc, dict(block_v=32, num_warps=4, wy=True)),
+    "wykc BV=16 w=1": (verify_kc, dict(block_v=16, num_warps=1, wy=True)),
 }
+if "--with-dot" in sys.argv:  # the tl.dot WY kernel (session 3 run 4: 155 / 161 us at B=64 Q=4)
+    CANDIDATES["wy-dot BV=32 w=2"] = (verify_wy, dict(block_v=32, num_warps=2))
 
 
 def run_candidate(name, q, k, v, g, beta, pool, pend, idx, na, scale):
@@ -555,6 +588,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, small shapes, no timing")
+    ap.add_argument("--with-dot", action="store_true", help="also the tl.dot WY kernel")
     args = ap.parse_args()
     from atom_kernels.ops.gated_delta_rule import pending_width, reference
 
