@@ -25,12 +25,24 @@ matrices to a small float32 scratch; two consumers:
 
 **Dk-chunked tile** (``_verify_kc_kernel``, both forms). The pool is ``[S, Hv, Dv, Dk]`` with Dk contiguous,
 so Triton puts a ``[BV, Dk]`` tile's 32 lanes along Dk and every row reduction costs 5 shuffle levels.
-A ``[NC, BV, KC]`` tile (Dk split into NC chunks of KC, the chunk axis first) gets 4 lanes along KC and 8
-along the value rows: a row reduction is in-thread over NC plus 2 shuffle levels. Compiled for sm_90 with
-Triton 3.9 (locally, ``cuobjdump``): 149 SHFL against our kernel's 316, 132-167 registers against 168.
-H200 (Triton 3.6): 2-2.5x slower than our kernel at Q=4 and 3x+ at Q=5 (B=64 bf16 pool: 240 / 504 us
-against 108 / 153 us), growing faster than linearly with Q; the register/spill report below is there to
-say why.
+A 3-D tile with Dk split into NC chunks of KC gets 4 lanes along KC and 8 along the value rows, the chunk
+axis in registers: a row reduction is in-thread over NC plus 2 shuffle levels. Which axis must come first
+for that depends on the Triton version's tie-break in its coalescing order (``rows_first``).
+
+H200 results. Run 4 (results/verify_wy_h200.json): the first version (token tiles ``[Q, NC, KC]`` and the
+3.9 axis order) compiled on the device's Triton 3.6 with the lanes along the chunks instead: 1224 SHFL,
+168-255 registers, 2-3.6x slower than our kernel. Run 7 (results/verify_wy_h200_run7.json), with the
+3.6 order and per-token k/q loads, as designed (Triton 3.6 for sm_90, locally: 82-98 SHFL against our
+kernel's 252-316; registers on the device 86-128 at Q=4 with BV=8 against our 153-165): all checks
+passed, and still slower than ours at Q=4 and Q=5 (B=64, fp32 / bf16 pool: ours 122 / 99 us, best
+chunked (WY, BV=16) 127 / 111 us, decode 71 / 39 us); faster only at Q=2 with BV=16 (fp32 83 vs 93 us).
+So neither the shuffle count nor the register count alone decides this kernel's time; a profile of
+its stall reasons (Nsight Compute) is the next step, not another rewrite.
+
+Compile for sm_90 without a GPU, with the device's Triton: ``uv venv /tmp/t36 && uv pip install --python
+/tmp/t36/bin/python triton==3.6.0``, then put ``/tmp/t36/lib/python3.11/site-packages`` first on
+``PYTHONPATH``; ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` and the bundled
+``cuobjdump`` give the layouts (TTGIR), registers and SASS mix (benchmarks/README.md).
 """
 
 from __future__ import annotations
