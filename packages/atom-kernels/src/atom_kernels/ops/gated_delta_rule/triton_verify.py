@@ -31,7 +31,10 @@ state, nothing read from or written to ``ssm_state`` / ``pending`` (``num_accept
 History (H200): run 4 stashed raw ``v``/``beta`` and replayed full per-token steps (two reductions
 per committed token): k=3 verify 1.78x (B=64) / 1.84x (B=256) a decode with a float32 pool, 3.25x with
 bf16. Run 5 tried the chunked WY/UT form with ``tl.dot`` tiles (commit 21d70c5): correct but 10-14x
-slower (per-program fixed cost, likely spills / layout conversions); removed.
+slower (per-program fixed cost, likely spills / layout conversions); removed. Session 3 tried the WY
+form without per-token state updates (with ``tl.dot`` and in registers) and a Dk-chunked tile with a
+third of this kernel's shuffles: all correct, all slower at Q >= 4, as were register caps and two warps
+per program (benchmarks/gpu/exp_verify_wy.py, benchmarks/README.md); only BV=32 for bf16 pools won.
 
 Only ``tl`` primitives: the sources compile for ROCm too.
 """
