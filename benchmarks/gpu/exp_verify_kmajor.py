@@ -26,6 +26,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from exp_verify_common import check, time_candidates, verify_case  # noqa: E402
 
 
 @triton.jit(do_not_specialize=["s_sk"])
@@ -109,79 +110,31 @@ def time_case(args_, pool, pend, idx, na, scale, configs, case, ceil) -> list[di
     return time_candidates(args_, pool, pend, idx, na, scale, cands, case, ceil)
 
 
-def time_candidates(args_, pool, pend, idx, na, scale, cands, case, ceil) -> list[dict]:
-    """CUDA-graph replay times of our decode (Q=1), our verify and ``cands`` (name -> call) on one case."""
-    from atom_kernels.ops.gated_delta_rule import triton as gdr_triton
-    from atom_kernels.ops.gated_delta_rule import triton_verify
-
-    q, k, v, g, beta = args_
-    B = q.shape[0]
-    nbytes = 2 * pool[0].numel() * pool.element_size() * B
-    cands = {
-        "decode (recurrent Q=1)": lambda: gdr_triton.gated_delta_rule_recurrent(
-            q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], pool, idx[:, None], None, scale
-        ),
-        "verify (ours)": lambda: triton_verify.gated_delta_rule_verify(*args_, pool, pend, idx, na, scale),
-        **cands,
-    }
-    rows = []
-    for name, fn in cands.items():
-        ms = common.time_ms(fn, graph=True)
-        frac = nbytes / (ms * 1e-3) / 1e9 / ceil["copy_gbps"]
-        rows.append({"case": case, "impl": name, "us": ms * 1e3, "frac_copy": frac})
-        print(f"time {case:28s} {name:28s} {ms * 1e3:8.1f} us  {frac:.0%} of copy BW (state r+w)")
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, small shapes, no timing")
     args = ap.parse_args()
-    from atom_kernels.ops.gated_delta_rule import pending_width, reference
-
     dev = torch.device("cpu") if args.smoke else common.require_cuda()
     out = common.out_dir(args.out)
     ceil = None if args.smoke else common.ceilings(out, dev)
-    hk, hv, dk, dv = (2, 4, 32, 16) if args.smoke else (16, 32, 128, 128)
-    scale = dk**-0.5
     rows, fails = [], 0
     batches = (3,) if args.smoke else (64, 256)
     configs = ((8, 1),) if args.smoke else ((8, 1), (16, 1), (16, 2), (32, 4))
     for sd in (torch.float32, torch.bfloat16):
         for B in batches:
             for Q in (1, 4):
-                gen = torch.Generator(device="cpu").manual_seed(B * 10 + Q)
-                act = torch.bfloat16 if not args.smoke else torch.float32
-                q, k = (torch.randn(B, Q, hk, dk, generator=gen).to(dev, act) for _ in range(2))
-                v = torch.randn(B, Q, hv, dv, generator=gen).to(dev, act)
-                g = (-torch.rand(B, Q, hv, generator=gen) * 0.5).to(dev)
-                beta = torch.rand(B, Q, hv, generator=gen).to(dev)
-                pool = (torch.randn(B, hv, dv, dk, generator=gen) * 0.3).to(dev, sd)
-                P = pending_width(hk, dk, hv, dv)
-                pend = (torch.randn(B, Q, P, generator=gen) * 0.3).to(dev)
-                pend[..., hk * dk + hv * dv :] = -torch.rand(B, Q, hv, generator=gen).to(dev) * 0.5
-                idx = torch.arange(B, dtype=torch.int32, device=dev)
-                na = torch.full((B,), Q, dtype=torch.int32, device=dev)
-                args_ = (q, k, v, g, beta)
-                pr, er = pool.float().clone(), pend.clone()  # float32 state: the reference writes it
-                o_r = reference.gated_delta_rule_verify(*(x.float() for x in args_), pr, er, idx, na, scale)
-                case = f"B={B} Q={Q} state={str(sd)[6:]}"
+                case = verify_case(B, Q, sd, dev, args.smoke)
+                args_, pool, pend, idx, na, scale = (
+                    case[n] for n in ("args", "pool", "pend", "idx", "na", "scale")
+                )
                 for bv, nw in configs:
                     pt, et = pool.clone(), pend.clone()
                     o_t = verify_kmajor(*args_, pt, et, idx, na, scale, bv, nw)
-                    errs = {
-                        "out": (o_t.float() - o_r).abs().max().item(),
-                        "state": (pt.float() - pr).abs().max().item(),
-                        "pending": (et - er).abs().max().item(),
-                    }
-                    tol = 2e-2 if sd == torch.bfloat16 or act == torch.bfloat16 else 1e-4
-                    ok = all(e <= tol for e in errs.values())
-                    fails += not ok
-                    print(f"check {case} kmajor BV={bv} w={nw}: {errs} {'ok' if ok else 'FAIL'}")
+                    fails += not check(case, f"kmajor BV={bv} w={nw}", o_t, pt, et)
                 if args.smoke:
                     continue
-                rows += time_case(args_, pool, pend, idx, na, scale, configs, case, ceil)
+                rows += time_case(args_, pool, pend, idx, na, scale, configs, case["name"], ceil)
     if not args.smoke:
         common.write_json(
             out / "verify_kmajor.json", {"env": common.environment(), "ceilings": ceil, "rows": rows}

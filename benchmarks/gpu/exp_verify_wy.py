@@ -58,7 +58,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from exp_verify_kmajor import time_candidates  # noqa: E402
+from exp_verify_common import check, time_candidates, verify_case  # noqa: E402
 
 
 @triton.jit
@@ -602,60 +602,36 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, small shapes, no timing")
     ap.add_argument("--with-dot", action="store_true", help="also the tl.dot WY kernel")
     args = ap.parse_args()
-    from atom_kernels.ops.gated_delta_rule import pending_width, reference
-
     dev = torch.device("cpu") if args.smoke else common.require_cuda()
     out = common.out_dir(args.out)
     ceil = None if args.smoke else common.ceilings(out, dev)
-    hk, hv, dk, dv = (2, 4, 32, 16) if args.smoke else (16, 32, 128, 128)
-    scale = dk**-0.5
     rows, resources, fails = [], {}, 0
     for sd in (torch.float32, torch.bfloat16):
         for B in (3,) if args.smoke else (64,):
             for Q in (2, 4, 5):
-                gen = torch.Generator(device="cpu").manual_seed(B * 10 + Q)
-                act = torch.bfloat16 if not args.smoke else torch.float32
-                q, k = (torch.randn(B, Q, hk, dk, generator=gen).to(dev, act) for _ in range(2))
-                v = torch.randn(B, Q, hv, dv, generator=gen).to(dev, act)
-                g = (-torch.rand(B, Q, hv, generator=gen) * 0.5).to(dev)
-                beta = torch.rand(B, Q, hv, generator=gen).to(dev)
-                pool = (torch.randn(B, hv, dv, dk, generator=gen) * 0.3).to(dev, sd)
-                P = pending_width(hk, dk, hv, dv)
-                pend = (torch.randn(B, Q, P, generator=gen) * 0.3).to(dev)
-                pend[..., hk * dk + hv * dv :] = -torch.rand(B, Q, hv, generator=gen).to(dev) * 0.5
-                idx = torch.arange(B, dtype=torch.int32, device=dev)
-                na = torch.full((B,), Q, dtype=torch.int32, device=dev)
-                args_ = (q, k, v, g, beta)
-                pr, er = pool.float().clone(), pend.clone()  # float32 state: the reference writes it
-                o_r = reference.gated_delta_rule_verify(*(x.float() for x in args_), pr, er, idx, na, scale)
-                case = f"B={B} Q={Q} state={str(sd)[6:]}"
+                case = verify_case(B, Q, sd, dev, args.smoke)
+                args_, pool, pend, idx, na, scale = (
+                    case[n] for n in ("args", "pool", "pend", "idx", "na", "scale")
+                )
                 for name in CANDIDATES:
                     pt, et = pool.clone(), pend.clone()
                     o_t, kernels = run_candidate(name, *args_, pt, et, idx, na, scale)
-                    errs = {
-                        "out": (o_t.float() - o_r).abs().max().item(),
-                        "state": (pt.float() - pr).abs().max().item(),
-                        "pending": (et - er).abs().max().item(),
-                    }
-                    tol = 2e-2 if sd == torch.bfloat16 or act == torch.bfloat16 else 1e-4
-                    ok = all(e <= tol for e in errs.values())
-                    fails += not ok
-                    print(f"check {case} {name}: {errs} {'ok' if ok else 'FAIL'}")
+                    fails += not check(case, name, o_t, pt, et)
                     if not args.smoke:  # registers / spills of each kernel as compiled here
                         res = [
                             (kn.name, getattr(kn, "n_regs", None), getattr(kn, "n_spills", None))
                             for kn in kernels
                             if kn
                         ]
-                        resources[f"{case} {name}"] = res
-                        print(f"kernels {case} {name}: (name, registers, spills) {res}")
+                        resources[f"{case['name']} {name}"] = res
+                        print(f"kernels {case['name']} {name}: (name, registers, spills) {res}")
                 if args.smoke:
                     continue
                 cands = {
                     name: partial(run_candidate, name, *args_, pool, pend, idx, na, scale)
                     for name in CANDIDATES
                 }
-                rows += time_candidates(args_, pool, pend, idx, na, scale, cands, case, ceil)
+                rows += time_candidates(args_, pool, pend, idx, na, scale, cands, case["name"], ceil)
     if not args.smoke:
         payload = {"env": common.environment(), "ceilings": ceil, "rows": rows, "kernels": resources}
         common.write_json(out / "verify_wy.json", payload)
