@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -42,6 +43,16 @@ def checkpoint_dir(model_config: Any) -> str:
     return download_weights_from_hf(
         path, cache_dir=None, allow_patterns=["*.safetensors", "*.json"], revision=model_config.revision
     )
+
+
+def start_vllm_load_clock(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Advance vLLM's lazy weight iterator by one tensor (one small read) and leave the rest unread.
+
+    atom-models reads the checkpoint itself, but vLLM 0.32's DefaultModelLoader starts its "Loading weights
+    took ... seconds" clock only when that iterator is first advanced; left untouched, it logged the
+    process uptime instead (e.g. 6006 s for a 20 s load).
+    """
+    next(iter(weights), None)
 
 
 def all_parameter_names(module: torch.nn.Module) -> set[str]:

@@ -22,7 +22,12 @@ from torch import nn
 
 from atom_vllm_plugin.config import DRAFT_ARCH, DRAFT_MODEL_TAG, from_vllm, model_tag
 from atom_vllm_plugin.cores import VllmCoreFactory
-from atom_vllm_plugin.models.common import all_parameter_names, checkpoint_dir, kernels_for
+from atom_vllm_plugin.models.common import (
+    all_parameter_names,
+    checkpoint_dir,
+    kernels_for,
+    start_vllm_load_clock,
+)
 
 logger = logging.getLogger("vllm.atom_vllm_plugin")
 
@@ -153,5 +158,6 @@ class AtomQwen3NextMTP(nn.Module):
                     f"tensors; missing: {shown}"
                 ],
             )
+        start_vllm_load_clock(weights)
         load_mtp(self.model, ckpt)
         return all_parameter_names(self)

@@ -13,7 +13,13 @@ from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalcu
 
 from atom_vllm_plugin.config import from_vllm
 from atom_vllm_plugin.cores import VllmCoreFactory
-from atom_vllm_plugin.models.common import all_parameter_names, checkpoint_dir, gdn_state_spec, kernels_for
+from atom_vllm_plugin.models.common import (
+    all_parameter_names,
+    checkpoint_dir,
+    gdn_state_spec,
+    kernels_for,
+    start_vllm_load_clock,
+)
 
 logger = logging.getLogger("vllm.atom_vllm_plugin")
 
@@ -80,6 +86,7 @@ class AtomQwen3NextForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # atom-models reads the checkpoint itself (and raises one CheckpointError naming every missing,
         # unexpected or mis-shaped tensor); vLLM's weight iterator is lazy and stays unread.
+        start_vllm_load_clock(weights)
         load_target(self.atom, checkpoint_dir(self.vllm_model_config))
         return all_parameter_names(self)
 
