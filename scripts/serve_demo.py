@@ -65,7 +65,7 @@ def main() -> int:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", args.model, "--served-model-name", "tiny-qwen3-next",
         "--port", str(args.port), "--dtype", args.dtype, "--max-model-len", "2048",
-        "--no-enable-prefix-caching", "--enforce-eager",
+        "--no-enable-prefix-caching", "--enforce-eager", "--shutdown-timeout", "10",
         "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": args.k}),
     ]  # fmt: skip
     print("[main] starting:", " ".join(cmd), flush=True)
