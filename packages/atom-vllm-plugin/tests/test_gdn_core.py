@@ -213,8 +213,8 @@ def test_prefill_resets_pending_of_real_slots_only(setup):
 
 @pytest.mark.parametrize(
     "slots, zeroed",
-    [([-1, 3, -1, 1], [1, 3]), ([-1, -1], []), ([0, -1], [0]), ([2, 2, -1], [2])],
-    ids=["mixed", "padding_only", "slot0_and_padding", "repeated"],
+    [([-1, 3, -1, 1], [1, 3]), ([-1, -1], []), ([0, -1], [0]), ([2, 2, -1], [2]), ([], [])],
+    ids=["mixed", "padding_only", "slot0_and_padding", "repeated", "empty"],
 )
 def test_reset_pending_without_boolean_indexing(setup, slots, zeroed):
     """The sync-free reset: exactly the real slots' ``pending[s, 0]`` become zero; padding rows change

@@ -263,7 +263,7 @@ class AtomGDNCore(nn.Module, MambaBase):
         slot of the batch (zeroed anyway) or, in a batch of padding only, slot 0's own row back to it.
         Device ops only (no boolean indexing, no host sync), so a captured CUDA graph can replay it.
         """
-        if not self.state.has_pending:
+        if not self.state.has_pending or slots.numel() == 0:
             return
         pending = self.pending()
         top = slots.max()

@@ -85,7 +85,7 @@ class AtomQwen3NextForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # atom-models reads the checkpoint itself (and raises one CheckpointError naming every missing,
-        # unexpected or mis-shaped tensor); vLLM's weight iterator is lazy and stays unread.
+        # unexpected or mis-shaped tensor); of vLLM's lazy weight iterator only one tensor is read.
         start_vllm_load_clock(weights)
         load_target(self.atom, checkpoint_dir(self.vllm_model_config))
         return all_parameter_names(self)
