@@ -201,7 +201,8 @@ def _gather_states_kernel(state_ptr, idx_ptr, init_ptr, out_ptr, s_ss, s_on, NUM
     m = o < NUMEL
     slot = tl.load(idx_ptr + n).to(tl.int64)
     use = (tl.load(init_ptr + n) != 0) & (slot >= 0)
-    val = tl.load(state_ptr + slot * s_ss + o, mask=m & use, other=0.0).to(tl.float32)
+    # The scalar condition enters the mask as a bound (Triton 3.9's interpreter rejects tensor & scalar bool).
+    val = tl.load(state_ptr + slot * s_ss + o, mask=o < tl.where(use, NUMEL, 0), other=0.0).to(tl.float32)
     tl.store(out_ptr + n * s_on + o, val, mask=m)
 
 
@@ -211,7 +212,7 @@ def _scatter_states_kernel(src_ptr, idx_ptr, state_ptr, s_sn, s_ss, NUMEL, BLOCK
     n = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     slot = tl.load(idx_ptr + n).to(tl.int64)
-    m = (o < NUMEL) & (slot >= 0)
+    m = o < tl.where(slot >= 0, NUMEL, 0)  # a bound, not tensor & scalar bool (see the gather kernel)
     val = tl.load(src_ptr + n * s_sn + o, mask=m, other=0.0)
     tl.store(state_ptr + slot * s_ss + o, val.to(state_ptr.dtype.element_ty), mask=m)
 
