@@ -47,7 +47,28 @@ def _rsum(x):
 
 
 @triton.jit
-def _verify_tok_kernel(
+def _load_tile_state(
+    state_ptr, idx_ptr, s_in, s_ss, s_sh, s_sv, s_sk, t, n_tiles, d2, HV, DV, DK, BV: tl.constexpr
+):
+    """Tile ``t``'s ``[BV, NC, KC]`` state in the pool dtype; zeros for padding rows and past the last tile."""
+    NV = (DV + BV - 1) // BV
+    i_nh = t // NV
+    i_n = (i_nh // HV).to(tl.int64)
+    slot = tl.load(idx_ptr + i_n * s_in, mask=t < n_tiles, other=-1).to(tl.int64)
+    o_v = (t % NV) * BV + tl.arange(0, BV)
+    m_vs = o_v < tl.where(slot >= 0, DV, 0)
+    p_h = state_ptr + slot * s_ss + (i_nh % HV) * s_sh + o_v[:, None, None] * s_sv + d2[None, :, :] * s_sk
+    return tl.load(p_h, mask=m_vs[:, None, None] & (d2 < DK)[None, :, :], other=0.0)
+
+
+@triton.jit
+def _tile(
+    t,
+    h_raw,
+    d2,
+    m_d2,
+    m_h,
+    NV: tl.constexpr,
     q_ptr,
     k_ptr,
     v_ptr,
@@ -90,6 +111,7 @@ def _verify_tok_kernel(
     s_pr,
     s_pp,
     s_in,
+    num_seqs,
     Q: tl.constexpr,
     R: tl.constexpr,
     QP: tl.constexpr,
@@ -104,26 +126,23 @@ def _verify_tok_kernel(
     L2NORM: tl.constexpr,
     STORE_EARLY: tl.constexpr,
     MERGE_COMMIT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
+    """One tile: commit, verify the Q tokens, store (``h_raw``: its state as loaded)."""
+    i_v = t % NV
+    i_nh = t // NV
     i_n = (i_nh // HV).to(tl.int64)
     i_hv = i_nh % HV
     i_hk = i_hv // GROUP
-    d2 = tl.arange(0, NC)[:, None] * KC + tl.arange(0, KC)[None, :]  # [NC, KC]: Dk positions
-    m_d2 = d2 < DK
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < DV
-
     slot = tl.load(idx_ptr + i_n * s_in).to(tl.int64)
     valid = slot >= 0
     n_acc = tl.where(valid, tl.minimum(tl.load(acc_ptr + i_n), R), 0)
     m_vs = o_v < tl.where(valid, DV, 0)  # bounds, not `mask & scalar` (Triton 3.9 interpreter)
     m_vc = o_v < tl.where(n_acc > 0, DV, 0)
-
     p_h = state_ptr + slot * s_ss + i_hv * s_sh + o_v[:, None, None] * s_sv + d2[None, :, :] * s_sk
-    m_h = m_d2[None, :, :]
-    h = tl.load(p_h, mask=m_vs[:, None, None] & m_h, other=0.0).to(tl.float32)
+    h = h_raw.to(tl.float32)
 
     # ---- 1. commit the accepted pending tokens: h exp(g_j) + (u_j r_j) k_j^T, r_j = 1 / |k_j|.
     p_pend = pend_ptr + slot * s_ps
@@ -134,7 +153,9 @@ def _verify_tok_kernel(
             j = R - 1 - jj
             m_j = o_v < tl.where(j < n_acc, DV, 0)
             c_k = tl.load(
-                p_pend + j * s_pr + (i_hk * DK + d2) * s_pp, mask=d2 < tl.where(j < n_acc, DK, 0), other=0.0
+                p_pend + j * s_pr + (i_hk * DK + d2) * s_pp,
+                mask=d2 < tl.where(j < n_acc, DK, 0),
+                other=0.0,
             )
             c_u = tl.load(p_pend + j * s_pr + (HK * DK + i_hv * DV + o_v) * s_pp, mask=m_j, other=0.0)
             c_g = tl.load(p_pend + j * s_pr + (HK * DK + HV * DV + i_hv) * s_pp, mask=j < n_acc, other=0.0)
@@ -147,7 +168,9 @@ def _verify_tok_kernel(
         for j in tl.static_range(R):
             m_j = o_v < tl.where(j < n_acc, DV, 0)
             c_k = tl.load(
-                p_pend + j * s_pr + (i_hk * DK + d2) * s_pp, mask=d2 < tl.where(j < n_acc, DK, 0), other=0.0
+                p_pend + j * s_pr + (i_hk * DK + d2) * s_pp,
+                mask=d2 < tl.where(j < n_acc, DK, 0),
+                other=0.0,
             )
             c_u = tl.load(p_pend + j * s_pr + (HK * DK + i_hv * DV + o_v) * s_pp, mask=m_j, other=0.0)
             c_g = tl.load(p_pend + j * s_pr + (HK * DK + HV * DV + i_hv) * s_pp, mask=j < n_acc, other=0.0)
@@ -195,33 +218,273 @@ def _verify_tok_kernel(
     tl.store(p_su, b_u, mask=m_vs[:, None] & m_q[None, :])
 
 
+@triton.jit
+def _verify_tok_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    o_ptr,
+    state_ptr,
+    pend_ptr,
+    idx_ptr,
+    acc_ptr,
+    scale,
+    eps,
+    s_qn,
+    s_qt,
+    s_qh,
+    s_qd,
+    s_kn,
+    s_kt,
+    s_kh,
+    s_kd,
+    s_vn,
+    s_vt,
+    s_vh,
+    s_vd,
+    s_gn,
+    s_gt,
+    s_gh,
+    s_bn,
+    s_bt,
+    s_bh,
+    s_on,
+    s_ot,
+    s_oh,
+    s_od,
+    s_ss,
+    s_sh,
+    s_sv,
+    s_sk,
+    s_ps,
+    s_pr,
+    s_pp,
+    s_in,
+    num_seqs,
+    Q: tl.constexpr,
+    R: tl.constexpr,
+    QP: tl.constexpr,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    NC: tl.constexpr,
+    KC: tl.constexpr,
+    BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+    STORE_EARLY: tl.constexpr,
+    MERGE_COMMIT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    # Tiles (sequence, value head, block of BV value rows), PREFETCH: a grid of fewer programs than tiles,
+    # each loads its next tile's state before computing the current one (loads overlap the arithmetic).
+    NV: tl.constexpr = (DV + BV - 1) // BV
+    n_tiles = num_seqs * HV * NV
+    d2 = tl.arange(0, NC)[:, None] * KC + tl.arange(0, KC)[None, :]  # [NC, KC]: Dk positions
+    m_d2 = d2 < DK
+    m_h = m_d2[None, :, :]
+    t0 = tl.program_id(0)
+    if PREFETCH:
+        h_nx = _load_tile_state(
+            state_ptr, idx_ptr, s_in, s_ss, s_sh, s_sv, s_sk, t0, n_tiles, d2, HV, DV, DK, BV
+        )
+        for t in range(t0, n_tiles, tl.num_programs(0)):
+            h_raw = h_nx
+            h_nx = _load_tile_state(
+                state_ptr,
+                idx_ptr,
+                s_in,
+                s_ss,
+                s_sh,
+                s_sv,
+                s_sk,
+                t + tl.num_programs(0),
+                n_tiles,
+                d2,
+                HV,
+                DV,
+                DK,
+                BV,
+            )
+            _tile(
+                t,
+                h_raw,
+                d2,
+                m_d2,
+                m_h,
+                NV,
+                q_ptr,
+                k_ptr,
+                v_ptr,
+                g_ptr,
+                beta_ptr,
+                o_ptr,
+                state_ptr,
+                pend_ptr,
+                idx_ptr,
+                acc_ptr,
+                scale,
+                eps,
+                s_qn,
+                s_qt,
+                s_qh,
+                s_qd,
+                s_kn,
+                s_kt,
+                s_kh,
+                s_kd,
+                s_vn,
+                s_vt,
+                s_vh,
+                s_vd,
+                s_gn,
+                s_gt,
+                s_gh,
+                s_bn,
+                s_bt,
+                s_bh,
+                s_on,
+                s_ot,
+                s_oh,
+                s_od,
+                s_ss,
+                s_sh,
+                s_sv,
+                s_sk,
+                s_ps,
+                s_pr,
+                s_pp,
+                s_in,
+                num_seqs,
+                Q,
+                R,
+                QP,
+                HK,
+                HV,
+                GROUP,
+                DK,
+                DV,
+                NC,
+                KC,
+                BV,
+                L2NORM,
+                STORE_EARLY,
+                MERGE_COMMIT,
+                PREFETCH,
+            )
+    else:
+        t = t0
+        h_raw = _load_tile_state(
+            state_ptr, idx_ptr, s_in, s_ss, s_sh, s_sv, s_sk, t, n_tiles, d2, HV, DV, DK, BV
+        )
+        _tile(
+            t,
+            h_raw,
+            d2,
+            m_d2,
+            m_h,
+            NV,
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            g_ptr,
+            beta_ptr,
+            o_ptr,
+            state_ptr,
+            pend_ptr,
+            idx_ptr,
+            acc_ptr,
+            scale,
+            eps,
+            s_qn,
+            s_qt,
+            s_qh,
+            s_qd,
+            s_kn,
+            s_kt,
+            s_kh,
+            s_kd,
+            s_vn,
+            s_vt,
+            s_vh,
+            s_vd,
+            s_gn,
+            s_gt,
+            s_gh,
+            s_bn,
+            s_bt,
+            s_bh,
+            s_on,
+            s_ot,
+            s_oh,
+            s_od,
+            s_ss,
+            s_sh,
+            s_sv,
+            s_sk,
+            s_ps,
+            s_pr,
+            s_pp,
+            s_in,
+            num_seqs,
+            Q,
+            R,
+            QP,
+            HK,
+            HV,
+            GROUP,
+            DK,
+            DV,
+            NC,
+            KC,
+            BV,
+            L2NORM,
+            STORE_EARLY,
+            MERGE_COMMIT,
+            PREFETCH,
+        )
+
+
 def verify_tok(
     q, k, v, g, beta, o, ssm_state, pending, state_indices, num_accepted, scale, use_qk_l2norm, eps,
-    block_v, num_warps, block_k=32, store_early=False, merge_commit=False,
+    block_v, num_warps, block_k=32, store_early=False, merge_commit=False, programs_per_sm=0,
+    max_registers=None,
 ):  # fmt: skip
-    """``_verify_tok_kernel`` into ``o``; returns the compiled kernel."""
+    """``_verify_tok_kernel`` into ``o``; returns the compiled kernel. ``programs_per_sm`` > 0: a grid of
+    that many programs per multiprocessor (one multiprocessor on CPU), each prefetching its next tile's state."""
     N, Q, HK, DK = q.shape
     HV, DV = v.shape[2], v.shape[3]
     BK = triton.next_power_of_2(DK)
     kc = min(BK, block_k)
-    return _verify_tok_kernel[(triton.cdiv(DV, block_v), N * HV)](
+    n_tiles = N * HV * triton.cdiv(DV, block_v)
+    grid = n_tiles
+    if programs_per_sm:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        grid = min(n_tiles, sms * programs_per_sm)
+    return _verify_tok_kernel[(grid,)](
         q, k, v, g, beta, o, ssm_state, pending, state_indices, num_accepted, float(scale), eps,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *o.stride(),
-        *ssm_state.stride(), *pending.stride(), state_indices.stride(0),
+        *ssm_state.stride(), *pending.stride(), state_indices.stride(0), N,
         Q=Q, R=pending.shape[1], QP=triton.next_power_of_2(Q), HK=HK, HV=HV, GROUP=HV // HK, DK=DK,
         DV=DV, NC=BK // kc, KC=kc, BV=block_v, L2NORM=use_qk_l2norm, STORE_EARLY=store_early,
-        MERGE_COMMIT=merge_commit, num_warps=num_warps,
+        MERGE_COMMIT=merge_commit, PREFETCH=programs_per_sm > 0, num_warps=num_warps,
+        **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
 
 
+_ME = dict(num_warps=1, merge_commit=True, store_early=True)
 CANDIDATES = {
-    "tok BV=8 KC=32": dict(block_v=8, num_warps=1),
-    "tok BV=8 KC=16": dict(block_v=8, num_warps=1, block_k=16),
-    "tok BV=16 KC=32": dict(block_v=16, num_warps=1),
-    "tok BV=8 KC=32 merge": dict(block_v=8, num_warps=1, merge_commit=True),
-    "tok BV=8 KC=32 early": dict(block_v=8, num_warps=1, store_early=True),
-    "tok BV=16 KC=32 merge early": dict(block_v=16, num_warps=1, merge_commit=True, store_early=True),
-    "tok BV=32 KC=32 merge early": dict(block_v=32, num_warps=1, merge_commit=True, store_early=True),
+    "tok BV=8": dict(block_v=8, **_ME),
+    "tok BV=16": dict(block_v=16, **_ME),
+    "tok BV=16 maxnreg=168": dict(block_v=16, max_registers=168, **_ME),
+    "tok BV=32": dict(block_v=32, **_ME),
+    "pf BV=8 x6": dict(block_v=8, programs_per_sm=6, **_ME),
+    "pf BV=8 x8": dict(block_v=8, programs_per_sm=8, **_ME),
+    "pf BV=16 x4": dict(block_v=16, programs_per_sm=4, **_ME),
+    "pf BV=16 x8": dict(block_v=16, programs_per_sm=8, **_ME),
 }
 
 
@@ -242,6 +505,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, small shapes, no timing")
     ap.add_argument("--batches", default="64", help="comma-separated batch sizes (GPU)")
+    ap.add_argument("--no-time", action="store_true", help="checks only: one launch per candidate (for ncu)")
     args = ap.parse_args()
     dev = torch.device("cpu") if args.smoke else common.require_cuda()
     out = common.out_dir(args.out)
@@ -267,14 +531,14 @@ def main() -> None:
                         print(f"kernel {case['name']} {name}: (registers, spills) {res}")
                     else:
                         fails += not check_partial(case, name, args_, pool, pend, idx, na, scale, o_t, pt, et)
-                if args.smoke:
+                if args.smoke or args.no_time:
                     continue
                 cands = {
                     name: partial(run_candidate, name, *args_, pool, pend, idx, na, scale)
                     for name in CANDIDATES
                 }
                 rows += time_candidates(args_, pool, pend, idx, na, scale, cands, case["name"], ceil)
-    if not args.smoke:
+    if not args.smoke and not args.no_time:
         payload = {"env": common.environment(), "ceilings": ceil, "rows": rows, "kernels": resources}
         common.write_json(out / "verify_tok.json", payload)
     print(f"checks failed: {fails}")
