@@ -2,41 +2,46 @@
 
 Two launches, in stream order:
 
-1. ``_verify_kernel``: one program per (sequence, value head, block of ``BV`` value rows) keeps its
-   ``[BV, Dk]`` float32 state tile in registers, as ``_recurrent_kernel`` does. Every global load is
-   issued up front, before any arithmetic: the state tile, the ``R`` pending tokens (masked to the
-   ``num_accepted`` ones) and the ``Q`` verify tokens, as ``[R, Dk]`` / ``[Q, Dk]`` register tiles. The
-   per-token recurrent kernel loaded each token's q/k/v inside its token loop, behind the previous
-   token's state store, so a verify step paid one dependent global-memory round trip per token; at full
-   memory load such a round trip waits in the same queues as the state traffic. Then, arithmetic only:
-   commit the accepted pending tokens (a runtime loop of ``num_accepted`` steps, each ``S exp(g) + u k^T``:
-   a pending token carries the update coefficients ``u = beta (v - S k)`` its verify computed, so a commit
-   needs no reduction over the state), store the tile once (rounded to the pool dtype; skipped when
-   nothing was committed: the slot holds that value already) and continue from the rounded value, verify
-   the ``Q`` tokens (outputs and u collected in ``[Q, BV]`` tiles and stored at the end) and stash this
-   program's own ``u`` rows into ``pending``: only this program reads them, after its loads.
+1. ``_verify_kernel``: one program (one warp) per (sequence, value head, block of ``BV`` value rows) keeps
+   its float32 state tile in registers as ``[BV, NC, KC]``: Dk split into NC chunks of KC. Then:
+   commit the accepted pending tokens (a pending token carries the update coefficients ``u = beta (v - S k)``
+   its verify computed, so a commit is ``S exp(g) + u k^T``, no reduction over the state; the R pending rows
+   are R static steps, merged into one pass ``S E + sum_j (u_j W_j) k_j^T`` with ``E`` the product of the
+   accepted decays and ``W_j`` that of the decays after row j; a row beyond ``num_accepted`` loads g = 0,
+   u = 0), store the tile once (rounded to the pool dtype; skipped when nothing was committed: the slot
+   holds that value already) and continue from the rounded value; verify the ``Q`` tokens one by one
+   (decay, ``h k`` reduction, rank-1 update, ``h q`` reduction; outputs and u rows collected in ``[BV, Q]``
+   tiles and stored at the end) and stash this program's own ``u`` rows into ``pending``: only this
+   program reads them, before.
 2. ``_stash_kernel``: writes the shared part of each new pending token, ``k`` (read by every program of
    the key head's group) and ``g`` (read by every value-row block of the head), after all programs of
    launch 1 have read the old ones.
 
-The per-token math is the recurrent kernel's (decay, ``h k`` reduction, rank-1 update, ``h q``
-reduction) with the update written as ``h + (beta v) k^T - (beta h k) k^T`` instead of
-``h + beta (v - h k) k^T``: the ``v`` term does not depend on ``h``, so the layout conversion Triton puts
-between the value-row vectors of the token tiles and those of the state tile happens off the dependency
-chain (compiled for sm_90: no conversion left between one token's ``h k`` reduction and the next). The
-results differ from the recurrent kernel's by float32 rounding only. Slots < 0 are padding rows: zero
-state, nothing read from or written to ``ssm_state`` / ``pending`` (``num_accepted`` is ignored there);
-``num_accepted`` above ``R`` is clamped.
+What makes it cheap (H200, session 4): Nsight Compute showed the previous kernel bound by instruction
+issue (B=64, k=3, float32 pool: 87 M warp instructions, 2657 per warp against a decode's 682, issue slots
+72% busy), so this one cuts instructions:
+- L2 norms are per-row scalars: ``h (k r) = (h k) r`` and ``u (k r)^T = (u r) k^T`` with ``r = 1/|k|``
+  (as the reference's ``x * rsqrt(...)``); ``x / sqrt(...)`` per element compiled to an IEEE division,
+  about 4 instructions per element of every q and k.
+- The ``[BV, NC, KC]`` tile: with Triton 3.6 (the device's), 8 lanes go along KC and 4 along the value
+  rows, the chunk axis stays in registers; a row reduction is in-thread over NC and 3 shuffle levels (the
+  ``[BV, Dk]`` tile had all 32 lanes along Dk: 5 levels per row). Other Triton versions may lay it out
+  otherwise: still correct, possibly slower.
+- Every token's q/k/v/g/beta and every pending row is its own load, in the layout it is used in (the old
+  kernel loaded ``[Q, Dk]`` tiles and extracted rows with where + sum: selects and shuffles).
+Measured side by side (benchmarks/gpu/exp_verify_tok.py, results/verify_tok_s4_run3.*), B=64 / 256:
+float32 pool k=1 93 / 351 us -> 81 / 300 us (decode 72 / 274), k=3 121 / 495 -> 120 / 449 us; bf16 pool
+k=3 100 / 364 -> 95 / 359 us. The k=3 step is now bound by latency, not issue (55-65% of cycles without an
+eligible warp, 49 M instructions): the token chain of 4 dependent reductions per warp.
 
-History (H200): run 4 stashed raw ``v``/``beta`` and replayed full per-token steps (two reductions
-per committed token): k=3 verify 1.78x (B=64) / 1.84x (B=256) a decode with a float32 pool, 3.25x with
-bf16. Run 5 tried the chunked WY/UT form with ``tl.dot`` tiles (commit 21d70c5): correct but 10-14x
-slower (per-program fixed cost, likely spills / layout conversions); removed. Session 3 tried the WY
-form without per-token state updates (with ``tl.dot`` and in registers) and a Dk-chunked tile with a
-third of this kernel's shuffles: all correct, all slower at Q >= 4, as were register caps and two warps
-per program (benchmarks/gpu/exp_verify_wy.py, benchmarks/README.md); only BV=32 for bf16 pools won.
+History: run 4 (session 2) replayed full per-token steps for the commit (1.78x a decode at k=3); the
+chunked WY/UT form with ``tl.dot`` (commit 21d70c5) and session 3's WY-in-registers, Dk-chunked and
+register-capped variants were all correct and slower (benchmarks/gpu/exp_verify_wy.py); a persistent
+variant that prefetches the next tile's state (session 4) was slower still (1.5-2x, 243-255 registers).
 
-Only ``tl`` primitives: the sources compile for ROCm too.
+Slots < 0 are padding rows: zero state, nothing read from or written to ``ssm_state`` / ``pending``
+(``num_accepted`` is ignored there); ``num_accepted`` above ``R`` is clamped. Only ``tl`` primitives: the
+sources compile for ROCm too.
 """
 
 from __future__ import annotations
@@ -50,30 +55,30 @@ from atom_kernels.ops.gated_delta_rule.checks import check_gated_delta_rule_veri
 from atom_kernels.ops.gated_delta_rule.triton import recurrent_launch_config
 from atom_kernels.ops.l2norm.checks import DEFAULT_EPS as L2NORM_EPS
 
+VERIFY_BLOCK_K = 32  # KC: Dk chunk of the state tile (8 lanes x 4 float32, 16-byte loads)
+
 
 def verify_launch_config(num_seqs: int, num_v_heads: int, dv: int, state_bytes: int) -> tuple[int, int]:
-    """(BV, num_warps) of ``_verify_kernel``: one warp; 8 value rows (the recurrent kernel's choice), or 32
-    with a 2-byte pool when that still leaves >= 4096 programs: its smaller tile leaves the kernel short of
-    loads in flight, but fewer programs cannot fill the GPU.
+    """(BV, num_warps) of ``_verify_kernel``: one warp; 32 value rows when that still leaves >= 4096
+    programs, else 8 (fewer programs cannot fill the GPU).
 
-    H200, k=3 verify (session 3; results/gdn_s3_run5.json ``--sweep``, gdn_s3_run6.json side by side):
-    bf16 pool, BV=32 against BV=8: B=64 100 / 100 us against 109 / 108 us, B=256 363 / 361 us against
-    419 / 412 us, but B=1 11.9 us against 5.8 us (128 programs); at Q=1 (not a verify shape in serving)
-    BV=32 is 3-6% slower. float32 pool: BV=8 (121 us at B=64 against 139 us with BV=32). Two warps per
-    program were 3-5x slower (results/gdn_s3_run4.json). Between B=1 and B=64 (80B shape: B >= 32
-    takes BV=32) the threshold is a guess, not a measurement.
+    H200, session 4 (results/verify_tok_s4_run3.json, B=64 / 256): float32 pool k=3 BV=32 120 / 449 us
+    against BV=8 127 / 488 us, k=1 84 / 305 against 81 / 300 us; bf16 pool k=3 95 / 359 against
+    107 / 417 us, k=1 60 / 223 against 69 / 263 us. Session 3: 128 programs (B=1) take 2x as long with
+    BV=32 as with BV=8; between B=1 and B=64 (80B shape: B >= 32 takes BV=32) the threshold is a guess.
+    ``state_bytes`` is kept for the callers: both pool dtypes now take the same choice.
     """
-    bv = 32 if state_bytes < 4 else recurrent_launch_config(num_seqs, num_v_heads, dv)[0]
-    bv = min(bv, triton.next_power_of_2(dv))
+    del state_bytes
+    bv = min(32, triton.next_power_of_2(dv))
     if num_seqs * num_v_heads * triton.cdiv(dv, bv) < 4096:
         bv = recurrent_launch_config(num_seqs, num_v_heads, dv)[0]
     return bv, 1
 
 
 @triton.jit
-def _row(x, o_r, j):
-    """Row ``j`` of a register tile ``x[RP, C]`` (rows indexed by ``o_r``) as a ``[C]`` vector."""
-    return tl.sum(tl.where(o_r[:, None] == j, x, 0.0), 0)
+def _rsum(x):
+    """Row reduction of a ``[BV, NC, KC]`` tile: in-thread over the chunks first, then across the KC lanes."""
+    return tl.sum(tl.sum(x, 1), 1)
 
 
 @triton.jit
@@ -123,13 +128,13 @@ def _verify_kernel(
     Q: tl.constexpr,
     R: tl.constexpr,
     QP: tl.constexpr,
-    RP: tl.constexpr,
     HK: tl.constexpr,
     HV: tl.constexpr,
     GROUP: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
-    BK: tl.constexpr,
+    NC: tl.constexpr,
+    KC: tl.constexpr,
     BV: tl.constexpr,
     L2NORM: tl.constexpr,
 ):
@@ -138,90 +143,82 @@ def _verify_kernel(
     i_n = (i_nh // HV).to(tl.int64)
     i_hv = i_nh % HV
     i_hk = i_hv // GROUP
-    o_k = tl.arange(0, BK)
+    d2 = tl.arange(0, NC)[:, None] * KC + tl.arange(0, KC)[None, :]  # [NC, KC]: Dk positions
+    m_d2 = d2 < DK
+    m_h = m_d2[None, :, :]
     o_v = i_v * BV + tl.arange(0, BV)
-    o_q = tl.arange(0, QP)
-    o_r = tl.arange(0, RP)
-    m_k = o_k < DK
     m_v = o_v < DV
-    m_q = o_q < Q
 
     slot = tl.load(idx_ptr + i_n * s_in).to(tl.int64)
     valid = slot >= 0
     n_acc = tl.where(valid, tl.minimum(tl.load(acc_ptr + i_n), R), 0)
-    # Value-row masks of the pool accesses: empty on padding rows, and for the state store also when
-    # nothing is committed. (Scalar conditions enter masks through these bounds, not `mask & cond`:
-    # Triton 3.9's interpreter turns a tensor & scalar bool into int32, which tl.load rejects.)
+    # Scalar conditions enter masks as bounds, not `mask & cond`: Triton 3.9's interpreter turns a
+    # tensor & scalar bool into int32, which tl.load rejects. Empty on padding rows; for the state store
+    # also when nothing is committed.
     m_vs = o_v < tl.where(valid, DV, 0)
     m_vc = o_v < tl.where(n_acc > 0, DV, 0)
 
-    # ---- every load first: state tile, pending tokens (only the accepted ones), verify tokens.
-    p_h = state_ptr + slot * s_ss + i_hv * s_sh + o_v[:, None] * s_sv + o_k[None, :] * s_sk
-    h = tl.load(p_h, mask=m_vs[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    p_pend = pend_ptr + slot * s_ps + o_r[:, None] * s_pr  # [RP, 1]: token rows of this slot
-    m_r = (o_r < n_acc)[:, None]
-    pk = tl.load(p_pend + (i_hk * DK + o_k[None, :]) * s_pp, mask=m_r & m_k[None, :], other=0.0)
-    pu = tl.load(p_pend + (HK * DK + i_hv * DV + o_v[None, :]) * s_pp, mask=m_r & m_v[None, :], other=0.0)
-    pg = tl.load(
-        pend_ptr + slot * s_ps + o_r * s_pr + (HK * DK + HV * DV + i_hv) * s_pp, mask=o_r < n_acc, other=0.0
-    )
+    p_h = state_ptr + slot * s_ss + i_hv * s_sh + o_v[:, None, None] * s_sv + d2[None, :, :] * s_sk
+    h = tl.load(p_h, mask=m_vs[:, None, None] & m_h, other=0.0).to(tl.float32)
 
-    m_qk = m_q[:, None] & m_k[None, :]
-    m_qv = m_q[:, None] & m_v[None, :]
-    b_q = tl.load(
-        q_ptr + i_n * s_qn + o_q[:, None] * s_qt + i_hk * s_qh + o_k[None, :] * s_qd, mask=m_qk, other=0.0
-    ).to(tl.float32)
-    b_k = tl.load(
-        k_ptr + i_n * s_kn + o_q[:, None] * s_kt + i_hk * s_kh + o_k[None, :] * s_kd, mask=m_qk, other=0.0
-    ).to(tl.float32)
-    b_v = tl.load(
-        v_ptr + i_n * s_vn + o_q[:, None] * s_vt + i_hv * s_vh + o_v[None, :] * s_vd, mask=m_qv, other=0.0
-    ).to(tl.float32)
-    b_g = tl.load(g_ptr + i_n * s_gn + o_q * s_gt + i_hv * s_gh, mask=m_q, other=0.0).to(tl.float32)
-    b_b = tl.load(beta_ptr + i_n * s_bn + o_q * s_bt + i_hv * s_bh, mask=m_q, other=0.0).to(tl.float32)
-
-    if L2NORM:  # per token row; zero (masked) rows stay zero
-        pk = pk / tl.sqrt(tl.sum(pk * pk, 1) + eps)[:, None]
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + eps)[:, None]
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + eps)[:, None]
-
-    # ---- 1. commit the accepted pending tokens, store the state once, continue from the rounded value.
-    # A pending token carries its update coefficients u (computed by the previous step's verify), so a
-    # commit is S exp(g) + u k^T: two element-wise passes, no reduction over the state.
-    for j in range(n_acc):
-        c_k = _row(pk, o_r, j)
-        c_u = _row(pu, o_r, j)
-        c_g = tl.sum(tl.where(o_r == j, pg, 0.0))
-        h = h * tl.exp(c_g) + c_u[:, None] * c_k[None, :]
-    h = h.to(state_ptr.dtype.element_ty)
-    tl.store(p_h, h, mask=m_vc[:, None] & m_k[None, :])
+    # ---- 1. commit: h E + sum_j (u_j r_j W_j) k_j^T (r_j = 1/|k_j|), rows walked from the last, so W_j
+    # (the product of the decays after row j) builds up; a row beyond num_accepted has g = 0, u = 0.
+    p_pend = pend_ptr + slot * s_ps
+    w = tl.full([BV], 1.0, tl.float32)
+    upd = tl.zeros([BV, NC, KC], dtype=tl.float32)
+    for jj in tl.static_range(R):
+        j = R - 1 - jj
+        p_j = p_pend + j * s_pr
+        c_k = tl.load(p_j + (i_hk * DK + d2) * s_pp, mask=d2 < tl.where(j < n_acc, DK, 0), other=0.0)
+        c_u = tl.load(
+            p_j + (HK * DK + i_hv * DV + o_v) * s_pp, mask=o_v < tl.where(j < n_acc, DV, 0), other=0.0
+        )
+        c_g = tl.load(p_j + (HK * DK + HV * DV + i_hv) * s_pp, mask=j < n_acc, other=0.0)
+        if L2NORM:
+            c_u = c_u / tl.sqrt(tl.sum(tl.sum(c_k * c_k, 1), 0) + eps)
+        upd = upd + (c_u * w)[:, None, None] * c_k[None, :, :]
+        w = w * tl.exp(c_g)
+    h = (h * w[:, None, None] + upd).to(state_ptr.dtype.element_ty)
+    tl.store(p_h, h, mask=m_vc[:, None, None] & m_h)
     h = h.to(tl.float32)
 
     # ---- 2. verify the Q tokens: outputs and each token's u; no state stored.
-    b_o = tl.zeros([QP, BV], dtype=tl.float32)
-    b_u = tl.zeros([QP, BV], dtype=tl.float32)
+    o_q = tl.arange(0, QP)
+    b_o = tl.zeros([BV, QP], dtype=tl.float32)
+    b_u = tl.zeros([BV, QP], dtype=tl.float32)
     for j in tl.static_range(Q):
-        t_k = _row(b_k, o_q, j)
-        t_q = _row(b_q, o_q, j)
-        t_v = _row(b_v, o_q, j)
-        t_g = tl.sum(tl.where(o_q == j, b_g, 0.0))
-        t_b = tl.sum(tl.where(o_q == j, b_b, 0.0))
+        t_q = tl.load(q_ptr + i_n * s_qn + j * s_qt + i_hk * s_qh + d2 * s_qd, mask=m_d2, other=0.0).to(
+            tl.float32
+        )
+        t_k = tl.load(k_ptr + i_n * s_kn + j * s_kt + i_hk * s_kh + d2 * s_kd, mask=m_d2, other=0.0).to(
+            tl.float32
+        )
+        t_v = tl.load(v_ptr + i_n * s_vn + j * s_vt + i_hv * s_vh + o_v * s_vd, mask=m_v, other=0.0).to(
+            tl.float32
+        )
+        t_g = tl.load(g_ptr + i_n * s_gn + j * s_gt + i_hv * s_gh).to(tl.float32)
+        t_b = tl.load(beta_ptr + i_n * s_bn + j * s_bt + i_hv * s_bh).to(tl.float32)
+        r_q = scale
+        r_k = 1.0
+        if L2NORM:  # the norms as scalars on the reductions and the update coefficient
+            r_q = scale / tl.sqrt(tl.sum(tl.sum(t_q * t_q, 1), 0) + eps)
+            r_k = 1.0 / tl.sqrt(tl.sum(tl.sum(t_k * t_k, 1), 0) + eps)
         h = h * tl.exp(t_g)
-        t_hk = tl.sum(h * t_k[None, :], 1)
-        h = h + (t_b * t_v)[:, None] * t_k[None, :] - (t_b * t_hk)[:, None] * t_k[None, :]
-        t_o = tl.sum(h * t_q[None, :], 1) * scale
-        b_o = tl.where(o_q[:, None] == j, t_o[None, :], b_o)
-        # u = beta (v - h k) for the stash; off the token chain (only stored at the end).
-        b_u = tl.where(o_q[:, None] == j, (t_b * t_v - t_b * t_hk)[None, :], b_u)
+        t_u = t_b * (t_v - _rsum(h * t_k[None, :, :]) * r_k)  # beta (v - h k), the stashed coefficient
+        h = h + (t_u * r_k)[:, None, None] * t_k[None, :, :]
+        t_o = _rsum(h * t_q[None, :, :]) * r_q
+        b_o = tl.where(o_q[None, :] == j, t_o[:, None], b_o)
+        b_u = tl.where(o_q[None, :] == j, t_u[:, None], b_u)
+    m_q = o_q < Q
     tl.store(
-        o_ptr + i_n * s_on + o_q[:, None] * s_ot + i_hv * s_oh + o_v[None, :] * s_od,
+        o_ptr + i_n * s_on + o_q[None, :] * s_ot + i_hv * s_oh + o_v[:, None] * s_od,
         b_o.to(o_ptr.dtype.element_ty),
-        mask=m_qv,
+        mask=m_v[:, None] & m_q[None, :],
     )
 
     # ---- 3. stash this program's own u rows (only it reads them, above); k and g: _stash_kernel.
-    p_su = pend_ptr + slot * s_ps + o_q[:, None] * s_pr + (HK * DK + i_hv * DV + o_v[None, :]) * s_pp
-    tl.store(p_su, b_u, mask=m_q[:, None] & m_vs[None, :])
+    p_su = p_pend + o_q[None, :] * s_pr + (HK * DK + i_hv * DV + o_v[:, None]) * s_pp
+    tl.store(p_su, b_u, mask=m_vs[:, None] & m_q[None, :])
 
 
 @triton.jit
@@ -319,13 +316,14 @@ def gated_delta_rule_verify(
     bv, nw = verify_launch_config(N, HV, DV, ssm_state.element_size())
     bv, nw = block_v or bv, num_warps or nw
     extra = {"maxnreg": max_registers} if max_registers else {}
+    kc = min(VERIFY_BLOCK_K, triton.next_power_of_2(DK))
     _verify_kernel[(triton.cdiv(DV, bv), N * HV)](
         q, k, v, g, beta, o, ssm_state, pending, state_indices, num_accepted,
         float(scale), L2NORM_EPS,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *o.stride(),
         *ssm_state.stride(), *pending.stride(), state_indices.stride(0),
-        Q=Q, R=R, QP=triton.next_power_of_2(Q), RP=triton.next_power_of_2(R), HK=HK, HV=HV,
-        GROUP=HV // HK, DK=DK, DV=DV, BK=triton.next_power_of_2(DK), BV=bv,
+        Q=Q, R=R, QP=triton.next_power_of_2(Q), HK=HK, HV=HV, GROUP=HV // HK, DK=DK, DV=DV,
+        NC=triton.next_power_of_2(DK) // kc, KC=kc, BV=bv,
         L2NORM=use_qk_l2norm, num_warps=nw, **extra,
     )  # fmt: skip
     stash_shared(k, g, pending, state_indices)
