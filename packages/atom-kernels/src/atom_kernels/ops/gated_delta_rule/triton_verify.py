@@ -29,10 +29,15 @@ issue (B=64, k=3, float32 pool: 87 M warp instructions, 2657 per warp against a 
   otherwise: still correct, possibly slower.
 - Every token's q/k/v/g/beta and every pending row is its own load, in the layout it is used in (the old
   kernel loaded ``[Q, Dk]`` tiles and extracted rows with where + sum: selects and shuffles).
-Measured side by side (benchmarks/gpu/exp_verify_tok.py, results/verify_tok_s4_run3.*), B=64 / 256:
-float32 pool k=1 93 / 351 us -> 81 / 300 us (decode 72 / 274), k=3 121 / 495 -> 120 / 449 us; bf16 pool
-k=3 100 / 364 -> 95 / 359 us. The k=3 step is now bound by latency, not issue (55-65% of cycles without an
-eligible warp, 49 M instructions): the token chain of 4 dependent reductions per warp.
+Measured side by side in one run (session 4 run 5, results/verify_s4_run5.log; B=64 / 256, decode 72 / 271
+us with a float32 pool, 39 / 145 us with bf16), session 3's kernel -> this one: float32 pool k=1 91 / 352 ->
+78 / 291 us, k=3 122 / 489 -> 117 / 443 us; bf16 pool k=1 62 / 213 -> 60 / 224 us, k=3 99 / 361 -> 92 /
+354 us. The k=3 step is now bound by latency, not issue (55-65% of cycles without an eligible warp,
+49 M instructions at B=64): the token chain of dependent reductions per warp, with 12 warps per SM.
+ptxas's schedule of this kernel is fragile: a version with the token loads converted to float32 at the
+load (same instruction mix, other order) ran 15-25% slower; its SASS puts a layout conversion that waits
+for the first pending load ahead of the token loads, probably the cause (not verified); keep the
+statement order and compare the SASS when editing.
 
 History: run 4 (session 2) replayed full per-token steps for the commit (1.78x a decode at k=3); the
 chunked WY/UT form with ``tl.dot`` (commit 21d70c5) and session 3's WY-in-registers, Dk-chunked and
@@ -59,17 +64,17 @@ VERIFY_BLOCK_K = 32  # KC: Dk chunk of the state tile (8 lanes x 4 float32, 16-b
 
 
 def verify_launch_config(num_seqs: int, num_v_heads: int, dv: int, state_bytes: int) -> tuple[int, int]:
-    """(BV, num_warps) of ``_verify_kernel``: one warp; 32 value rows when that still leaves >= 4096
+    """(BV, num_warps) of ``_verify_kernel``: one warp; 16 value rows when that still leaves >= 4096
     programs, else 8 (fewer programs cannot fill the GPU).
 
-    H200, session 4 (results/verify_tok_s4_run3.json, B=64 / 256): float32 pool k=3 BV=32 120 / 449 us
-    against BV=8 127 / 488 us, k=1 84 / 305 against 81 / 300 us; bf16 pool k=3 95 / 359 against
-    107 / 417 us, k=1 60 / 223 against 69 / 263 us. Session 3: 128 programs (B=1) take 2x as long with
-    BV=32 as with BV=8; between B=1 and B=64 (80B shape: B >= 32 takes BV=32) the threshold is a guess.
-    ``state_bytes`` is kept for the callers: both pool dtypes now take the same choice.
+    H200, session 4 run 5 (results/verify_s4_run5.log, one run, B=64 / 256), BV=16 against BV=32 and 8:
+    float32 pool k=1 78 / 291 us (32: 86 / 308, 8: 101 / 373), k=3 117 / 443 us (124 / 457, 140 / 537);
+    bf16 pool k=1 60 / 224 us (61 / 225), k=3 92 / 354 us (94 / 348). Session 3: with 128 programs (B=1)
+    wider tiles took 2x as long; between B=1 and B=64 (80B shape: B >= 16 takes BV=16) the threshold is
+    a guess. ``state_bytes`` is kept for the callers: both pool dtypes take the same choice.
     """
     del state_bytes
-    bv = min(32, triton.next_power_of_2(dv))
+    bv = min(16, triton.next_power_of_2(dv))
     if num_seqs * num_v_heads * triton.cdiv(dv, bv) < 4096:
         bv = recurrent_launch_config(num_seqs, num_v_heads, dv)[0]
     return bv, 1
@@ -145,7 +150,6 @@ def _verify_kernel(
     i_hk = i_hv // GROUP
     d2 = tl.arange(0, NC)[:, None] * KC + tl.arange(0, KC)[None, :]  # [NC, KC]: Dk positions
     m_d2 = d2 < DK
-    m_h = m_d2[None, :, :]
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < DV
 
@@ -159,52 +163,51 @@ def _verify_kernel(
     m_vc = o_v < tl.where(n_acc > 0, DV, 0)
 
     p_h = state_ptr + slot * s_ss + i_hv * s_sh + o_v[:, None, None] * s_sv + d2[None, :, :] * s_sk
+    m_h = m_d2[None, :, :]
     h = tl.load(p_h, mask=m_vs[:, None, None] & m_h, other=0.0).to(tl.float32)
 
     # ---- 1. commit: h E + sum_j (u_j r_j W_j) k_j^T (r_j = 1/|k_j|), rows walked from the last, so W_j
     # (the product of the decays after row j) builds up; a row beyond num_accepted has g = 0, u = 0.
     p_pend = pend_ptr + slot * s_ps
     w = tl.full([BV], 1.0, tl.float32)
-    upd = tl.zeros([BV, NC, KC], dtype=tl.float32)
+    acc = tl.zeros([BV, NC, KC], dtype=tl.float32)
     for jj in tl.static_range(R):
         j = R - 1 - jj
-        p_j = p_pend + j * s_pr
-        c_k = tl.load(p_j + (i_hk * DK + d2) * s_pp, mask=d2 < tl.where(j < n_acc, DK, 0), other=0.0)
-        c_u = tl.load(
-            p_j + (HK * DK + i_hv * DV + o_v) * s_pp, mask=o_v < tl.where(j < n_acc, DV, 0), other=0.0
+        m_j = o_v < tl.where(j < n_acc, DV, 0)
+        c_k = tl.load(
+            p_pend + j * s_pr + (i_hk * DK + d2) * s_pp, mask=d2 < tl.where(j < n_acc, DK, 0), other=0.0
         )
-        c_g = tl.load(p_j + (HK * DK + HV * DV + i_hv) * s_pp, mask=j < n_acc, other=0.0)
+        c_u = tl.load(p_pend + j * s_pr + (HK * DK + i_hv * DV + o_v) * s_pp, mask=m_j, other=0.0)
+        c_g = tl.load(p_pend + j * s_pr + (HK * DK + HV * DV + i_hv) * s_pp, mask=j < n_acc, other=0.0)
         if L2NORM:
             c_u = c_u / tl.sqrt(tl.sum(tl.sum(c_k * c_k, 1), 0) + eps)
-        upd = upd + (c_u * w)[:, None, None] * c_k[None, :, :]
+        acc = acc + (c_u * w)[:, None, None] * c_k[None, :, :]
         w = w * tl.exp(c_g)
-    h = (h * w[:, None, None] + upd).to(state_ptr.dtype.element_ty)
-    tl.store(p_h, h, mask=m_vc[:, None, None] & m_h)
-    h = h.to(tl.float32)
+    h = h * w[:, None, None] + acc
+    h_c = h.to(state_ptr.dtype.element_ty)
+    tl.store(p_h, h_c, mask=m_vc[:, None, None] & m_h)
+    h = h_c.to(tl.float32)
 
-    # ---- 2. verify the Q tokens: outputs and each token's u; no state stored.
+    # ---- 2. verify the Q tokens (decay, h k, rank-1 update, h q); outputs and u rows collected in
+    # [BV, QP] tiles; no state stored. (Statement order matters to ptxas's schedule, see the docstring.)
     o_q = tl.arange(0, QP)
     b_o = tl.zeros([BV, QP], dtype=tl.float32)
     b_u = tl.zeros([BV, QP], dtype=tl.float32)
     for j in tl.static_range(Q):
-        t_q = tl.load(q_ptr + i_n * s_qn + j * s_qt + i_hk * s_qh + d2 * s_qd, mask=m_d2, other=0.0).to(
-            tl.float32
-        )
-        t_k = tl.load(k_ptr + i_n * s_kn + j * s_kt + i_hk * s_kh + d2 * s_kd, mask=m_d2, other=0.0).to(
-            tl.float32
-        )
-        t_v = tl.load(v_ptr + i_n * s_vn + j * s_vt + i_hv * s_vh + o_v * s_vd, mask=m_v, other=0.0).to(
-            tl.float32
-        )
+        t_q = tl.load(q_ptr + i_n * s_qn + j * s_qt + i_hk * s_qh + d2 * s_qd, mask=m_d2, other=0.0)
+        t_k = tl.load(k_ptr + i_n * s_kn + j * s_kt + i_hk * s_kh + d2 * s_kd, mask=m_d2, other=0.0)
+        t_v = tl.load(v_ptr + i_n * s_vn + j * s_vt + i_hv * s_vh + o_v * s_vd, mask=m_v, other=0.0)
         t_g = tl.load(g_ptr + i_n * s_gn + j * s_gt + i_hv * s_gh).to(tl.float32)
         t_b = tl.load(beta_ptr + i_n * s_bn + j * s_bt + i_hv * s_bh).to(tl.float32)
+        t_q = t_q.to(tl.float32)
+        t_k = t_k.to(tl.float32)
         r_q = scale
         r_k = 1.0
         if L2NORM:  # the norms as scalars on the reductions and the update coefficient
             r_q = scale / tl.sqrt(tl.sum(tl.sum(t_q * t_q, 1), 0) + eps)
             r_k = 1.0 / tl.sqrt(tl.sum(tl.sum(t_k * t_k, 1), 0) + eps)
         h = h * tl.exp(t_g)
-        t_u = t_b * (t_v - _rsum(h * t_k[None, :, :]) * r_k)  # beta (v - h k), the stashed coefficient
+        t_u = t_b * (t_v.to(tl.float32) - _rsum(h * t_k[None, :, :]) * r_k)  # beta (v - h k): stashed
         h = h + (t_u * r_k)[:, None, None] * t_k[None, :, :]
         t_o = _rsum(h * t_q[None, :, :]) * r_q
         b_o = tl.where(o_q[None, :] == j, t_o[:, None], b_o)
