@@ -171,6 +171,7 @@ class GdnRun(Run):
             ("triton-verify", {}, na, True),
             ("triton-verify-a1", {}, na1, False),
             ("triton-verify-bv8", {"block_v": 8}, na, True),
+            ("triton-verify-seq", {"form": "seq", "max_registers": 0}, na, True),
         ]
         pbytes = B * P * 4  # one pending token of every sequence
         for impl, kw, acc, checked in variants:
@@ -419,7 +420,7 @@ def sweep(run: GdnRun) -> list[dict]:
                     vpool = pool.to(sd)
                     vbytes = 2 * vpool[:B].numel() * vpool.element_size() + 2 * Q * B * pend.shape[-1] * 4
                     for bv, nw, regs in VERIFY_SWEEP_CONFIGS:
-                        kw = dict(block_v=bv, num_warps=nw, max_registers=regs)
+                        kw = dict(block_v=bv, num_warps=nw, max_registers=regs or 0)
                         ms, mode = run.time(
                             lambda kw=kw, q=q, k=k, v=v, g=g, beta=beta, vpool=vpool, pend=pend, vidx=vidx, na=na: (
                                 ver(q, k, v, g, beta, vpool, pend, vidx, na, sh.scale, True, **kw)

@@ -8,6 +8,8 @@ edge rules (padding rows, ``num_accepted = 0``, the zero identity token after a 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from atom_kernels.ops.gated_delta_rule import pending_width
@@ -88,10 +90,9 @@ def test_verify_equals_per_token_states_over_steps(impl, tol, device, dtype, sta
         assert_close(committed.float(), committed_pt.float(), t, f"step {step}: committed state")
 
 
-def test_verify_matches_float64_loop(impl, tol, device):
+def _check_vs_float64_loop(fn, tol, device, q_len: int) -> None:
     """Commit a tokens of step 1, verify step 2: outputs == float64 loop over (step1[:a] ++ step2)."""
-    fn = impl("gated_delta_rule_verify", torch.float32)
-    n, q_len = 3, 3
+    n = 3
     q, k, v, g, beta = make_inputs((n, 2 * q_len), 200, torch.float32, device)
     start = randn(n, HV, DV, DK, seed=209, dtype=torch.float32, device=device, scale=0.3)
     pool, slots = start.clone(), torch.arange(n, dtype=torch.int32, device=device)
@@ -99,7 +100,7 @@ def test_verify_matches_float64_loop(impl, tol, device):
     first = [t[:, :q_len] for t in (q, k, v, g, beta)]
     second = [t[:, q_len:] for t in (q, k, v, g, beta)]
     o1 = fn(*first, pool, pending, slots, torch.zeros(n, dtype=torch.int32, device=device), SCALE)
-    accepted = torch.tensor([1, 3, 2], dtype=torch.int32, device=device)
+    accepted = torch.tensor([1, q_len, min(2, q_len)], dtype=torch.int32, device=device)
     o2 = fn(*second, pool, pending, slots, accepted, SCALE)
     t = tol("vs_naive", torch.float32)
     for i in range(n):
@@ -110,6 +111,22 @@ def test_verify_matches_float64_loop(impl, tol, device):
         o_ref, states = naive(*seq, start[i])
         assert_close(o2[i], o_ref[a:], t, f"step 2 outputs, seq {i}, a={a}")
         assert_close(pool[i], states[a - 1], t, f"committed state, seq {i}, a={a}")
+
+
+def test_verify_matches_float64_loop(impl, tol, device):
+    """Commit a tokens of step 1, verify step 2 (3 tokens): outputs == the float64 loop."""
+    _check_vs_float64_loop(impl("gated_delta_rule_verify", torch.float32), tol, device, 3)
+
+
+@pytest.mark.parametrize("form", ["wy", "seq"])
+@pytest.mark.parametrize("q_len", [1, 2, 4])
+def test_triton_token_forms_match_float64_loop(impl, tol, device, backend, form, q_len):
+    """Both token sections of the Triton kernel, the WY form and one token after another, whichever its
+    launch default picks for q_len (WY up to 2 tokens): the float64-loop oracle above."""
+    if backend != "triton":
+        pytest.skip("form is a knob of the Triton kernel")
+    fn = impl("gated_delta_rule_verify", torch.float32)
+    _check_vs_float64_loop(functools.partial(fn, form=form), tol, device, q_len)
 
 
 def _update_coefficients(q, k, v, g, beta, state):

@@ -9,10 +9,12 @@ Two launches, in stream order:
    are R static steps, merged into one pass ``S E + sum_j (u_j W_j) k_j^T`` with ``E`` the product of the
    accepted decays and ``W_j`` that of the decays after row j; a row beyond ``num_accepted`` loads g = 0,
    u = 0), store the tile once (rounded to the pool dtype; skipped when nothing was committed: the slot
-   holds that value already) and continue from the rounded value; verify the ``Q`` tokens one by one
-   (decay, ``h k`` reduction, rank-1 update, ``h q`` reduction; outputs and u rows collected in ``[BV, Q]``
-   tiles and stored at the end) and stash this program's own ``u`` rows into ``pending``: only this
-   program reads them, before.
+   holds that value already) and continue from the rounded value; verify the ``Q`` tokens (outputs and u
+   rows collected in ``[BV, Q]`` tiles and stored at the end) and stash this program's own ``u`` rows
+   into ``pending``: only this program reads them, before. The tokens go one after another (decay,
+   ``h k`` reduction, rank-1 update, ``h q`` reduction) or, with ``WY`` (up to 2 tokens), in WY form:
+   every state reduction is against the committed state (``x_t = h k_t``, ``y_t = h q_t``), none waits for
+   another, and only a per-row Q x Q recurrence on scalars links the tokens (see the kernel).
 2. ``_stash_kernel``: writes the shared part of each new pending token, ``k`` (read by every program of
    the key head's group) and ``g`` (read by every value-row block of the head), after all programs of
    launch 1 have read the old ones.
@@ -34,6 +36,9 @@ us with a float32 pool, 39 / 145 us with bf16), session 3's kernel -> this one: 
 78 / 291 us, k=3 122 / 489 -> 117 / 443 us; bf16 pool k=1 62 / 213 -> 60 / 224 us, k=3 99 / 361 -> 92 /
 354 us. The k=3 step is now bound by latency, not issue (55-65% of cycles without an eligible warp,
 49 M instructions at B=64): the token chain of dependent reductions per warp, with 12 warps per SM.
+The WY form removes that chain but needs 214-228 registers at Q=4 (8 warps per SM) and was slower there
+(run 7); at Q=2 with a 128-register cap it wins with a bf16 pool (run 9, B=64 / 256: 52.2 / 188.5 us
+against 59.9 / 227.4 one token after another; decode 39.3 / 146.5) and ties with float32.
 ptxas's schedule of this kernel is fragile: a version with the token loads converted to float32 at the
 load (same instruction mix, other order) ran 15-25% slower; its SASS puts a layout conversion that waits
 for the first pending load ahead of the token loads, probably the cause (not verified); keep the
@@ -51,6 +56,8 @@ sources compile for ROCm too.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -63,21 +70,36 @@ from atom_kernels.ops.l2norm.checks import DEFAULT_EPS as L2NORM_EPS
 VERIFY_BLOCK_K = 32  # KC: Dk chunk of the state tile (8 lanes x 4 float32, 16-byte loads)
 
 
-def verify_launch_config(num_seqs: int, num_v_heads: int, dv: int, state_bytes: int) -> tuple[int, int]:
-    """(BV, num_warps) of ``_verify_kernel``: one warp; 16 value rows when that still leaves >= 4096
-    programs, else 8 (fewer programs cannot fill the GPU).
+class VerifyLaunch(NamedTuple):
+    """How ``_verify_kernel`` is launched: value rows per program, warps, the WY form of the token section
+    (``wy``) and CUDA's per-thread register cap (``max_registers``, None: the compiler's choice)."""
 
-    H200, session 4 run 5 (results/verify_s4_run5.log, one run, B=64 / 256), BV=16 against BV=32 and 8:
-    float32 pool k=1 78 / 291 us (32: 86 / 308, 8: 101 / 373), k=3 117 / 443 us (124 / 457, 140 / 537);
-    bf16 pool k=1 60 / 224 us (61 / 225), k=3 92 / 354 us (94 / 348). Session 3: with 128 programs (B=1)
-    wider tiles took 2x as long; between B=1 and B=64 (80B shape: B >= 16 takes BV=16) the threshold is
-    a guess. ``state_bytes`` is kept for the callers: both pool dtypes take the same choice.
+    block_v: int
+    num_warps: int
+    wy: bool
+    max_registers: int | None
+
+
+def verify_launch_config(num_seqs: int, num_v_heads: int, dv: int, num_tokens: int) -> VerifyLaunch:
+    """One warp per program; 16 value rows when that still leaves >= 4096 programs, else 8 (fewer programs
+    cannot fill the GPU); up to 2 tokens (k=1) the WY form capped at 128 registers, else one token after
+    another.
+
+    H200, session 4 (B=64 / 256):
+    - Q=4, one token after another (run 5, results/verify_s4_run5.log, this statement order = "r2"):
+      float32 pool BV=16 117 / 443 us against BV=32 124 / 457; bf16 92 / 354 against 94 / 348 (BV=32);
+      BV=8 127 / 488 us (float32, run 3). The WY form was slower there (run 7: float32 BV=16 150 / 572 us;
+      its 214-228 registers leave 8 warps per SM).
+    - Q=2 (run 8), the WY form at 128 registers against one token after another (BV=16): bf16 pool 51.9 / 188.9
+      against 59.5 / 226.7 us (decode 39.3 / 146.4); float32 77.3 / 284.5 against 77.9 / 288.0 us.
+    - Session 3: with 128 programs (B=1) wider tiles took 2x as long; between B=1 and B=64 (80B shape:
+      B >= 16 takes BV=16) the threshold is a guess.
     """
-    del state_bytes
     bv = min(16, triton.next_power_of_2(dv))
     if num_seqs * num_v_heads * triton.cdiv(dv, bv) < 4096:
         bv = recurrent_launch_config(num_seqs, num_v_heads, dv)[0]
-    return bv, 1
+    wy = num_tokens <= 2
+    return VerifyLaunch(bv, 1, wy, 128 if wy else None)
 
 
 @triton.jit
@@ -142,6 +164,7 @@ def _verify_kernel(
     KC: tl.constexpr,
     BV: tl.constexpr,
     L2NORM: tl.constexpr,
+    WY: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -188,30 +211,70 @@ def _verify_kernel(
     tl.store(p_h, h_c, mask=m_vc[:, None, None] & m_h)
     h = h_c.to(tl.float32)
 
-    # ---- 2. verify the Q tokens (decay, h k, rank-1 update, h q); outputs and u rows collected in
-    # [BV, QP] tiles; no state stored. (Statement order matters to ptxas's schedule, see the docstring.)
+    # ---- 2. verify the Q tokens; outputs and u rows collected in [BV, QP] tiles; no state stored.
+    # (Statement order matters to ptxas's schedule, see the docstring.)
     o_q = tl.arange(0, QP)
     b_o = tl.zeros([BV, QP], dtype=tl.float32)
     b_u = tl.zeros([BV, QP], dtype=tl.float32)
-    for j in tl.static_range(Q):
-        t_q = tl.load(q_ptr + i_n * s_qn + j * s_qt + i_hk * s_qh + d2 * s_qd, mask=m_d2, other=0.0)
-        t_k = tl.load(k_ptr + i_n * s_kn + j * s_kt + i_hk * s_kh + d2 * s_kd, mask=m_d2, other=0.0)
-        t_v = tl.load(v_ptr + i_n * s_vn + j * s_vt + i_hv * s_vh + o_v * s_vd, mask=m_v, other=0.0)
-        t_g = tl.load(g_ptr + i_n * s_gn + j * s_gt + i_hv * s_gh).to(tl.float32)
-        t_b = tl.load(beta_ptr + i_n * s_bn + j * s_bt + i_hv * s_bh).to(tl.float32)
-        t_q = t_q.to(tl.float32)
-        t_k = t_k.to(tl.float32)
-        r_q = scale
-        r_k = 1.0
-        if L2NORM:  # the norms as scalars on the reductions and the update coefficient
-            r_q = scale / tl.sqrt(tl.sum(tl.sum(t_q * t_q, 1), 0) + eps)
-            r_k = 1.0 / tl.sqrt(tl.sum(tl.sum(t_k * t_k, 1), 0) + eps)
-        h = h * tl.exp(t_g)
-        t_u = t_b * (t_v.to(tl.float32) - _rsum(h * t_k[None, :, :]) * r_k)  # beta (v - h k): stashed
-        h = h + (t_u * r_k)[:, None, None] * t_k[None, :, :]
-        t_o = _rsum(h * t_q[None, :, :]) * r_q
-        b_o = tl.where(o_q[None, :] == j, t_o[:, None], b_o)
-        b_u = tl.where(o_q[None, :] == j, t_u[:, None], b_u)
+    if WY:
+        # WY form: every state reduction is against the committed h (x_t = h k_t, y_t = h q_t), so none
+        # waits for another; u_t = b_t (v_t - A_t x_t - sum_{s<t} (A_t/A_s) (k_s.k_t) u_s) and
+        # o_t = A_t y_t + sum_{s<=t} (A_t/A_s) (k_s.q_t) u_s, A_t/A_s = exp(G_t - G_s) (G: running sum of g).
+        kt = tl.load(
+            k_ptr + i_n * s_kn + o_q[:, None, None] * s_kt + i_hk * s_kh + d2[None, :, :] * s_kd,
+            mask=(o_q < Q)[:, None, None] & m_h,
+            other=0.0,
+        ).to(tl.float32)  # the Q keys, for the token-token dot products
+        rk_all = tl.full([QP], 1.0, tl.float32)
+        if L2NORM:
+            rk_all = 1.0 / tl.sqrt(tl.sum(tl.sum(kt * kt, 2), 1) + eps)
+        b_gc = tl.zeros([QP], dtype=tl.float32)
+        gcum = 0.0
+        for t in tl.static_range(Q):
+            t_q = tl.load(q_ptr + i_n * s_qn + t * s_qt + i_hk * s_qh + d2 * s_qd, mask=m_d2, other=0.0)
+            t_k = tl.load(k_ptr + i_n * s_kn + t * s_kt + i_hk * s_kh + d2 * s_kd, mask=m_d2, other=0.0)
+            t_v = tl.load(v_ptr + i_n * s_vn + t * s_vt + i_hv * s_vh + o_v * s_vd, mask=m_v, other=0.0)
+            t_g = tl.load(g_ptr + i_n * s_gn + t * s_gt + i_hv * s_gh).to(tl.float32)
+            t_b = tl.load(beta_ptr + i_n * s_bn + t * s_bt + i_hv * s_bh).to(tl.float32)
+            t_q = t_q.to(tl.float32)
+            t_k = t_k.to(tl.float32)
+            r_q = scale
+            r_k = 1.0
+            if L2NORM:
+                r_q = scale / tl.sqrt(tl.sum(tl.sum(t_q * t_q, 1), 0) + eps)
+                r_k = 1.0 / tl.sqrt(tl.sum(tl.sum(t_k * t_k, 1), 0) + eps)
+            gcum = gcum + t_g
+            b_gc = tl.where(o_q == t, gcum, b_gc)
+            a_t = tl.exp(gcum)
+            x_t = _rsum(h * t_k[None, :, :]) * r_k
+            y_t = _rsum(h * t_q[None, :, :]) * r_q
+            dec = tl.exp(gcum - b_gc)
+            c_kk = tl.where(o_q < t, dec * tl.sum(tl.sum(kt * t_k[None, :, :], 2), 1) * rk_all * r_k, 0.0)
+            c_qk = tl.where(o_q <= t, dec * tl.sum(tl.sum(kt * t_q[None, :, :], 2), 1) * rk_all * r_q, 0.0)
+            t_u = t_b * (t_v.to(tl.float32) - a_t * x_t - tl.sum(b_u * c_kk[None, :], 1))
+            b_u = tl.where(o_q[None, :] == t, t_u[:, None], b_u)
+            t_o = a_t * y_t + tl.sum(b_u * c_qk[None, :], 1)
+            b_o = tl.where(o_q[None, :] == t, t_o[:, None], b_o)
+    else:  # one token after another: decay, h k, rank-1 update, h q
+        for j in tl.static_range(Q):
+            t_q = tl.load(q_ptr + i_n * s_qn + j * s_qt + i_hk * s_qh + d2 * s_qd, mask=m_d2, other=0.0)
+            t_k = tl.load(k_ptr + i_n * s_kn + j * s_kt + i_hk * s_kh + d2 * s_kd, mask=m_d2, other=0.0)
+            t_v = tl.load(v_ptr + i_n * s_vn + j * s_vt + i_hv * s_vh + o_v * s_vd, mask=m_v, other=0.0)
+            t_g = tl.load(g_ptr + i_n * s_gn + j * s_gt + i_hv * s_gh).to(tl.float32)
+            t_b = tl.load(beta_ptr + i_n * s_bn + j * s_bt + i_hv * s_bh).to(tl.float32)
+            t_q = t_q.to(tl.float32)
+            t_k = t_k.to(tl.float32)
+            r_q = scale
+            r_k = 1.0
+            if L2NORM:  # the norms as scalars on the reductions and the update coefficient
+                r_q = scale / tl.sqrt(tl.sum(tl.sum(t_q * t_q, 1), 0) + eps)
+                r_k = 1.0 / tl.sqrt(tl.sum(tl.sum(t_k * t_k, 1), 0) + eps)
+            h = h * tl.exp(t_g)
+            t_u = t_b * (t_v.to(tl.float32) - _rsum(h * t_k[None, :, :]) * r_k)  # beta (v - h k): stashed
+            h = h + (t_u * r_k)[:, None, None] * t_k[None, :, :]
+            t_o = _rsum(h * t_q[None, :, :]) * r_q
+            b_o = tl.where(o_q[None, :] == j, t_o[:, None], b_o)
+            b_u = tl.where(o_q[None, :] == j, t_u[:, None], b_u)
     m_q = o_q < Q
     tl.store(
         o_ptr + i_n * s_on + o_q[None, :] * s_ot + i_hv * s_oh + o_v[:, None] * s_od,
@@ -297,12 +360,16 @@ def gated_delta_rule_verify(
     block_v: int | None = None,
     num_warps: int | None = None,
     max_registers: int | None = None,
+    form: str | None = None,
 ) -> torch.Tensor:
     """See :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_verify`.
 
-    ``block_v`` / ``num_warps`` override :func:`verify_launch_config`; ``max_registers`` caps the
-    kernel's registers per thread (CUDA's ``maxnreg``: more resident warps, possibly spills). Benchmarks only.
+    Benchmark knobs, each overriding :func:`verify_launch_config`: ``block_v``, ``num_warps``,
+    ``max_registers`` (CUDA's ``maxnreg``: more resident warps, possibly spills; 0 = no cap) and ``form``
+    (``"wy"`` or ``"seq"``: the token section in WY form or one token after another).
     """
+    if form not in (None, "wy", "seq"):
+        raise ValueError(f"gated_delta_rule_verify: form must be None, 'wy' or 'seq', got {form!r}")
     check_gated_delta_rule_verify(
         q, k, v, g, beta, ssm_state, pending, state_indices, num_accepted, scale, use_qk_l2norm
     )
@@ -316,9 +383,11 @@ def gated_delta_rule_verify(
     o = torch.empty((N, Q, HV, DV), dtype=q.dtype, device=q.device)
     if N == 0 or Q == 0:
         return o
-    bv, nw = verify_launch_config(N, HV, DV, ssm_state.element_size())
-    bv, nw = block_v or bv, num_warps or nw
-    extra = {"maxnreg": max_registers} if max_registers else {}
+    cfg = verify_launch_config(N, HV, DV, Q)
+    bv, nw = block_v or cfg.block_v, num_warps or cfg.num_warps
+    wy = cfg.wy if form is None else form == "wy"
+    regs = cfg.max_registers if max_registers is None else max_registers
+    extra = {"maxnreg": regs} if regs else {}
     kc = min(VERIFY_BLOCK_K, triton.next_power_of_2(DK))
     _verify_kernel[(triton.cdiv(DV, bv), N * HV)](
         q, k, v, g, beta, o, ssm_state, pending, state_indices, num_accepted,
@@ -327,7 +396,7 @@ def gated_delta_rule_verify(
         *ssm_state.stride(), *pending.stride(), state_indices.stride(0),
         Q=Q, R=R, QP=triton.next_power_of_2(Q), HK=HK, HV=HV, GROUP=HV // HK, DK=DK, DV=DV,
         NC=triton.next_power_of_2(DK) // kc, KC=kc, BV=bv,
-        L2NORM=use_qk_l2norm, num_warps=nw, **extra,
+        L2NORM=use_qk_l2norm, WY=wy, num_warps=nw, **extra,
     )  # fmt: skip
     stash_shared(k, g, pending, state_indices)
     return o
