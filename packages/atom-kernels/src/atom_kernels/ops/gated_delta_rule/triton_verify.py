@@ -109,6 +109,29 @@ def _rsum(x):
 
 
 @triton.jit
+def _token(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_n, i_hk, i_hv, t, d2, m_d2, o_v, m_v, scale, eps,
+    s_qn, s_qt, s_qh, s_qd, s_kn, s_kt, s_kh, s_kd, s_vn, s_vt, s_vh, s_vd, s_gn, s_gt, s_gh,
+    s_bn, s_bt, s_bh, L2NORM: tl.constexpr,
+):  # fmt: skip
+    """Token ``t`` of sequence ``i_n``: q and k as ``[NC, KC]`` float32, v as ``[BV]`` (its dtype: converted
+    where used), g, beta, and the L2 norms as scalars, ``r_q`` (times the scale) and ``r_k``."""
+    t_q = tl.load(q_ptr + i_n * s_qn + t * s_qt + i_hk * s_qh + d2 * s_qd, mask=m_d2, other=0.0)
+    t_k = tl.load(k_ptr + i_n * s_kn + t * s_kt + i_hk * s_kh + d2 * s_kd, mask=m_d2, other=0.0)
+    t_v = tl.load(v_ptr + i_n * s_vn + t * s_vt + i_hv * s_vh + o_v * s_vd, mask=m_v, other=0.0)
+    t_g = tl.load(g_ptr + i_n * s_gn + t * s_gt + i_hv * s_gh).to(tl.float32)
+    t_b = tl.load(beta_ptr + i_n * s_bn + t * s_bt + i_hv * s_bh).to(tl.float32)
+    t_q = t_q.to(tl.float32)
+    t_k = t_k.to(tl.float32)
+    r_q = scale
+    r_k = 1.0
+    if L2NORM:  # the norms as scalars on the reductions and the update coefficient
+        r_q = scale / tl.sqrt(tl.sum(tl.sum(t_q * t_q, 1), 0) + eps)
+        r_k = 1.0 / tl.sqrt(tl.sum(tl.sum(t_k * t_k, 1), 0) + eps)
+    return t_q, t_k, t_v, t_g, t_b, r_q, r_k
+
+
+@triton.jit
 def _verify_kernel(
     q_ptr,
     k_ptr,
@@ -231,18 +254,11 @@ def _verify_kernel(
         b_gc = tl.zeros([QP], dtype=tl.float32)
         gcum = 0.0
         for t in tl.static_range(Q):
-            t_q = tl.load(q_ptr + i_n * s_qn + t * s_qt + i_hk * s_qh + d2 * s_qd, mask=m_d2, other=0.0)
-            t_k = tl.load(k_ptr + i_n * s_kn + t * s_kt + i_hk * s_kh + d2 * s_kd, mask=m_d2, other=0.0)
-            t_v = tl.load(v_ptr + i_n * s_vn + t * s_vt + i_hv * s_vh + o_v * s_vd, mask=m_v, other=0.0)
-            t_g = tl.load(g_ptr + i_n * s_gn + t * s_gt + i_hv * s_gh).to(tl.float32)
-            t_b = tl.load(beta_ptr + i_n * s_bn + t * s_bt + i_hv * s_bh).to(tl.float32)
-            t_q = t_q.to(tl.float32)
-            t_k = t_k.to(tl.float32)
-            r_q = scale
-            r_k = 1.0
-            if L2NORM:
-                r_q = scale / tl.sqrt(tl.sum(tl.sum(t_q * t_q, 1), 0) + eps)
-                r_k = 1.0 / tl.sqrt(tl.sum(tl.sum(t_k * t_k, 1), 0) + eps)
+            t_q, t_k, t_v, t_g, t_b, r_q, r_k = _token(
+                q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_n, i_hk, i_hv, t, d2, m_d2, o_v, m_v, scale, eps,
+                s_qn, s_qt, s_qh, s_qd, s_kn, s_kt, s_kh, s_kd, s_vn, s_vt, s_vh, s_vd, s_gn, s_gt, s_gh,
+                s_bn, s_bt, s_bh, L2NORM,
+            )  # fmt: skip
             gcum = gcum + t_g
             b_gc = tl.where(o_q == t, gcum, b_gc)
             a_t = tl.exp(gcum)
@@ -257,18 +273,11 @@ def _verify_kernel(
             b_o = tl.where(o_q[None, :] == t, t_o[:, None], b_o)
     else:  # one token after another: decay, h k, rank-1 update, h q
         for j in tl.static_range(Q):
-            t_q = tl.load(q_ptr + i_n * s_qn + j * s_qt + i_hk * s_qh + d2 * s_qd, mask=m_d2, other=0.0)
-            t_k = tl.load(k_ptr + i_n * s_kn + j * s_kt + i_hk * s_kh + d2 * s_kd, mask=m_d2, other=0.0)
-            t_v = tl.load(v_ptr + i_n * s_vn + j * s_vt + i_hv * s_vh + o_v * s_vd, mask=m_v, other=0.0)
-            t_g = tl.load(g_ptr + i_n * s_gn + j * s_gt + i_hv * s_gh).to(tl.float32)
-            t_b = tl.load(beta_ptr + i_n * s_bn + j * s_bt + i_hv * s_bh).to(tl.float32)
-            t_q = t_q.to(tl.float32)
-            t_k = t_k.to(tl.float32)
-            r_q = scale
-            r_k = 1.0
-            if L2NORM:  # the norms as scalars on the reductions and the update coefficient
-                r_q = scale / tl.sqrt(tl.sum(tl.sum(t_q * t_q, 1), 0) + eps)
-                r_k = 1.0 / tl.sqrt(tl.sum(tl.sum(t_k * t_k, 1), 0) + eps)
+            t_q, t_k, t_v, t_g, t_b, r_q, r_k = _token(
+                q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_n, i_hk, i_hv, j, d2, m_d2, o_v, m_v, scale, eps,
+                s_qn, s_qt, s_qh, s_qd, s_kn, s_kt, s_kh, s_kd, s_vn, s_vt, s_vh, s_vd, s_gn, s_gt, s_gh,
+                s_bn, s_bt, s_bh, L2NORM,
+            )  # fmt: skip
             h = h * tl.exp(t_g)
             t_u = t_b * (t_v.to(tl.float32) - _rsum(h * t_k[None, :, :]) * r_k)  # beta (v - h k): stashed
             h = h + (t_u * r_k)[:, None, None] * t_k[None, :, :]
