@@ -141,7 +141,10 @@ def _conv_varlen_state_kernel(
         )
         hcol = o_w + (end - start)
         p_s = state_ptr + slot * s_ss + o_c[None, :] * s_sc
-        hv = tl.load(p_s + hcol[:, None] * s_sw, mask=m & (~from_x)[:, None] & init, other=0.0)
+        # The initial-history flag enters the mask as a bound, not `mask & scalar`: Triton 3.9's interpreter
+        # turns a tensor & scalar bool into int32, which tl.load rejects.
+        m_h = (o_w < tl.where(init, K - 1, 0))[:, None] & (o_c < C)[None, :]
+        hv = tl.load(p_s + hcol[:, None] * s_sw, mask=m_h & (~from_x)[:, None], other=0.0)
         new = xv.to(state_ptr.dtype.element_ty) + hv.to(state_ptr.dtype.element_ty)
         tl.debug_barrier()  # every read of this slot's old history happens before the writes below
         tl.store(p_s + o_w[:, None] * s_sw, new, mask=m)
@@ -190,6 +193,9 @@ def _conv_update_kernel(
     # outputs: out_j = sum_i w_i * seq[j + i], seq = history (K - 1 columns from `off`) ++ x_0..x_{Q-1}
     o_q = tl.arange(0, BQ)
     m_q = (o_q < Q)[:, None] & m_c[None, :]
+    # history reads only for a real slot: the condition enters as a bound, not `mask & scalar` (Triton 3.9's
+    # interpreter turns a tensor & scalar bool into int32, which tl.load rejects)
+    m_qs = (o_q < Q)[:, None] & (o_c < tl.where(slot >= 0, C, 0))[None, :]
     acc = tl.zeros([BQ, BC], dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
@@ -197,7 +203,7 @@ def _conv_update_kernel(
         p = o_q + i
         from_x = p >= K - 1
         xv = tl.load(p_x + (p - (K - 1))[:, None] * s_xq, mask=m_q & from_x[:, None], other=0.0)
-        hv = tl.load(p_s + (off + p)[:, None] * s_sw, mask=m_q & (~from_x)[:, None] & (slot >= 0), other=0.0)
+        hv = tl.load(p_s + (off + p)[:, None] * s_sw, mask=m_qs & (~from_x)[:, None], other=0.0)
         wi = tl.load(w_ptr + o_c * s_wc + i * s_wk, mask=m_c, other=0.0).to(tl.float32)
         acc += (xv.to(tl.float32) + hv.to(tl.float32)) * wi[None, :]
     if SILU:
@@ -210,13 +216,14 @@ def _conv_update_kernel(
     # new history: seq[1:] left-aligned into columns [0, K - 2 + Q)
     o_r = tl.arange(0, BR)
     m_r = (o_r < K - 2 + Q)[:, None] & m_c[None, :]
+    m_rs = (o_r < K - 2 + Q)[:, None] & (o_c < tl.where(slot >= 0, C, 0))[None, :]  # only a real slot
     p = o_r + 1
     from_x = p >= K - 1
     xv = tl.load(p_x + (p - (K - 1))[:, None] * s_xq, mask=m_r & from_x[:, None], other=0.0)
-    hv = tl.load(p_s + (off + p)[:, None] * s_sw, mask=m_r & (~from_x)[:, None] & (slot >= 0), other=0.0)
+    hv = tl.load(p_s + (off + p)[:, None] * s_sw, mask=m_rs & (~from_x)[:, None], other=0.0)
     new = xv.to(state_ptr.dtype.element_ty) + hv.to(state_ptr.dtype.element_ty)
     tl.debug_barrier()  # all reads of the old history before any write
-    tl.store(p_s + o_r[:, None] * s_sw, new, mask=m_r & (slot >= 0))
+    tl.store(p_s + o_r[:, None] * s_sw, new, mask=m_rs)
 
 
 def causal_conv1d_varlen(
