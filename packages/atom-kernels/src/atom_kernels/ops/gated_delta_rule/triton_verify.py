@@ -72,7 +72,8 @@ VERIFY_BLOCK_K = 32  # KC: Dk chunk of the state tile (8 lanes x 4 float32, 16-b
 
 class VerifyLaunch(NamedTuple):
     """How ``_verify_kernel`` is launched: value rows per program, warps, the WY form of the token section
-    (``wy``) and CUDA's per-thread register cap (``max_registers``, None: the compiler's choice)."""
+    (``wy``) and CUDA's per-thread register cap (``max_registers``, None: the compiler's choice; not
+    applied on ROCm, where Triton has no such option)."""
 
     block_v: int
     num_warps: int
@@ -396,7 +397,8 @@ def gated_delta_rule_verify(
     bv, nw = block_v or cfg.block_v, num_warps or cfg.num_warps
     wy = cfg.wy if form is None else form == "wy"
     regs = cfg.max_registers if max_registers is None else max_registers
-    extra = {"maxnreg": regs} if regs else {}
+    # maxnreg is an option of Triton's CUDA backend only (the HIP backend rejects unknown options)
+    extra = {"maxnreg": regs} if regs and q.is_cuda and torch.version.hip is None else {}
     kc = min(VERIFY_BLOCK_K, triton.next_power_of_2(DK))
     _verify_kernel[(triton.cdiv(DV, bv), N * HV)](
         q, k, v, g, beta, o, ssm_state, pending, state_indices, num_accepted,
