@@ -129,6 +129,20 @@ def test_triton_token_forms_match_float64_loop(impl, tol, device, backend, form,
     _check_vs_float64_loop(functools.partial(fn, form=form), tol, device, q_len)
 
 
+def test_triton_form_must_be_known(impl, device, backend):
+    """An unknown ``form`` stops the call with its name and value, before any launch."""
+    if backend != "triton":
+        pytest.skip("form is a knob of the Triton kernel")
+    fn = impl("gated_delta_rule_verify", torch.float32)
+    q, k, v, g, beta = make_inputs((2, 2), 300, torch.float32, device)
+    pool = torch.zeros(2, HV, DV, DK, device=device)
+    pending = torch.zeros(2, 2, P, device=device)
+    slots = torch.arange(2, dtype=torch.int32, device=device)
+    acc = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="form must be None, 'wy' or 'seq', got 'chunked'"):
+        fn(q, k, v, g, beta, pool, pending, slots, acc, SCALE, form="chunked")
+
+
 def _update_coefficients(q, k, v, g, beta, state):
     """float64 ``u_j = beta_j (v_j - (S_{j-1} exp(g_j)) k_j)`` [L, HV, DV] of one sequence's tokens."""
     _, states = naive(q, k, v, g, beta, state)
