@@ -86,7 +86,7 @@ def test_target_and_draft_configs_are_separate():
     assert target.role == "target" and draft.role == "draft"
     assert target.num_speculative_tokens == draft.num_speculative_tokens == 3
     assert target.model.num_hidden_layers == 4 and target.model.mtp_layer_index(0) == 4
-    assert target.dtype == torch.bfloat16 and target.cache.block_size == 16
+    assert target.dtype == torch.bfloat16
     assert from_vllm(_vllm_config(k=None), "target").speculative is None
 
 

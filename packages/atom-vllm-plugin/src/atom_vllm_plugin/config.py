@@ -30,9 +30,7 @@ class AtomVllmConfig:
     role: Role
     model: Qwen3NextConfig
     speculative: SpeculativeConfig | None
-    cache: CacheConfig
     dtype: torch.dtype
-    tensor_parallel_size: int
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -108,11 +106,5 @@ def from_vllm(vllm_config: Any, role: Role) -> AtomVllmConfig:
             "draft hf_config",
             "the checkpoint has no MTP head; use it without method 'mtp'",
         )
-    return AtomVllmConfig(
-        role=role,
-        model=model,
-        speculative=spec,
-        cache=cache_from_vllm(vllm_config.cache_config),
-        dtype=vllm_config.model_config.dtype,
-        tensor_parallel_size=int(vllm_config.parallel_config.tensor_parallel_size),
-    )
+    cache_from_vllm(vllm_config.cache_config)  # rejects a KV cache dtype the plugin cannot store
+    return AtomVllmConfig(role=role, model=model, speculative=spec, dtype=vllm_config.model_config.dtype)
