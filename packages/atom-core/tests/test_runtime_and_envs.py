@@ -60,3 +60,11 @@ def test_forced_kernel_backend():
 def test_every_switch_is_documented():
     for switch in envs.ALL_SWITCHES:
         assert switch.name in envs.__doc__
+
+
+def test_speculative_tokens_capped():
+    from atom_core import MAX_SPECULATIVE_TOKENS
+
+    assert SpeculativeConfig(num_speculative_tokens=MAX_SPECULATIVE_TOKENS).num_verify_tokens == 5
+    with pytest.raises(ConfigError, match=rf"must be in \[1, {MAX_SPECULATIVE_TOKENS}\]"):
+        SpeculativeConfig(num_speculative_tokens=MAX_SPECULATIVE_TOKENS + 1)

@@ -11,11 +11,15 @@ from atom_core.errors import ConfigError
 
 SPEC_METHODS = ("mtp",)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3")
+MAX_SPECULATIVE_TOKENS = 4
+"""Cap on ``num_speculative_tokens`` for Qwen3-Next MTP: vLLM reports k > 4 unstable for this model
+(vLLM issue #37035), and ROCm/ATOM caps it at 4 as well."""
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """MTP speculative decoding: the draft proposes ``num_speculative_tokens`` tokens per step."""
+    """MTP speculative decoding: the draft proposes ``num_speculative_tokens`` tokens per step
+    (``1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS``)."""
 
     method: str = "mtp"
     num_speculative_tokens: int = 1
@@ -32,9 +36,12 @@ class SpeculativeConfig:
                 "speculative_config",
                 "expected an integer",
             )
-        if self.num_speculative_tokens < 1:
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(
-                "num_speculative_tokens", self.num_speculative_tokens, "speculative_config", "must be >= 1"
+                "num_speculative_tokens",
+                self.num_speculative_tokens,
+                "speculative_config",
+                f"must be in [1, {MAX_SPECULATIVE_TOKENS}] for Qwen3-Next MTP",
             )
 
     @classmethod

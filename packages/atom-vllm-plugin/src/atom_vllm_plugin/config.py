@@ -12,13 +12,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from atom_core import CacheConfig, ConfigError, Qwen3NextConfig, SpeculativeConfig
+from atom_core import MAX_SPECULATIVE_TOKENS, CacheConfig, ConfigError, Qwen3NextConfig, SpeculativeConfig
 
 TARGET_ARCH = "Qwen3NextForCausalLM"
 DRAFT_ARCH = "Qwen3NextMTP"
 DRAFT_MODEL_TAG = "eagle_head"
-MAX_SPECULATIVE_TOKENS = 4
-"""vLLM issue #37035: k > 4 is unstable for Qwen3-Next MTP; ATOM caps k at 4 like ROCm/ATOM does."""
 
 Role = Literal["target", "draft"]
 
