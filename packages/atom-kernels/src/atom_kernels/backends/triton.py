@@ -12,9 +12,7 @@ CPU tensors, so the conformance tests run these kernels through Triton's interpr
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import os
 
 import torch
 import triton  # noqa: F401  (an ImportError here marks the whole backend unavailable)
@@ -23,19 +21,13 @@ from atom_kernels.ops.conv1d import triton as conv1d
 from atom_kernels.ops.gated_delta_rule import triton as gdr
 from atom_kernels.ops.gated_delta_rule import triton_verify as gdr_verify
 from atom_kernels.ops.gdn_gating import triton as gdn_gating
+from atom_kernels.ops._triton_env import interpreting
 from atom_kernels.ops.l2norm import triton as l2norm
 from atom_kernels.registry import register
 
 BACKEND = "triton"
 PRIORITY = 10
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@functools.cache
-def interpreting() -> bool:
-    """Whether Triton runs kernels through its CPU interpreter (env ``TRITON_INTERPRET=1``); read once,
-    like Triton itself, which decides when a kernel is decorated."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def on_gpu(device: torch.device, dtype: torch.dtype) -> bool:
@@ -51,8 +43,8 @@ def on_gpu_with_fla(device: torch.device, dtype: torch.dtype) -> bool:
     """A real GPU (fla-core autotunes: not under the interpreter), bf16/fp16 activations, fla-core installed.
 
     Not float32: fla-core's chunked kernels run float32 dots in tf32 (max error 3e-4 to 5e-4 on the
-    conformance tests on the H200, against the contract's float32 tolerance of 2e-5), so float32 prefill
-    stays on the reference.
+    conformance tests, against the contract's float32 tolerance of 2e-5), so float32 prefill stays on the
+    reference.
     """
     return (
         device.type == "cuda"
@@ -62,7 +54,7 @@ def on_gpu_with_fla(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-# Gated DeltaNet (issue 6): gating, l2norm, causal conv1d, gated delta rule.
+# Gated DeltaNet: gating, l2norm, causal conv1d, gated delta rule.
 register("gdn_gating", BACKEND, gdn_gating.gdn_gating, available=on_gpu, priority=PRIORITY)
 register("l2norm", BACKEND, l2norm.l2norm, available=on_gpu, priority=PRIORITY)
 register("causal_conv1d_varlen", BACKEND, conv1d.causal_conv1d_varlen, available=on_gpu, priority=PRIORITY)
@@ -85,7 +77,7 @@ register(
     priority=PRIORITY,
 )
 
-# Norms, RoPE, SwiGLU, MoE experts (issue 7).
+# Norms, RoPE, SwiGLU, MoE experts.
 from atom_kernels.ops.activation import triton as _activation  # noqa: E402
 from atom_kernels.ops.moe import triton as _moe  # noqa: E402
 from atom_kernels.ops.norm import triton as _norm  # noqa: E402
@@ -98,7 +90,7 @@ register("silu_and_mul", BACKEND, _activation.silu_and_mul, available=on_gpu, pr
 register("moe_router", BACKEND, _moe.moe_router, available=on_gpu, priority=PRIORITY)
 register("moe_experts", BACKEND, _moe.moe_experts, available=on_gpu, priority=PRIORITY)
 
-# Paged KV cache write and paged attention (issue 7).
+# Paged KV cache write and paged attention.
 from atom_kernels.ops.paged_attention import triton as _paged  # noqa: E402
 
 register("kv_cache_write", BACKEND, _paged.kv_cache_write, available=on_gpu, priority=PRIORITY)

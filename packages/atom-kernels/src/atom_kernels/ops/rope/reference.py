@@ -13,7 +13,7 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tupl
     ``inv_freq`` is HF's float32 ``1 / theta ** (2i / rotary_dim)`` with the power correctly rounded (in
     float64, rounded once), the same value on every device, as the Triton kernel computes it. CUDA's
     float32 pow can be an ulp off, and 1 ulp of inv_freq moves the angle at position 40000 by up to ~3e-4
-    (H200, session 2: this op on CUDA missed its 1e-5 tolerance by that much). CPU torch's float32 pow
+    (on an H200 a float32-pow version missed the op's 1e-5 tolerance by that much). CPU torch's float32 pow
     agrees except in rare near-halfway cases (none for Qwen3-Next's theta 1e7 and rotary_dim 64; 3 of
     256 exponents at rotary_dim 512).
     """

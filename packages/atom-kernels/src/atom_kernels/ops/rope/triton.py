@@ -7,9 +7,8 @@ accurate libdevice ``pow``/``cos``/``sin`` (angles reach tens of thousands of ra
 approximations fail). Triton's CPU interpreter (``TRITON_INTERPRET=1``) has no libdevice: there the
 kernel uses ``tl`` math (numpy), chosen by the ``INTERPRET`` constexpr.
 
-A q/k RMS norm fused into this kernel was measured slower than the unfused ops (H200, 32768 tokens:
-1.28 ms fused vs 0.56 ms for rms_norm, rms_norm, rope; benchmarks/README.md) and was removed.
-Only ``tl`` and libdevice calls: also compiles for ROCm.
+q/k RMS norms are separate ops, not fused in here: a fused kernel was slower than the three unfused
+launches (docs/performance.md). Only ``tl`` and libdevice calls: also compiles for ROCm.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from atom_kernels.ops._triton_env import interpreting
 from atom_kernels.ops.rope.checks import check_rope
 
 
@@ -143,9 +143,6 @@ def rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox RoPE on the first ``rotary_dim`` channels of every q and k head (new tensors)."""
-    # imported here, not at module import: atom_kernels.backends.triton imports this module
-    from atom_kernels.backends.triton import interpreting
-
     check_rope(q, k, positions, rotary_dim, theta)
     q, k = _unit_last(q), _unit_last(k)
     num_tokens, num_q, d = q.shape
