@@ -20,7 +20,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def main() -> None:
-    from atom_models.paths import default_model_dir, reference_dir
+    from atom_core.paths import default_model_dir, reference_dir
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -30,13 +30,9 @@ from _lm_eval import TASK, evaluate, table, task_size  # noqa: E402
 
 
 def _model_dir() -> Path:
-    for d in (
-        REPO / "data" / "tiny-qwen3-next-mtp",
-        REPO.parent / "shared" / "fixtures" / "tiny-qwen3-next-mtp",
-    ):
-        if (d / "config.json").is_file():
-            return d
-    sys.exit("the tiny Qwen3-Next checkpoint is in neither data/ nor ../shared/fixtures/")
+    from atom_core.paths import default_model_dir
+
+    return default_model_dir()
 
 
 def main() -> int:

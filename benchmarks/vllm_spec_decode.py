@@ -1,7 +1,7 @@
 """Stock vLLM vs vLLM + ATOM plugin: MTP speculative decoding on the same prompts, same process tree.
 
 For each implementation (stock: ATOM_DISABLE_VLLM_PLUGIN=1; atom: the plugin) and each k in --ks, one
-vLLM engine (a fresh child process, via atom_vllm_plugin.harness) generates prompts.json's 16 prompts
+vLLM engine (a fresh child process, via tests/_harness.py) generates prompts.json's 16 prompts
 (128 greedy tokens each, ignore_eos) and reports output tokens/s (wall time of the generate call), the
 acceptance rate (accepted / drafted tokens), the mean acceptance length (1 + accepted / drafts) and the
 per-position acceptance (accepted at position i / drafts). Results go to
@@ -24,26 +24,24 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+sys.path.insert(0, str(REPO / "tests"))
 
 
 def _model_dir() -> Path:
-    for d in (
-        REPO / "data" / "tiny-qwen3-next-mtp",
-        REPO.parent / "shared" / "fixtures" / "tiny-qwen3-next-mtp",
-    ):
-        if (d / "config.json").is_file():
-            return d
-    sys.exit("the tiny Qwen3-Next checkpoint is in neither data/ nor ../shared/fixtures/")
+    from atom_core.paths import default_model_dir
+
+    return default_model_dir()
 
 
 def _prompts() -> tuple[list[list[int]], int]:
-    p = REPO.parent / "shared" / "fixtures" / "tiny-qwen3-next-mtp-reference" / "prompts.json"
-    raw = json.loads(p.read_text())
+    from atom_core.paths import reference_dir
+
+    raw = json.loads((reference_dir() / "prompts.json").read_text())
     return [x["prompt_token_ids"] for x in raw["prompts"]], int(raw["max_tokens"])
 
 
 def run_one(impl: str, k: int, dtype: str, eager: bool, workdir: Path) -> dict[str, Any]:
-    from atom_vllm_plugin.harness import run
+    from _harness import run
 
     prompts, max_tokens = _prompts()
     spec = {

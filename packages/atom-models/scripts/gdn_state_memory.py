@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 from atom_core import Qwen3NextConfig
+from atom_core.paths import default_model_dir
 from atom_models.engine.cache import EngineCaches
-from atom_models.paths import default_model_dir
 
 
 def main() -> None:

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 from atom_core import Qwen3NextConfig
+from atom_core.paths import default_model_dir, reference_dir
 from atom_kernels import select_kernels
 from atom_models import DenseCoreFactory, Qwen3NextForCausalLM, Qwen3NextMTP, load_mtp, load_target
-from atom_models.paths import default_model_dir, reference_dir
 from safetensors.torch import load_file
 
 

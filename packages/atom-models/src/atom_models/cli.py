@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import torch
+from atom_core.paths import default_model_dir
 
 from atom_models.engine import EngineConfig, LLMEngine, SamplingParams, SpecStats
-from atom_models.paths import default_model_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

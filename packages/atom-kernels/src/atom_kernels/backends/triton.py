@@ -17,11 +17,11 @@ import importlib.util
 import torch
 import triton  # noqa: F401  (an ImportError here marks the whole backend unavailable)
 
+from atom_kernels.ops._triton_env import interpreting
 from atom_kernels.ops.conv1d import triton as conv1d
 from atom_kernels.ops.gated_delta_rule import triton as gdr
 from atom_kernels.ops.gated_delta_rule import triton_verify as gdr_verify
 from atom_kernels.ops.gdn_gating import triton as gdn_gating
-from atom_kernels.ops._triton_env import interpreting
 from atom_kernels.ops.l2norm import triton as l2norm
 from atom_kernels.registry import register
 

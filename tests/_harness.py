@@ -1,7 +1,8 @@
-"""Run one offline vLLM configuration in a fresh process and report JSON (used by tests/ and benchmarks/).
+"""Run one offline vLLM configuration in a fresh process and report JSON (a helper of tests/ and benchmarks/,
+not shipped: tests import it as ``_harness``, benchmarks put ``tests/`` on ``sys.path`` first).
 
 vLLM's ``LLM(...)`` spawns its engine process, so it must be created under ``__main__`` of a process of
-its own; tests and benchmarks therefore call :func:`run` (which starts ``python -m atom_vllm_plugin.harness``)
+its own; tests and benchmarks therefore call :func:`run` (which starts ``python tests/_harness.py``)
 rather than building ``LLM`` in-process. One spec = one engine start; a spec can run several prompt sets.
 
 Spec (JSON): ``model``, ``plugin`` (bool: False sets ATOM_DISABLE_VLLM_PLUGIN=1), ``dtype``,
@@ -134,7 +135,7 @@ def _main(spec_path: str, out_path: str) -> None:
 def run(
     spec: dict[str, Any], workdir: str, timeout: float = 900, log_name: str | None = None
 ) -> dict[str, Any]:
-    """Run ``spec`` in a fresh ``python -m atom_vllm_plugin.harness`` process; return its JSON result.
+    """Run ``spec`` in a fresh ``python tests/_harness.py`` process; return its JSON result.
 
     The process's combined output goes to ``<workdir>/<log_name>.log`` (kept for debugging).
     """
@@ -154,7 +155,7 @@ def run(
         os.remove(out_path)
     with open(log_path, "w") as log:
         proc = subprocess.run(
-            [sys.executable, "-m", "atom_vllm_plugin.harness", spec_path, out_path],
+            [sys.executable, os.path.abspath(__file__), spec_path, out_path],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
