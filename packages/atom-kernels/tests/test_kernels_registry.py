@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
+import typing
 from types import MappingProxyType
 
 import atom_kernels
@@ -112,3 +114,19 @@ def test_register_rejects_bad_input():
 def test_backend_modules_table_is_read_only():
     with pytest.raises(TypeError):
         registry.BACKEND_MODULES["triton"] = "somewhere.else"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("op", registry.OPS)
+def test_every_backend_has_the_signature_kernels_declares(op):
+    """``Kernels.<op>`` is typed by a Protocol whose ``__call__`` is the reference's signature; every
+    importable backend takes the same parameters (extra ones only keyword-only, with defaults)."""
+    proto = typing.get_type_hints(Kernels)[op]
+    spec = list(inspect.signature(proto.__call__).parameters.values())[1:]  # without self
+    for backend, impl in registry.implementations(op).items():
+        params = list(inspect.signature(impl.fn).parameters.values())
+        head = [(p.name, p.kind, p.default) for p in params[: len(spec)]]
+        assert head == [(p.name, p.kind, p.default) for p in spec], f"{op}: {backend} differs from {proto}"
+        for extra in params[len(spec) :]:
+            assert (
+                extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default is not inspect.Parameter.empty
+            ), f"{op}: {backend}'s extra parameter {extra.name!r} must be keyword-only with a default"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -11,34 +11,35 @@ import torch
 from atom_core.envs import forced_kernel_backend
 
 from atom_kernels import registry
+from atom_kernels import signatures as sig
 
 
 @dataclass(frozen=True)
 class Kernels:
-    """The resolved op callables (see docs/kernel-api.md for every signature)."""
+    """The resolved op callables, typed by :mod:`atom_kernels.signatures` (semantics: docs/kernel-api.md)."""
 
     device: torch.device
     dtype: torch.dtype
-    rms_norm: Callable
-    gated_rms_norm: Callable
-    rope: Callable
-    silu_and_mul: Callable
-    moe_router: Callable
-    moe_experts: Callable
-    gdn_gating: Callable
-    l2norm: Callable
-    causal_conv1d_varlen: Callable
-    causal_conv1d_update: Callable
-    gated_delta_rule_chunked: Callable
-    gated_delta_rule_recurrent: Callable
-    gated_delta_rule_verify: Callable
-    kv_cache_write: Callable
-    paged_attention: Callable
-    fp8_block_dequant: Callable
-    fp8_act_quant: Callable
-    fp8_linear: Callable
-    fp8_kv_quant: Callable
-    fp8_kv_dequant: Callable
+    rms_norm: sig.RmsNorm
+    gated_rms_norm: sig.GatedRmsNorm
+    rope: sig.Rope
+    silu_and_mul: sig.SiluAndMul
+    moe_router: sig.MoeRouter
+    moe_experts: sig.MoeExperts
+    gdn_gating: sig.GdnGating
+    l2norm: sig.L2Norm
+    causal_conv1d_varlen: sig.CausalConv1dVarlen
+    causal_conv1d_update: sig.CausalConv1dUpdate
+    gated_delta_rule_chunked: sig.GatedDeltaRuleChunked
+    gated_delta_rule_recurrent: sig.GatedDeltaRuleRecurrent
+    gated_delta_rule_verify: sig.GatedDeltaRuleVerify
+    kv_cache_write: sig.KvCacheWrite
+    paged_attention: sig.PagedAttention
+    fp8_block_dequant: sig.Fp8BlockDequant
+    fp8_act_quant: sig.Fp8ActQuant
+    fp8_linear: sig.Fp8Linear
+    fp8_kv_quant: sig.Fp8KvQuant
+    fp8_kv_dequant: sig.Fp8KvDequant
     backends: Mapping[str, str] = field(repr=False, compare=False, default_factory=dict)
 
     def backend_of(self, op: str) -> str:
