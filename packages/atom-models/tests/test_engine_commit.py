@@ -106,8 +106,8 @@ def test_reused_slot_commits_nothing_from_its_previous_owner(model_dir, greedy_c
             held[r.request_id].add(r.slot)
         if a_id in info.finished:
             assert a.slot == -1 and eng.caches.slots.num_free == 1
-            layer = next(iter(eng.caches.pending))
-            pending_after_a = eng.caches.pending[layer][0].clone()
+            layer = next(iter(eng.caches.gdn))
+            pending_after_a = eng.caches.gdn[layer].pending[0].clone()
     assert held == {a_id: {0}, b_id: {0}}
     assert pending_after_a is not None and pending_after_a.abs().amax(dim=-1).gt(0).all(), (
         "the first request left no full pending row: the test would not exercise a stale slot"

@@ -110,15 +110,16 @@ def test_gdn_state_is_one_slot_per_sequence_plus_pending(model_dir, k):
     caches = _caches(cfg, k)
     assert set(caches.gdn) == set(cfg.linear_attention_layers)
     hv, dv, dk = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim
-    for conv, ssm in caches.gdn.values():
+    for state in caches.gdn.values():
+        conv, ssm = state.conv, state.ssm
         assert conv.shape == (5, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1 + k), conv.shape
         assert ssm.shape == (5, hv, dv, dk) and ssm.dtype == torch.float32, ssm.shape
     p = cfg.linear_num_key_heads * dk + hv * dv + hv  # [k | u | g] per pending token
     if k == 0:
-        assert caches.pending == {}
+        assert all(state.pending is None for state in caches.gdn.values())
     else:
-        assert set(caches.pending) == set(cfg.linear_attention_layers)
-        for pend in caches.pending.values():
+        for state in caches.gdn.values():
+            pend = state.pending
             assert pend.shape == (5, 1 + k, p) and pend.dtype == torch.float32, pend.shape
     per_seq = caches.gdn_bytes_per_seq()
     layers = len(cfg.linear_attention_layers)

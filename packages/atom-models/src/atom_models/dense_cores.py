@@ -14,6 +14,10 @@ import torch
 from atom_core import Qwen3NextConfig
 from torch import nn
 
+from atom_models.gdn_meta import GDNPrefillMeta, GDNWeights
+from atom_models.gdn_pipeline import gdn_prefill
+from atom_models.gdn_state import GDNGeometry, GDNLayerState
+
 
 @dataclass(frozen=True)
 class DenseContext:
@@ -70,40 +74,27 @@ class DenseAttentionCore(nn.Module):
 
 
 class DenseGDNCore(nn.Module):
-    """conv1d + gated delta rule (chunked) over each whole sequence, starting from zero state."""
+    """The GDN pipeline's prefill over each whole sequence, from a zero state made for the call."""
 
     def __init__(self, config: Qwen3NextConfig, kernels):
         super().__init__()
         self.kernels = kernels
+        self.geometry = GDNGeometry.from_config(config)
 
-    def forward(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, layer, ctx) -> torch.Tensor:
-        kern = self.kernels
+    def forward(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, weights: GDNWeights, ctx):
         lens = _seq_lens(ctx, mixed_qkv.shape[0])
         n, dev = len(lens), mixed_qkv.device
-        cu = DenseContext(lens).cu_seqlens(dev)
-        idx = torch.arange(n, dtype=torch.int32, device=dev)
-        fresh = torch.zeros(n, dtype=torch.bool, device=dev)
-        conv_state = torch.zeros(
-            n, layer.conv_dim, layer.conv_kernel_size - 1, dtype=mixed_qkv.dtype, device=dev
+        state = GDNLayerState.allocate(
+            self.geometry, n, conv_dtype=mixed_qkv.dtype, ssm_dtype=torch.float32, device=dev
         )
-        x = kern.causal_conv1d_varlen(
-            mixed_qkv,
-            layer.conv1d.weight.squeeze(1),
-            layer.conv1d.bias,
-            cu,
-            conv_state,
-            idx,
-            fresh,
-            activation="silu",
+        meta = GDNPrefillMeta(
+            num_seqs=n,
+            num_tokens=mixed_qkv.shape[0],
+            cu_seqlens=DenseContext(lens).cu_seqlens(dev),
+            state_indices=torch.arange(n, dtype=torch.int32, device=dev),
+            has_initial_state=torch.zeros(n, dtype=torch.bool, device=dev),
         )
-        q, k, v = layer.split_qkv(x)
-        g, beta = kern.gdn_gating(layer.A_log, a, layer.dt_bias, b)
-        ssm = torch.zeros(
-            n, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim, dtype=torch.float32, device=dev
-        )
-        return kern.gated_delta_rule_chunked(
-            q, k, v, g, beta, cu, ssm, idx, fresh, scale=layer.head_k_dim**-0.5, use_qk_l2norm=True
-        )
+        return gdn_prefill(self.kernels, self.geometry, weights, state, mixed_qkv, b, a, meta)
 
 
 class DenseCoreFactory:

@@ -1,4 +1,5 @@
-"""Gated DeltaNet token mixer of Qwen3-Next (HF ``Qwen3NextGatedDeltaNet``); conv + recurrence live in a core."""
+"""Gated DeltaNet token mixer of Qwen3-Next (HF ``Qwen3NextGatedDeltaNet``); conv + recurrence live in a core
+(which runs ``atom_models.gdn_pipeline`` over its own state)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 from atom_core import Qwen3NextConfig
 from torch import nn
 
+from atom_models.gdn_meta import GDNWeights
 from atom_models.modules import Linear
 
 
@@ -33,7 +35,8 @@ class GatedDeltaNet(nn.Module):
     Checkpoint layout (kept as is): ``in_proj_qkvz`` rows are grouped per key head g,
     ``[q_g (Dk) | k_g (Dk) | v_g (r*Dv) | z_g (r*Dv)]`` with ``r = Hv / Hk``, and ``in_proj_ba`` rows are
     ``[b_g (r) | a_g (r)]`` per key head (HF ``fix_query_key_value_ordering``). The core receives the
-    pre-conv ``mixed_qkv = [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]`` and ``b``, ``a`` as ``[T, Hv]``.
+    pre-conv ``mixed_qkv = [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]``, ``b``, ``a`` as ``[T, Hv]``, the
+    :class:`GDNWeights` it needs (:meth:`gdn_weights`) and ``ctx``; it returns ``o[T, Hv, Dv]``.
     """
 
     def __init__(self, config: Qwen3NextConfig, layer_idx: int, core: nn.Module, kernels, dtype=None):
@@ -70,15 +73,13 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return mixed_qkv, z.reshape(t, self.num_v_heads, dv), b.reshape(t, -1), a.reshape(t, -1)
 
-    def split_qkv(self, x: torch.Tensor):
-        """Post-conv ``x[..., C]`` (``[q | k | v]``) -> ``q[..., Hk, Dk]``, ``k[..., Hk, Dk]``, ``v[..., Hv, Dv]``
-        (for cores: the layout of ``mixed_qkv`` after the conv)."""
-        q, k, v = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        lead = x.shape[:-1]
-        return (
-            q.reshape(*lead, self.num_k_heads, self.head_k_dim),
-            k.reshape(*lead, self.num_k_heads, self.head_k_dim),
-            v.reshape(*lead, self.num_v_heads, self.head_v_dim),
+    def gdn_weights(self) -> GDNWeights:
+        """The parameters the core's pipeline reads (conv weight as ``[C, K]``)."""
+        return GDNWeights(
+            conv_weight=self.conv1d.weight.view(self.conv_dim, self.conv_kernel_size),
+            conv_bias=self.conv1d.bias,
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx) -> torch.Tensor:
@@ -86,6 +87,6 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv, z, b, a = self.split_projections(
             self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
         )
-        o = self.core(mixed_qkv, b.contiguous(), a.contiguous(), self, ctx)
+        o = self.core(mixed_qkv, b.contiguous(), a.contiguous(), self.gdn_weights(), ctx)
         o = self.kernels.gated_rms_norm(o, z.contiguous(), self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(t, self.value_dim))

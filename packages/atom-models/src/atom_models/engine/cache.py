@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 from atom_core import Qwen3NextConfig
-from atom_kernels.ops.gated_delta_rule import pending_width
+
+from atom_models.gdn_state import GDNGeometry, GDNLayerState
 
 
 class BlockAllocator:
@@ -70,12 +71,10 @@ class EngineCaches:
 
     - ``kv[layer] = (key_cache, value_cache)`` ``[num_blocks, block_size, Hkv, D]`` for every full-attention
       layer (target and MTP);
-    - ``gdn[layer] = (conv_state[S, C, K - 1 + k], ssm_state[S, Hv, Dv, Dk])`` for every GDN layer: the conv
-      update keeps the last ``K - 1 + k`` inputs and resumes at ``num_accepted``; ONE committed recurrent
-      state per sequence;
-    - ``pending[layer] = [S, 1 + k, P]`` float32 (only with MTP, k > 0): the raw inputs of the sequence's
-      last verify step, committed by ``gated_delta_rule_verify`` at the start of the next one
-      (``P = pending_width(Hk, Dk, Hv, Dv)``; docs/kernel-api.md, deferred commit).
+    - ``gdn[layer]``: a :class:`~atom_models.gdn_state.GDNLayerState` for every GDN layer, shaped by
+      ``gdn_geometry`` (conv ``[S, C, K - 1 + k]``, ONE committed recurrent state ``[S, Hv, Dv, Dk]`` per
+      sequence, and with MTP (k > 0) the float32 pending tokens ``[S, 1 + k, P]`` of the sequence's last
+      verify step).
     """
 
     def __init__(
@@ -93,7 +92,6 @@ class EngineCaches:
     ):
         self.block_size = block_size
         self.num_blocks = num_blocks
-        k = num_speculative_tokens
         kv_shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         attn_layers = list(config.full_attention_layers)
         if with_mtp:
@@ -105,44 +103,25 @@ class EngineCaches:
             )
             for i in attn_layers
         }
-        conv_shape = (max_num_seqs, config.linear_conv_dim, config.linear_conv_kernel_dim - 1 + k)
-        ssm_shape = (
-            max_num_seqs,
-            config.linear_num_value_heads,
-            config.linear_value_head_dim,
-            config.linear_key_head_dim,
-        )
+        self.gdn_geometry = GDNGeometry.from_config(config, num_speculative_tokens)
         self.gdn = {
-            i: (
-                torch.zeros(conv_shape, dtype=dtype, device=device),
-                torch.zeros(ssm_shape, dtype=ssm_dtype, device=device),
+            i: GDNLayerState.allocate(
+                self.gdn_geometry, max_num_seqs, conv_dtype=dtype, ssm_dtype=ssm_dtype, device=device
             )
             for i in config.linear_attention_layers
         }
-        self.pending: dict[int, torch.Tensor] = {}
-        if k > 0:
-            width = pending_width(
-                config.linear_num_key_heads,
-                config.linear_key_head_dim,
-                config.linear_num_value_heads,
-                config.linear_value_head_dim,
-            )
-            self.pending = {
-                i: torch.zeros(max_num_seqs, 1 + k, width, dtype=torch.float32, device=device)
-                for i in config.linear_attention_layers
-            }
         self.blocks = BlockAllocator(num_blocks)
         self.slots = SlotAllocator(max_num_seqs)
 
     def gdn_bytes_per_seq(self) -> dict[str, int]:
         """Bytes of GDN state one sequence holds, summed over the GDN layers: conv rows, recurrent state,
-        pending pool (one slot's row of each tensor)."""
+        pending tokens (one slot's row of each tensor)."""
 
-        def row_bytes(t: torch.Tensor) -> int:
-            return t[0].numel() * t.element_size()
+        def row_bytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t[0].numel() * t.element_size()
 
         return {
-            "conv": sum(row_bytes(conv) for conv, _ in self.gdn.values()),
-            "ssm": sum(row_bytes(ssm) for _, ssm in self.gdn.values()),
-            "pending": sum(row_bytes(p) for p in self.pending.values()),
+            "conv": sum(row_bytes(s.conv) for s in self.gdn.values()),
+            "ssm": sum(row_bytes(s.ssm) for s in self.gdn.values()),
+            "pending": sum(row_bytes(s.pending) for s in self.gdn.values()),
         }

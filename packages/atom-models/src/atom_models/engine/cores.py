@@ -8,6 +8,8 @@ from torch import nn
 
 from atom_models.engine.cache import EngineCaches
 from atom_models.engine.context import StepContext
+from atom_models.gdn_meta import GDNWeights
+from atom_models.gdn_pipeline import gdn_forward
 
 
 class PagedAttentionCore(nn.Module):
@@ -28,10 +30,7 @@ class PagedAttentionCore(nn.Module):
 
 
 class SlotGDNCore(nn.Module):
-    """Prefill tokens (first in the batch) go through the varlen conv + chunked rule, which writes the final
-    state to the sequence's slot; plain decode groups through the conv update + recurrent rule (Q = 1, the
-    slot updated in place); verify groups through the conv update (resuming at ``num_accepted``) +
-    ``gated_delta_rule_verify`` (deferred commit into the slot, pending tokens in ``caches.pending``)."""
+    """The GDN pipeline (``atom_models.gdn_pipeline``) over the layer's slots in the engine's caches."""
 
     def __init__(self, layer_idx: int, config: Qwen3NextConfig, caches: EngineCaches, kernels):
         super().__init__()
@@ -39,83 +38,11 @@ class SlotGDNCore(nn.Module):
         self.caches = caches
         self.kernels = kernels
 
-    def forward(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, layer, ctx: StepContext):
-        kern = self.kernels
-        conv_state, ssm_state = self.caches.gdn[self.layer_idx]
-        weight, bias = layer.conv1d.weight.squeeze(1), layer.conv1d.bias
-        scale = layer.head_k_dim**-0.5
-        g, beta = kern.gdn_gating(layer.A_log, a, layer.dt_bias, b)
-        out = mixed_qkv.new_empty(mixed_qkv.shape[0], layer.num_v_heads, layer.head_v_dim)
-        pre = ctx.gdn_prefill
-        if pre is not None and pre.num_tokens:
-            t = pre.num_tokens
-            x = kern.causal_conv1d_varlen(
-                mixed_qkv[:t],
-                weight,
-                bias,
-                pre.cu_seqlens,
-                conv_state,
-                pre.state_indices,
-                pre.has_initial_state,
-                activation="silu",
-            )
-            q, k, v = layer.split_qkv(x)
-            out[:t] = kern.gated_delta_rule_chunked(
-                q,
-                k,
-                v,
-                g[:t],
-                beta[:t],
-                pre.cu_seqlens,
-                ssm_state,
-                pre.state_indices,
-                pre.has_initial_state,
-                scale=scale,
-                use_qk_l2norm=True,
-            )
-        for grp in ctx.gdn_decode:
-            s, e = grp.start, grp.start + grp.num_seqs * grp.q_len
-            n, ql = grp.num_seqs, grp.q_len
-            x = kern.causal_conv1d_update(
-                mixed_qkv[s:e].view(n, ql, -1),
-                weight,
-                bias,
-                conv_state,
-                grp.state_indices,
-                grp.num_accepted,
-                activation="silu",
-            )
-            q, k, v = layer.split_qkv(x)
-            g_n, beta_n = g[s:e].view(n, ql, -1), beta[s:e].view(n, ql, -1)
-            if grp.num_commit is None:
-                o = kern.gated_delta_rule_recurrent(
-                    q,
-                    k,
-                    v,
-                    g_n,
-                    beta_n,
-                    ssm_state,
-                    grp.state_indices.view(n, 1),
-                    None,
-                    scale=scale,
-                    use_qk_l2norm=True,
-                )
-            else:
-                o = kern.gated_delta_rule_verify(
-                    q,
-                    k,
-                    v,
-                    g_n,
-                    beta_n,
-                    ssm_state,
-                    self.caches.pending[self.layer_idx],
-                    grp.state_indices,
-                    grp.num_commit,
-                    scale=scale,
-                    use_qk_l2norm=True,
-                )
-            out[s:e] = o.reshape(e - s, layer.num_v_heads, layer.head_v_dim)
-        return out
+    def forward(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, weights: GDNWeights, ctx):
+        if ctx.gdn is None:
+            raise ValueError(f"GDN layer {self.layer_idx}: the step context has no GDN metadata")
+        state = self.caches.gdn[self.layer_idx]
+        return gdn_forward(self.kernels, self.caches.gdn_geometry, weights, state, mixed_qkv, b, a, ctx.gdn)
 
 
 class EngineCoreFactory:

@@ -23,10 +23,11 @@ from atom_core import Qwen3NextConfig
 from atom_kernels import select_kernels
 
 from atom_models.engine.cache import EngineCaches
-from atom_models.engine.context import AttentionMeta, GDNDecodeGroup, GDNPrefill, StepContext
+from atom_models.engine.context import AttentionMeta, StepContext
 from atom_models.engine.cores import EngineCoreFactory
 from atom_models.engine.request import Request, SpecStats
 from atom_models.engine.sampling import SamplingParams, probs_from_logits, sample, verify_greedy, verify_probs
+from atom_models.gdn_meta import GDNDecodeMeta, GDNPrefillMeta, GDNStepMeta, GDNVerifyMeta
 from atom_models.generation_config import with_generation_eos
 from atom_models.loader import load_mtp, load_target
 from atom_models.qwen3_next import Qwen3NextForCausalLM
@@ -281,6 +282,39 @@ class LLMEngine:
     def _i32(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self.device)
 
+    def _gdn_step(
+        self, prefills: list[Request], decodes: list[Request], num_prefill_tokens: int
+    ) -> GDNStepMeta:
+        """The GDN pipeline's record for this step (built once, read by every GDN layer): the prompts
+        first in the flat batch, then ``decodes`` (sorted by ``num_spec``) in contiguous groups of equal
+        q_len: plain decodes (requests without MTP) and verifications (1 + drafts tokens each)."""
+        prefill = None
+        if prefills:
+            cu = [0, *itertools.accumulate(len(r.prompt_ids) for r in prefills)]
+            prefill = GDNPrefillMeta(
+                num_seqs=len(prefills),
+                num_tokens=num_prefill_tokens,
+                cu_seqlens=self._i32(cu),
+                state_indices=self._i32([r.slot for r in prefills]),
+                has_initial_state=torch.zeros(len(prefills), dtype=torch.bool, device=self.device),
+            )
+        plain: list[GDNDecodeMeta] = []
+        verifies: list[GDNVerifyMeta] = []
+        offset = num_prefill_tokens
+        for (verify, ql), grp in itertools.groupby(
+            decodes, key=lambda r: (r.num_spec > 0, 1 + len(r.drafts))
+        ):
+            grp = list(grp)
+            slots = self._i32([r.slot for r in grp])
+            if verify:
+                # tokens accepted in the previous step; 1 after the prefill, whose state is committed
+                accepted = self._i32([max(1, r.num_accepted) for r in grp])
+                verifies.append(GDNVerifyMeta(len(grp), ql, slots, accepted, token_start=offset))
+            else:
+                plain.append(GDNDecodeMeta(len(grp), slots, token_start=offset))
+            offset += len(grp) * ql
+        return GDNStepMeta(prefill=prefill, decodes=tuple(plain), verifies=tuple(verifies))
+
     # ---- one step ------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> StepInfo:
@@ -298,48 +332,18 @@ class LLMEngine:
             positions += range(n)
             seqs.append((req, 0, n))
         num_prefill_tokens = len(ids)
-        groups: list[GDNDecodeGroup] = []
         for req in decodes:
             q = [req.all_ids[-1], *req.drafts]
             start = req.num_computed
             ids += q
             positions += range(start, start + len(q))
             seqs.append((req, start, len(q)))
-        # GDN decode groups: plain decodes (requests without MTP) and verifications (deferred commit) of
-        # each q_len; with ``decodes`` sorted by num_spec each group is contiguous
-        offset = num_prefill_tokens
-        for (verify, ql), grp in itertools.groupby(
-            decodes, key=lambda r: (r.num_spec > 0, 1 + len(r.drafts))
-        ):
-            grp = list(grp)
-            groups.append(
-                GDNDecodeGroup(
-                    start=offset,
-                    num_seqs=len(grp),
-                    q_len=ql,
-                    state_indices=self._i32([r.slot for r in grp]),
-                    num_accepted=self._i32([max(1, r.num_accepted) for r in grp]),
-                    # after the prefill (num_accepted 0) the state is committed and nothing is pending
-                    num_commit=self._i32([r.num_accepted for r in grp]) if verify else None,
-                )
-            )
-            offset += len(grp) * ql
-        gdn_prefill = None
-        if prefills:
-            cu = [0]
-            for req in prefills:
-                cu.append(cu[-1] + len(req.prompt_ids))
-            gdn_prefill = GDNPrefill(
-                num_tokens=num_prefill_tokens,
-                cu_seqlens=self._i32(cu),
-                state_indices=self._i32([r.slot for r in prefills]),
-                has_initial_state=torch.zeros(len(prefills), dtype=torch.bool, device=self.device),
-            )
+        gdn = self._gdn_step(prefills, decodes, num_prefill_tokens)
         tables = self._block_tables([r for r, _, _ in seqs])
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         attn = self._attn_meta(tables, pos, [n for _, _, n in seqs])
-        ctx = StepContext(attn=attn, gdn_prefill=gdn_prefill, gdn_decode=tuple(groups))
+        ctx = StepContext(attn=attn, gdn=gdn)
         hidden = self.target(input_ids, pos, ctx)
         new_ids = {r.request_id for r in prefills}
         # logits only where a token is sampled: a prompt's last row, every row of a decode/verify
