@@ -26,6 +26,7 @@ from atom_kernels.ops.gated_delta_rule import pending_width  # noqa: E402
 from atom_models.dense_cores import DenseContext, DenseGDNCore  # noqa: E402
 from atom_models.gdn import GatedDeltaNet  # noqa: E402
 from atom_vllm_plugin.layers.gdn import AtomGDNCore  # noqa: E402
+from atom_vllm_plugin.layers.gdn_backend import AtomGDNAttentionMetadata, gdn_step_from_vllm  # noqa: E402
 from atom_vllm_plugin.layers.gdn_state import GDNStateSpec  # noqa: E402
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
 from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
@@ -85,7 +86,9 @@ def _tokens(n: int, layer) -> dict[str, torch.Tensor]:
 
 def _dense(layer, kern, seq: dict[str, torch.Tensor]) -> torch.Tensor:
     n = seq["x"].shape[0]
-    return DenseGDNCore(None, kern)(seq["x"], seq["b"], seq["a"], layer, DenseContext((n,)))
+    return DenseGDNCore(_config(), kern)(
+        seq["x"], seq["b"], seq["a"], layer.gdn_weights(), DenseContext((n,))
+    )
 
 
 def _cat(*parts):
@@ -96,11 +99,17 @@ def _sl(seq, lo, hi):
     return {key: v[lo:hi] for key, v in seq.items()}
 
 
-def _md(**kw) -> GDNAttentionMetadata:
+def _md(query_start_loc, **kw) -> AtomGDNAttentionMetadata:
+    """vLLM's metadata as its builder would make it, translated the way ours does (``query_start_loc``:
+    the batch's token offsets on the host)."""
     base = dict(num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0, num_spec_decodes=0,
                 num_spec_decode_tokens=0, num_actual_tokens=0)  # fmt: skip
     base.update(kw)
-    return GDNAttentionMetadata(**base)
+    if base.get("spec_sequence_masks") is not None:
+        base["spec_sequence_masks_cpu"] = base["spec_sequence_masks"]
+    md = GDNAttentionMetadata(**base)
+    step = gdn_step_from_vllm(md, _i32(query_start_loc))
+    return AtomGDNAttentionMetadata(**vars(md), step=step)
 
 
 def _i32(x):
@@ -114,10 +123,10 @@ def test_prefill_verify_and_mixed_resume(setup):
 
     # step 1: prefill A[:5], B[:4]
     batch = _cat(_sl(A, 0, 5), _sl(B, 0, 4))
-    md = _md(num_prefills=2, num_prefill_tokens=9, num_actual_tokens=9, prefill_query_start_loc=_i32([0, 5, 9]),
+    md = _md([0, 5, 9], num_prefills=2, num_prefill_tokens=9, num_actual_tokens=9, prefill_query_start_loc=_i32([0, 5, 9]),
              prefill_state_indices=_i32([SLOTS["A"][0], SLOTS["B"][0]]), prefill_has_initial_state=torch.tensor([False, False]),
              non_spec_state_indices_tensor=_i32([SLOTS["A"][0], SLOTS["B"][0]]))  # fmt: skip
-    out = core.run(md, batch["x"], batch["b"], batch["a"], layer)
+    out = core.run(md, batch["x"], batch["b"], batch["a"], layer.gdn_weights())
     err = (out[:5] - _dense(layer, kern, _sl(A, 0, 5))).abs().max().item()
     assert err < atol, f"prefill A: max error {err}"
     err = (out[5:] - _dense(layer, kern, _sl(B, 0, 4))).abs().max().item()
@@ -125,10 +134,11 @@ def test_prefill_verify_and_mixed_resume(setup):
 
     # step 2: verify 3 tokens each (A[5:8], B[4:7]), nothing accepted before (num_accepted = 1)
     batch = _cat(_sl(A, 5, 8), _sl(B, 4, 7))
-    md = _md(num_spec_decodes=2, num_spec_decode_tokens=6, num_actual_tokens=6, spec_sequence_masks=torch.tensor([True, True]),
+    md = _md([0, 3, 6], num_spec_decodes=2, num_spec_decode_tokens=6, num_actual_tokens=6, spec_sequence_masks=torch.tensor([True, True]),
              spec_query_start_loc=_i32([0, 3, 6]), spec_state_indices_tensor=_i32([SLOTS["A"], SLOTS["B"]]),
              num_accepted_tokens=_i32([1, 1]))  # fmt: skip
-    out = core.run(md, batch["x"], batch["b"], batch["a"], layer)
+    assert md.step.verifies[0].gather_index is None, "a uniform spec-only batch is one contiguous block"
+    out = core.run(md, batch["x"], batch["b"], batch["a"], layer.gdn_weights())
     err = (out[:3] - _dense(layer, kern, _sl(A, 0, 8))[5:8]).abs().max().item()
     assert err < atol, f"verify A: max error {err}"
     err = (out[3:] - _dense(layer, kern, _sl(B, 0, 7))[4:7]).abs().max().item()
@@ -141,13 +151,22 @@ def test_prefill_verify_and_mixed_resume(setup):
     batch = _cat(_sl(A2, 8, 11), C, _sl(B2, 6, 7))
     spec_idx = torch.tensor([0, 1, 2, 9], dtype=torch.int32)
     non_spec_idx = torch.arange(3, 9, dtype=torch.int32)
-    md = _md(num_prefills=1, num_prefill_tokens=6, num_spec_decodes=2, num_spec_decode_tokens=4, num_actual_tokens=10,
+    md = _md([0, 3, 9, 10], num_prefills=1, num_prefill_tokens=6, num_spec_decodes=2, num_spec_decode_tokens=4, num_actual_tokens=10,
              spec_sequence_masks=torch.tensor([True, False, True]), spec_token_indx=spec_idx, non_spec_token_indx=non_spec_idx,
              spec_query_start_loc=_i32([0, 3, 4]), spec_state_indices_tensor=_i32([SLOTS["A"], SLOTS["B"]]),
              num_accepted_tokens=_i32([3, 2]), non_spec_state_indices_tensor=_i32([SLOTS["C"][0]]),
              prefill_query_start_loc=_i32([0, 6]), prefill_state_indices=_i32([SLOTS["C"][0]]),
              prefill_has_initial_state=torch.tensor([False]))  # fmt: skip
-    out = core.run(md, batch["x"], batch["b"], batch["a"], layer)
+    ver = md.step.verifies[0]
+    assert ver.gather_index.tolist() == [0, 1, 2, 9, 9, 9] and ver.scatter_index.tolist() == [
+        0,
+        1,
+        2,
+        9,
+        -1,
+        -1,
+    ]
+    out = core.run(md, batch["x"], batch["b"], batch["a"], layer.gdn_weights())
     err = (out[0:3] - _dense(layer, kern, A2)[8:11]).abs().max().item()
     assert err < atol, f"resumed verify A (num_accepted=3): max error {err}"
     err = (out[3:9] - _dense(layer, kern, C)).abs().max().item()
@@ -158,9 +177,9 @@ def test_prefill_verify_and_mixed_resume(setup):
     # step 4: A kept all 3 again and gets no drafts: a batch of one 1-token row resuming from column 2
     A3 = _cat(A2, _tokens(1, layer))  # position 11
     batch = _sl(A3, 11, 12)
-    md = _md(num_spec_decodes=1, num_spec_decode_tokens=1, num_actual_tokens=1, spec_sequence_masks=torch.tensor([True]),
+    md = _md([0, 1], num_spec_decodes=1, num_spec_decode_tokens=1, num_actual_tokens=1, spec_sequence_masks=torch.tensor([True]),
              spec_query_start_loc=_i32([0, 1]), spec_state_indices_tensor=_i32([SLOTS["A"]]), num_accepted_tokens=_i32([3]))  # fmt: skip
-    out = core.run(md, batch["x"], batch["b"], batch["a"], layer)
+    out = core.run(md, batch["x"], batch["b"], batch["a"], layer.gdn_weights())
     err = (out[0] - _dense(layer, kern, A3)[11]).abs().max().item()
     assert err < atol, f"1-token batch resuming at num_accepted=3: max error {err}"
     for i, t in enumerate(core.kv_cache):
@@ -198,51 +217,36 @@ def test_prefill_resets_pending_of_real_slots_only(setup):
     state = GDNStateSpec.from_config(_config(), K_SPEC, torch.float32, torch.float32)
     core = AtomGDNCore("model.layers.0.linear_attn", state, kern)
     _bind(core, 4)
-    pending = core.pending()
+    pending = core.layer_state().pending
     pending.fill_(7.0)
     seq = _tokens(7, layer)
-    md = _md(num_prefills=2, num_prefill_tokens=7, num_actual_tokens=7, prefill_query_start_loc=_i32([0, 4, 7]),
+    md = _md([0, 4, 7], num_prefills=2, num_prefill_tokens=7, num_actual_tokens=7, prefill_query_start_loc=_i32([0, 4, 7]),
              prefill_state_indices=_i32([2, -1]), prefill_has_initial_state=torch.tensor([False, False]),
              non_spec_state_indices_tensor=_i32([2, -1]))  # fmt: skip
-    core.run(md, seq["x"], seq["b"], seq["a"], layer)
+    core.run(md, seq["x"], seq["b"], seq["a"], layer.gdn_weights())
     assert not pending[2, 0].any(), "pending[2, 0] is not the identity token after the prefill of slot 2"
     untouched = torch.ones_like(pending, dtype=torch.bool)
     untouched[2, 0] = False
     assert (pending[untouched] == 7.0).all(), "the prefill changed pending entries of other slots"
 
 
-@pytest.mark.parametrize(
-    "slots, zeroed",
-    [([-1, 3, -1, 1], [1, 3]), ([-1, -1], []), ([0, -1], [0]), ([2, 2, -1], [2]), ([], [])],
-    ids=["mixed", "padding_only", "slot0_and_padding", "repeated", "empty"],
-)
-def test_reset_pending_without_boolean_indexing(setup, slots, zeroed):
-    """The sync-free reset: exactly the real slots' ``pending[s, 0]`` become zero; padding rows change
-    nothing (also in a batch of padding only, and when slot 0 is real)."""
-    _, kern, _, _ = setup
-    state = GDNStateSpec.from_config(_config(), K_SPEC, torch.float32, torch.float32)
-    core = AtomGDNCore("model.layers.0.linear_attn", state, kern)
-    _bind(core, 4)
-    pending = core.pending()
-    pending.copy_(torch.arange(pending.numel(), dtype=torch.float32).view_as(pending) + 1.0)
-    before = pending.clone()
-    core._reset_pending(_i32(slots))
-    expect = before.clone()
-    expect[zeroed, 0] = 0.0
-    assert torch.equal(pending, expect), (
-        f"slots {slots}: rows changed {sorted(set((pending != expect).nonzero()[:, 0].tolist()))}"
-    )
-
-
 def test_mismatched_metadata_type_is_rejected(setup):
     _, _, layer, core = setup
-    with pytest.raises(TypeError, match="GDNAttentionMetadata"):
-        core.run(object(), torch.zeros(1, layer.conv_dim), torch.zeros(1, 4), torch.zeros(1, 4), layer)
+    with pytest.raises(TypeError, match="AtomGDNAttentionMetadata"):
+        core.run(
+            object(),
+            torch.zeros(1, layer.conv_dim),
+            torch.zeros(1, 4),
+            torch.zeros(1, 4),
+            layer.gdn_weights(),
+        )
 
 
 def test_profiling_run_returns_zeros(setup):
     _, _, layer, core = setup
-    out = core.run(None, torch.randn(3, layer.conv_dim), torch.randn(3, 4), torch.randn(3, 4), layer)
+    out = core.run(
+        None, torch.randn(3, layer.conv_dim), torch.randn(3, 4), torch.randn(3, 4), layer.gdn_weights()
+    )
     assert out.shape == (3, layer.num_v_heads, layer.head_v_dim) and not out.any()
 
 
@@ -278,23 +282,27 @@ def test_plain_decodes_after_prefill(setup, k):
     _bind(core, 2)
     assert len(core.kv_cache) == (3 if k else 2)
     A = _tokens(8, layer)
-    md = _md(num_prefills=1, num_prefill_tokens=4, num_actual_tokens=4, prefill_query_start_loc=_i32([0, 4]),
+    md = _md([0, 4], num_prefills=1, num_prefill_tokens=4, num_actual_tokens=4, prefill_query_start_loc=_i32([0, 4]),
              prefill_state_indices=_i32([1]), prefill_has_initial_state=torch.tensor([False]),
              non_spec_state_indices_tensor=_i32([1]))  # fmt: skip
-    core.run(md, A["x"][:4], A["b"][:4], A["a"][:4], layer)
+    core.run(md, A["x"][:4], A["b"][:4], A["a"][:4], layer.gdn_weights())
     want = _dense(layer, kern, A)
     for t in (4, 5):
         if k:
-            core.pending()[1].fill_(3.0)  # stale pending tokens must not survive a plain decode
+            core.layer_state().pending[1].fill_(3.0)  # stale pending tokens must not survive a plain decode
         md = _md(
-            num_decodes=1, num_decode_tokens=1, num_actual_tokens=1, non_spec_state_indices_tensor=_i32([1])
+            [0, 1],
+            num_decodes=1,
+            num_decode_tokens=1,
+            num_actual_tokens=1,
+            non_spec_state_indices_tensor=_i32([1]),
         )
-        out = core.run(md, A["x"][t : t + 1], A["b"][t : t + 1], A["a"][t : t + 1], layer)
+        out = core.run(md, A["x"][t : t + 1], A["b"][t : t + 1], A["a"][t : t + 1], layer.gdn_weights())
         err = (out[0] - want[t]).abs().max().item()
         assert err < atol, f"k={k}: plain decode of token {t}: max error {err}"
     if k:
-        md = _md(num_spec_decodes=1, num_spec_decode_tokens=2, num_actual_tokens=2, spec_sequence_masks=torch.tensor([True]),
+        md = _md([0, 2], num_spec_decodes=1, num_spec_decode_tokens=2, num_actual_tokens=2, spec_sequence_masks=torch.tensor([True]),
                  spec_query_start_loc=_i32([0, 2]), spec_state_indices_tensor=_i32([[1]]), num_accepted_tokens=_i32([1]))  # fmt: skip
-        out = core.run(md, A["x"][6:8], A["b"][6:8], A["a"][6:8], layer)
+        out = core.run(md, A["x"][6:8], A["b"][6:8], A["a"][6:8], layer.gdn_weights())
         err = (out - want[6:8]).abs().max().item()
         assert err < atol, f"verify after plain decodes (one-column state indices): max error {err}"

@@ -1,21 +1,148 @@
-"""ATOM's Gated DeltaNet backend for vLLM: vLLM's GDN metadata format, our builder class.
+"""ATOM's Gated DeltaNet backend for vLLM: vLLM's GDN metadata, plus the GDN pipeline's per-step record.
 
-vLLM's ``GDNAttentionMetadata`` already describes exactly what our GDN core needs (prefill / decode /
-spec-decode split, per-request state slots (one column: ``AtomGDNCore.get_kv_cache_spec`` asks for no
-speculative state blocks, and deferred-commit verification needs only the request's own slot),
-``num_accepted_tokens``, spec / non-spec token index lists for mixed batches), and the model runner passes
-``num_accepted_tokens`` / ``num_decode_draft_tokens_cpu`` only to builders that are instances of
-``GDNAttentionMetadataBuilder``. So our builder subclasses it; the backend is ours so the layers name
-their own builder and never reach vLLM's kernels.
+vLLM's model runner passes ``num_accepted_tokens`` / ``num_decode_draft_tokens_cpu`` only to builders that
+are instances of ``GDNAttentionMetadataBuilder``, so our builder subclasses it. After vLLM's own ``build``
+it translates the result ONCE per step into ``atom_models``' :class:`GDNStepMeta` (host work on vLLM's
+CPU copies of the batch layout, one copy into persistent device buffers), which every GDN layer of the
+group then reads without host work. The layers name this backend, so they never reach vLLM's kernels.
+
+Deferred-commit verification needs only the request's own slot: ``AtomGDNCore.get_kv_cache_spec`` asks for
+no speculative state blocks, so column 0 of vLLM's spec state indices is the slot.
 """
 
 from __future__ import annotations
 
-from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend, GDNAttentionMetadataBuilder
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+from atom_models.gdn_meta import GDNDecodeMeta, GDNPrefillMeta, GDNStepMeta, GDNVerifyMeta
+from vllm.v1.attention.backends.gdn_attn import (
+    GDNAttentionBackend,
+    GDNAttentionMetadata,
+    GDNAttentionMetadataBuilder,
+)
+
+
+@dataclass
+class AtomGDNAttentionMetadata(GDNAttentionMetadata):
+    """vLLM's GDN metadata with the GDN pipeline's record for the same step."""
+
+    step: GDNStepMeta | None = None
+
+
+class StepBuffers:
+    """Persistent device buffers the per-step verify indices are copied into (``max_seqs`` requests of up
+    to ``max_q`` tokens), so the record's tensors keep their addresses from step to step."""
+
+    def __init__(self, max_seqs: int, max_q: int, device: torch.device):
+        self.slots = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.num_accepted = torch.ones(max_seqs, dtype=torch.int32, device=device)
+        self.gather = torch.zeros(max_seqs * max_q, dtype=torch.int64, device=device)
+        self.scatter = torch.zeros(max_seqs * max_q, dtype=torch.int64, device=device)
+
+
+def _put(buf: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
+    """``src`` copied into the front of ``buf`` (a view of it); ``src`` itself (contiguous) without a buffer
+    or where it does not fit."""
+    if buf is None or src.shape[0] > buf.shape[0]:
+        return src.contiguous()
+    out = buf[: src.shape[0]]
+    out.copy_(src, non_blocking=True)
+    return out
+
+
+def _verify_meta(
+    md: GDNAttentionMetadata, query_start_loc_cpu: torch.Tensor, bufs: StepBuffers | None
+) -> GDNVerifyMeta:
+    """The spec rows of ``md`` (the first ``num_spec_decodes`` rows flagged in ``spec_sequence_masks_cpu``)
+    as one verify part of ``Q = max(lens)`` tokens; ragged or scattered rows get gather/scatter indices."""
+    n = md.num_spec_decodes
+    dev = md.spec_state_indices_tensor.device
+    qsl = query_start_loc_cpu.numpy().astype(np.int64)
+    mask = md.spec_sequence_masks_cpu.numpy().astype(bool)
+    rows = np.arange(mask.shape[0])[mask][:n]
+    starts = qsl[rows]
+    lens = qsl[rows + 1] - starts
+    q_len = int(max(int(lens.max()), 1))
+    slots = md.spec_state_indices_tensor[:n, 0].to(torch.int32)
+    accepted = md.num_accepted_tokens[:n].to(torch.int32)
+    b_slots = None if bufs is None else bufs.slots
+    b_acc = None if bufs is None else bufs.num_accepted
+    slots, accepted = _put(b_slots, slots), _put(b_acc, accepted)
+    if bool((lens == q_len).all()) and bool((starts == starts[0] + q_len * np.arange(n)).all()):
+        return GDNVerifyMeta(n, q_len, slots, accepted, token_start=int(starts[0]))
+    col = np.arange(q_len)[None, :]
+    gather = starts[:, None] + np.minimum(col, np.maximum(lens - 1, 0)[:, None])
+    scatter = np.where(col < lens[:, None], starts[:, None] + col, -1)
+    gather_t = torch.from_numpy(gather.reshape(-1)).to(dev)
+    scatter_t = torch.from_numpy(scatter.reshape(-1)).to(dev)
+    if bufs is not None:
+        gather_t, scatter_t = _put(bufs.gather, gather_t), _put(bufs.scatter, scatter_t)
+    return GDNVerifyMeta(n, q_len, slots, accepted, gather_index=gather_t, scatter_index=scatter_t)
+
+
+def gdn_step_from_vllm(
+    md: GDNAttentionMetadata, query_start_loc_cpu: torch.Tensor, bufs: StepBuffers | None = None
+) -> GDNStepMeta:
+    """Translate vLLM's GDN metadata of one step (``query_start_loc_cpu``: the batch's ``[num_reqs + 1]``
+    token offsets on the host) into the pipeline's record.
+
+    Without spec rows vLLM puts the one-token decodes first, then the prompt chunks (contiguous). With spec
+    rows (verifications) it counts every other row as a prefill (a one-token one included), and the two
+    kinds may interleave: ``non_spec_token_indx`` lists the prefill rows.
+    """
+    prefill = None
+    if md.num_prefills > 0:
+        n = md.num_prefills
+        token_index = None
+        if md.spec_sequence_masks is not None and md.num_spec_decodes > 0:
+            token_index = md.non_spec_token_indx[: md.num_prefill_tokens].long()
+        prefill = GDNPrefillMeta(
+            num_seqs=n,
+            num_tokens=md.num_prefill_tokens,
+            cu_seqlens=md.prefill_query_start_loc[: n + 1].to(torch.int32),
+            state_indices=md.prefill_state_indices[:n].to(torch.int32),
+            has_initial_state=md.prefill_has_initial_state[:n],
+            token_start=md.num_decode_tokens,
+            token_index=token_index,
+        )
+    decodes: tuple[GDNDecodeMeta, ...] = ()
+    if md.num_decodes > 0:
+        slots = md.non_spec_state_indices_tensor[: md.num_decodes].to(torch.int32)
+        decodes = (GDNDecodeMeta(md.num_decodes, _put(None if bufs is None else bufs.slots, slots)),)
+    verifies: tuple[GDNVerifyMeta, ...] = ()
+    if md.spec_sequence_masks is not None and md.num_spec_decodes > 0:
+        verifies = (_verify_meta(md, query_start_loc_cpu, bufs),)
+    return GDNStepMeta(prefill=prefill, decodes=decodes, verifies=verifies)
 
 
 class AtomGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
-    """vLLM's GDN metadata; the reorder threshold is 1 + k (a verification batch counts as a decode)."""
+    """vLLM's GDN metadata (the reorder threshold is 1 + k: a verification batch counts as a decode) and
+    the GDN pipeline's record of the same step."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        max_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.step_buffers = StepBuffers(max_seqs, self.num_spec + 1, device)
+
+    def build(
+        self,
+        common_prefix_len,
+        common_attn_metadata,
+        num_accepted_tokens=None,
+        num_decode_draft_tokens_cpu=None,
+        fast_build=False,
+    ) -> AtomGDNAttentionMetadata:
+        md = super().build(
+            common_prefix_len,
+            common_attn_metadata,
+            num_accepted_tokens,
+            num_decode_draft_tokens_cpu,
+            fast_build,
+        )
+        step = gdn_step_from_vllm(md, common_attn_metadata.query_start_loc_cpu, self.step_buffers)
+        return AtomGDNAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, step=step)
 
 
 class AtomGDNAttentionBackend(GDNAttentionBackend):
