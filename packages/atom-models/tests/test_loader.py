@@ -138,6 +138,73 @@ def test_index_naming_absent_file(model_dir, tmp_path, kernels32):
         load_target(target, ckpt)
 
 
+def test_non_finite_weights_are_refused_by_name(model_dir, tmp_path, kernels32):
+    def edit(t):
+        t["model.layers.2.mlp.experts.5.down_proj.weight"][3, 7] = float("nan")
+        t["model.norm.weight"][0] = float("inf")
+        t["mtp.fc.weight"][1, 1] = float("-inf")
+
+    ckpt = _single_file_copy(model_dir, tmp_path / "ck", edit)
+    target, mtp = _build(ckpt, kernels32)
+    with pytest.raises(CheckpointError) as e:
+        load_target(target, ckpt)
+    print(e.value)
+    assert sorted(e.value.problems) == [
+        f"tensor model.layers.2.mlp.experts.5.down_proj.weight in model.safetensors has 1 NaN and 0 Inf values "
+        f"(as torch.float32) in {ckpt}",
+        f"tensor model.norm.weight in model.safetensors has 0 NaN and 1 Inf values (as torch.float32) in {ckpt}",
+    ]
+    with pytest.raises(
+        CheckpointError, match=r"tensor mtp.fc.weight in model.safetensors has 0 NaN and 1 Inf"
+    ):
+        load_mtp(mtp, ckpt)
+
+
+def test_weight_that_overflows_the_model_dtype_is_refused(model_dir, tmp_path, kernels32):
+    ckpt = _single_file_copy(
+        model_dir, tmp_path / "ck", lambda t: t["model.norm.weight"].__setitem__(0, 1e39)
+    )
+    cfg = Qwen3NextConfig.from_hf(ckpt)  # the checkpoint holds float32 here; the model is bfloat16
+    target = Qwen3NextForCausalLM(cfg, DenseCoreFactory(kernels32), kernels32).to(torch.bfloat16)
+    with pytest.raises(CheckpointError, match=r"model.norm.weight in model.safetensors has 0 NaN and 1 Inf"):
+        load_target(target, ckpt)
+
+
+def test_large_finite_weights_are_accepted(model_dir, tmp_path, kernels32):
+    """A tensor whose float32 sum overflows but whose values are finite is not a problem."""
+    ckpt = _single_file_copy(model_dir, tmp_path / "ck", lambda t: t["model.norm.weight"].fill_(3e38))
+    target, _ = _build(ckpt, kernels32)
+    assert load_target(target, ckpt) == 154
+
+
+@pytest.mark.parametrize("keep", [8, 200, -100])
+def test_truncated_shard_is_named(model_dir, tmp_path, kernels32, keep):
+    """Cut inside the header length, inside the header, and inside the tensor data."""
+    ckpt = tmp_path / "ck"
+    shutil.copytree(model_dir, ckpt)
+    shard = ckpt / "model-00002-of-00002.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:keep] if keep > 0 else data[:keep])
+    target, _ = _build(model_dir, kernels32)
+    with pytest.raises(CheckpointError) as e:
+        load_target(target, ckpt)
+    print(e.value)
+    assert "file model-00002-of-00002.safetensors cannot be read" in str(e.value)
+    assert f"({len(data[:keep])} bytes" in str(e.value)
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors cannot be read"):
+        loader.check_files(ckpt)
+
+
+def test_index_that_is_not_json_is_named(model_dir, tmp_path, kernels32):
+    ckpt = tmp_path / "ck"
+    shutil.copytree(model_dir, ckpt)
+    index = ckpt / "model.safetensors.index.json"
+    index.write_text(index.read_text()[:100])
+    target, _ = _build(model_dir, kernels32)
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json is not valid JSON"):
+        load_target(target, ckpt)
+
+
 def _fp8_block_quant(w: torch.Tensor, block=(128, 128)):
     """Test-data generator: e4m3 weight + ``[ceil(N/bn), ceil(K/bk)]`` scales with absmax/448 per block."""
     n, k = w.shape

@@ -9,6 +9,11 @@ FP8 block-quantised checkpoints (``quantization_config.quant_method: fp8``): eve
 ``<name>_scale_inv`` companion is dequantised on load with ``kernels.fp8_block_dequant`` into the model
 dtype (weight-only; the model then runs like the bf16 checkpoint); weights listed in
 ``modules_to_not_convert`` have no scales and are read as they are.
+
+Every tensor is checked for NaN/Inf after it lands in its parameter (so a value that only overflows in the
+model dtype is caught too): one float32 sum per tensor, read back once per file, and an exact count only for
+the tensors whose sum is not finite. A file safetensors cannot read (truncated, corrupt header) is reported
+with its path and size.
 """
 
 from __future__ import annotations
@@ -41,11 +46,28 @@ class CheckpointError(ValueError):
         super().__init__(f"checkpoint {ckpt_dir}: {len(self.problems)} problem(s):\n  {lines}")
 
 
+def _open(ckpt_dir: str | os.PathLike[str], fname: str, **kwargs):
+    """``safe_open`` of one checkpoint file; an unreadable file raises :class:`CheckpointError` naming it."""
+    path = Path(ckpt_dir) / fname
+    try:
+        return safe_open(str(path), framework="pt", **kwargs)
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for bad files
+        raise CheckpointError(str(ckpt_dir), [_unreadable(path, e)]) from e
+
+
+def _unreadable(path: Path, e: Exception) -> str:
+    size = path.stat().st_size if path.is_file() else None
+    return f"file {path.name} cannot be read ({size} bytes; truncated or not safetensors?): {e}"
+
+
 def checkpoint_files(ckpt_dir: str | os.PathLike[str]) -> dict[str, str]:
     """Tensor name -> file name (relative to ``ckpt_dir``)."""
     d = Path(ckpt_dir)
     if (d / INDEX_FILE).is_file():
-        weight_map = json.loads((d / INDEX_FILE).read_text()).get("weight_map")
+        try:
+            weight_map = json.loads((d / INDEX_FILE).read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(str(d), [f"{INDEX_FILE} is not valid JSON: {e}"]) from e
         if not isinstance(weight_map, dict):
             raise CheckpointError(str(d), [f"{INDEX_FILE}: no 'weight_map' object"])
         absent = sorted({f for f in weight_map.values() if not (d / f).is_file()})
@@ -55,9 +77,25 @@ def checkpoint_files(ckpt_dir: str | os.PathLike[str]) -> dict[str, str]:
             )
         return dict(weight_map)
     if (d / SINGLE_FILE).is_file():
-        with safe_open(str(d / SINGLE_FILE), framework="pt") as f:
+        with _open(d, SINGLE_FILE) as f:
             return dict.fromkeys(f.keys(), SINGLE_FILE)
     raise CheckpointError(str(d), [f"neither {INDEX_FILE} nor {SINGLE_FILE} found"])
+
+
+def check_files(ckpt_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """Read every checkpoint file's header (no tensor data); raise :class:`CheckpointError` naming each file
+    that cannot be read. Returns :func:`checkpoint_files`."""
+    files = checkpoint_files(ckpt_dir)
+    problems = []
+    for fname in sorted(set(files.values())):
+        try:
+            with _open(ckpt_dir, fname):
+                pass
+        except CheckpointError as e:
+            problems += e.problems
+    if problems:
+        raise CheckpointError(str(ckpt_dir), problems)
+    return files
 
 
 @dataclass(frozen=True)
@@ -149,7 +187,7 @@ def _plan(
     scale_shapes: dict[str, tuple[int, ...]] = {}  # from the headers, while each file is open anyway
     scale_checks: list[tuple[str, tuple[int, ...]]] = []  # (scale name, weight shape)
     for fname in sorted(set(by_file) | set(scales.values())):
-        with safe_open(os.path.join(ckpt_dir, fname), framework="pt") as f:
+        with _open(ckpt_dir, fname) as f:
             scale_shapes.update(
                 (n, tuple(f.get_slice(n).get_shape())) for n, sf in scales.items() if sf == fname
             )
@@ -218,31 +256,64 @@ def _check_scale(fname, sname, shape, wshape, block) -> str | None:
     return None
 
 
+def _read(ckpt_dir: str, fname: str, f, name: str) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except Exception as e:  # a header that promises more bytes than the file holds
+        raise CheckpointError(ckpt_dir, [f"tensor {name}: {_unreadable(Path(ckpt_dir) / fname, e)}"]) from e
+
+
+def _non_finite(ckpt_dir: str, fname: str, loaded: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """Problems for the tensors of one file whose destination holds NaN or Inf (one device read per file)."""
+    sums = [view.sum(dtype=torch.float32) for _, view in loaded if view.is_floating_point()]
+    if not sums:
+        return []
+    suspects = (~torch.isfinite(torch.stack(sums))).cpu()
+    floating = [(name, view) for name, view in loaded if view.is_floating_point()]
+    problems = []
+    for (name, view), suspect in zip(floating, suspects):
+        if not suspect:
+            continue
+        nan, inf = int(torch.isnan(view).sum()), int(torch.isinf(view).sum())
+        if nan or inf:  # a finite tensor whose float32 sum overflowed is fine
+            problems.append(
+                f"tensor {name} in {fname} has {nan} NaN and {inf} Inf values (as {view.dtype}) in {ckpt_dir}"
+            )
+    return problems
+
+
 @torch.no_grad()
 def _execute(ckpt_dir: str, plan: _Plan, kernels, block: tuple[int, int] | None) -> int:
     """Stream every planned tensor into its parameter; each file is opened once (scales read through the
-    handle of their file, usually the weight's own)."""
+    handle of their file, usually the weight's own). Non-finite values are collected over all files into
+    one :class:`CheckpointError`."""
     n = 0
+    problems: list[str] = []
     with ExitStack() as stack:
         handles: dict[str, object] = {}
 
         def handle(fname: str):
             if fname not in handles:
-                path = os.path.join(ckpt_dir, fname)
-                handles[fname] = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+                handles[fname] = stack.enter_context(_open(ckpt_dir, fname, device="cpu"))
             return handles[fname]
 
         for fname, items in plan.copies.items():
             f = handle(fname)
+            loaded: list[tuple[str, torch.Tensor]] = []
             for name, view, sname in items:
-                t = f.get_tensor(name)
+                t = _read(ckpt_dir, fname, f, name)
                 if sname is not None:  # FP8 block-scaled weight: dequantise (weight-only) into the parameter
-                    scale = handle(plan.scale_files[sname]).get_tensor(sname)
+                    sfile = plan.scale_files[sname]
+                    scale = _read(ckpt_dir, sfile, handle(sfile), sname)
                     t = kernels.fp8_block_dequant(
                         t.to(view.device), scale.to(view.device), block=block, dtype=view.dtype
                     )
                 view.copy_(t)
+                loaded.append((name, view))
                 n += 1
+            problems += _non_finite(ckpt_dir, fname, loaded)
+    if problems:
+        raise CheckpointError(ckpt_dir, problems)
     return n
 
 

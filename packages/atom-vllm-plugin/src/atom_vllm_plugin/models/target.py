@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from atom_models import Qwen3NextForCausalLM, load_target
+from atom_models.loader import check_files
 from torch import nn
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 
@@ -85,9 +86,12 @@ class AtomQwen3NextForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # atom-models reads the checkpoint itself (and raises one CheckpointError naming every missing,
-        # unexpected or mis-shaped tensor); of vLLM's lazy weight iterator only one tensor is read.
+        # unexpected, mis-shaped or non-finite tensor); of vLLM's lazy weight iterator only one tensor is
+        # read, after every file's header has been checked, so that an unreadable shard is named.
+        ckpt = checkpoint_dir(self.vllm_model_config)
+        check_files(ckpt)
         start_vllm_load_clock(weights)
-        load_target(self.atom, checkpoint_dir(self.vllm_model_config))
+        load_target(self.atom, ckpt)
         return all_parameter_names(self)
 
     # ---- classmethods vLLM calls before building the model (IsHybrid) -----------------------------
