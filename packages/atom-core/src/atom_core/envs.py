@@ -33,8 +33,6 @@ ATOM_DISABLE_VLLM_PLUGIN = EnvSwitch(
 ATOM_KERNEL_BACKEND = EnvSwitch("ATOM_KERNEL_BACKEND", "force one kernel backend for every op")
 KERNEL_BACKENDS = ("reference", "triton")
 
-ALL_SWITCHES = (ATOM_DISABLE_VLLM_PLUGIN, ATOM_KERNEL_BACKEND)
-
 
 def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
     return os.environ if environ is None else environ

@@ -40,7 +40,3 @@ class Fp8QuantConfig:
             raise r.fail("weight_block_size", list(block), "expected two positive integers [n, k]")
         skip = r.str_list("modules_to_not_convert", [])
         return cls(fmt, scheme, (block[0], block[1]), skip)
-
-    def is_quantized(self, module_name: str) -> bool:
-        """Whether the linear layer ``module_name`` (e.g. ``model.layers.0.mlp.experts.3.up_proj``) is FP8."""
-        return not any(skip and skip in module_name for skip in self.modules_to_not_convert)

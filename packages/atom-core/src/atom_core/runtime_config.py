@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from atom_core._reader import FieldReader
 from atom_core.errors import ConfigError
 
 SPEC_METHODS = ("mtp",)
@@ -44,16 +41,6 @@ class SpeculativeConfig:
                 f"must be in [1, {MAX_SPECULATIVE_TOKENS}] for Qwen3-Next MTP",
             )
 
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], source: str = "speculative_config") -> SpeculativeConfig:
-        r = FieldReader(raw, source)
-        return cls(r.str("method", choices=SPEC_METHODS), r.int("num_speculative_tokens", minimum=1))
-
-    @property
-    def num_verify_tokens(self) -> int:
-        """Query tokens per request in a verification step: the last accepted token plus the drafts."""
-        return 1 + self.num_speculative_tokens
-
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -69,7 +56,3 @@ class CacheConfig:
             raise ConfigError(
                 "kv_cache_dtype", self.kv_cache_dtype, "cache_config", f"one of {list(KV_CACHE_DTYPES)}"
             )
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.kv_cache_dtype.startswith("fp8")
