@@ -306,3 +306,39 @@ def test_plain_decodes_after_prefill(setup, k):
         out = core.run(md, A["x"][6:8], A["b"][6:8], A["a"][6:8], layer.gdn_weights())
         err = (out - want[6:8]).abs().max().item()
         assert err < atol, f"verify after plain decodes (one-column state indices): max error {err}"
+
+
+def test_verify_and_decode_forwards_do_not_sync(setup):
+    """The layer forward reads only the step record built by the metadata builder: a ragged verify step
+    (gathered, padded) and a plain decode step run inside ``HostSyncGuard`` (kernels exempt; on a GPU the
+    triton ops must not sync either). The same code with a host read in the forward fails here."""
+    from atom_models.host_sync import HostSyncGuard
+
+    cfg, kern, layer, _ = setup
+    guard = HostSyncGuard()
+    state = GDNStateSpec.from_config(cfg, K_SPEC, torch.float32, torch.float32)
+    core = AtomGDNCore("model.layers.0.linear_attn", state, guard.exempt_kernels(kern))
+    _bind(core, 4)
+    A, B = _tokens(8, layer), _tokens(8, layer)
+    w = layer.gdn_weights()
+    md = _md([0, 4, 8], num_prefills=2, num_prefill_tokens=8, num_actual_tokens=8, prefill_query_start_loc=_i32([0, 4, 8]),
+             prefill_state_indices=_i32([1, 2]), prefill_has_initial_state=torch.tensor([False, False]),
+             non_spec_state_indices_tensor=_i32([1, 2]))  # fmt: skip
+    batch = _cat(_sl(A, 0, 4), _sl(B, 0, 4))
+    core.run(md, batch["x"], batch["b"], batch["a"], w)
+    md = _md([0, 3, 4], num_spec_decodes=2, num_spec_decode_tokens=4, num_actual_tokens=4, spec_sequence_masks=torch.tensor([True, True]),
+             spec_query_start_loc=_i32([0, 3, 4]), spec_state_indices_tensor=_i32([[1], [2]]), num_accepted_tokens=_i32([1, 1]))  # fmt: skip
+    batch = _cat(_sl(A, 4, 7), _sl(B, 4, 5))
+    with guard:
+        out = core.run(md, batch["x"], batch["b"], batch["a"], w)
+    err = (out[:3] - _dense(layer, kern, _sl(A, 0, 7))[4:7]).abs().max().item()
+    assert err < ATOL[torch.float32], f"guarded ragged verify: max error {err}"
+    md = _md(
+        [0, 1],
+        num_decodes=1,
+        num_decode_tokens=1,
+        num_actual_tokens=1,
+        non_spec_state_indices_tensor=_i32([2]),
+    )
+    with guard:
+        core.run(md, B["x"][5:6], B["b"][5:6], B["a"][5:6], w)
