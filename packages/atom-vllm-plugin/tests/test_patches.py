@@ -85,6 +85,17 @@ def test_greedy_rows_are_exact_in_a_mixed_speculative_batch(patched) -> None:
     assert torch.equal(mixed[5], greedy_only[5]), f"{mixed[5]} != {greedy_only[5]}"
 
 
+@pytest.mark.parametrize("top_p", [None, 0.9])
+def test_top_k_on_a_step_without_draft_tokens(patched, top_p) -> None:
+    """Every prefill-only step under speculative decoding samples zero draft rows; top_k must not raise."""
+    md = _metadata(torch.tensor([1.0, 0.0]), torch.tensor([5, 64], dtype=torch.int32), {})
+    if top_p is not None:
+        md.top_p = torch.tensor([top_p, 1.0])
+    cu = torch.zeros(2, dtype=torch.int32)
+    out = patched.apply_sampling_constraints(torch.empty(0, 64), cu, md)
+    assert out.shape == (0, 64)
+
+
 def test_a_seeded_request_reproduces(patched) -> None:
     torch.manual_seed(1)
     b, k, vocab = 4, 2, 64

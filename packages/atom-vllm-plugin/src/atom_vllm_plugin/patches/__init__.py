@@ -7,6 +7,8 @@ is needed:
 - :mod:`.cpu_expand_kernel`: vLLM-CPU's replacement for the rejection sampler's ``expand_kernel`` leaves
   its output uninitialised for float32/int32 tensors, which corrupts every speculative batch that mixes
   greedy and sampled requests (wrong tokens, ``top_k`` crashes, unreproducible seeds).
+- :mod:`.top_k_empty_batch`: vLLM's PyTorch ``apply_top_k_only`` raises on zero rows, which the rejection
+  sampler passes in every prefill-only step: one ``top_k`` request killed the engine on vLLM-CPU.
 - :mod:`.prefix_caching`: vLLM turns prefix caching on by default for hybrid models, which needs the
   Mamba "align" cache mode that ATOM's GDN state does not implement; the first request would fail.
 """
@@ -16,14 +18,18 @@ from __future__ import annotations
 import logging
 
 from atom_vllm_plugin._version_check import SUPPORTED_VLLM, installed_vllm_version
-from atom_vllm_plugin.patches import cpu_expand_kernel, prefix_caching
+from atom_vllm_plugin.patches import cpu_expand_kernel, prefix_caching, top_k_empty_batch
 
 logger = logging.getLogger("vllm.atom_vllm_plugin")
 
 PATCHED_VLLM = SUPPORTED_VLLM
 """The vLLM minor version whose internals these patches were written against."""
 
-_PATCHES = {"cpu_expand_kernel": cpu_expand_kernel.apply, "prefix_caching": prefix_caching.apply}
+_PATCHES = {
+    "cpu_expand_kernel": cpu_expand_kernel.apply,
+    "top_k_empty_batch": top_k_empty_batch.apply,
+    "prefix_caching": prefix_caching.apply,
+}
 
 
 def apply_patches(version: str | None = None) -> list[str]:
