@@ -1,9 +1,9 @@
 """GDN state bytes per sequence of the standalone engine's cache layout, for k = 0..4.
 
-Before issue 6 the engine kept 1 + k recurrent states per sequence (one per verify token); now it keeps
-one committed state plus a float32 pending pool of 1 + k raw tokens (``gated_delta_rule_verify``). Sizes
-come from ``EngineCaches`` built on the meta device (nothing allocated); the conv state (model dtype,
-here bf16) is unchanged by the switch and listed apart.
+"before": 1 + k recurrent states per sequence, one per verify token (vLLM's per-token layout); "after":
+the engine's layout, one committed state plus a float32 pending pool of 1 + k tokens
+(``gated_delta_rule_verify``). Sizes come from ``EngineCaches`` built on the meta device (nothing
+allocated); the conv state (model dtype, here bf16) is the same in both and listed apart.
 
     .venv/bin/python packages/atom-models/scripts/gdn_state_memory.py \
         [--config packages/atom-core/tests/data/qwen3-next-80b-a3b-instruct.json] [--ks 0 1 2 3 4]
