@@ -17,7 +17,7 @@ uv run --no-sync pytest "$@"
 echo "[test] Triton kernels under the CPU interpreter (TRITON_INTERPRET=1)"
 # The same conformance tests against the reference backend, run by the interpreter (this machine has no
 # GPU). Left out: MoE and paged attention, whose bf16 dot products and fp8 conversions the interpreter
-# gets wrong (Triton 3.9; they pass on the H200, benchmarks/README.md).
+# gets wrong (Triton 3.9; they pass on the H200: benchmarks/README.md, docs/performance.md).
 TRITON_INTERPRET=1 uv run --no-sync pytest -q -p no:cacheprovider -k triton \
     packages/atom-kernels/tests/test_kernels_gdn.py packages/atom-kernels/tests/test_kernels_gdn_verify.py \
     packages/atom-kernels/tests/test_kernels_conv1d.py packages/atom-kernels/tests/test_kernels_triton_paths.py \
