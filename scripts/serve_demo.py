@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -47,6 +48,35 @@ def spec_metrics(metrics_text: str) -> dict[str, float]:
     return out
 
 
+# Triton's native module (nanobind) reports the objects still alive when a process that imported it exits:
+# hundreds of lines per server process, no error. Nothing else the server writes is held back.
+_NANOBIND_LEAK = re.compile(
+    r"^(nanobind: leaked \d+ (instances|types|functions)!"
+    r"|nanobind: this is likely caused by a reference counting issue"
+    r"|See https://nanobind\.readthedocs\.io/en/latest/refleaks\.html"
+    r"| - leaked (instance|type|function) "
+    r"| - \.\.\. skipped remainder)"
+)
+
+
+class ServerOutput(threading.Thread):
+    """Copies one output stream of the server to ours, line by line, without nanobind's leak report."""
+
+    def __init__(self, src, dst) -> None:
+        super().__init__(daemon=True)
+        self.src, self.dst, self.dropped = src, dst, 0
+        self.start()
+
+    def run(self) -> None:
+        for raw in iter(self.src.readline, b""):
+            line = raw.decode(errors="replace")
+            if _NANOBIND_LEAK.match(line):
+                self.dropped += 1
+                continue
+            self.dst.write(line)
+            self.dst.flush()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: data/tiny-qwen3-next-mtp)")
@@ -71,7 +101,13 @@ def main() -> int:
         "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": args.k}),
     ]  # fmt: skip
     print("[main] starting:", " ".join(cmd), flush=True)
-    server = subprocess.Popen(cmd, env=env, start_new_session=True)
+    server = subprocess.Popen(
+        cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    relays = [
+        ServerOutput(server.stdout, sys.stdout),
+        ServerOutput(server.stderr, sys.stderr),
+    ]
     base = f"http://127.0.0.1:{args.port}"
     try:
         deadline = time.time() + args.startup_timeout
@@ -95,28 +131,43 @@ def main() -> int:
         dt = time.time() - t0
         text = resp["choices"][0]["text"]
         n = resp["usage"]["completion_tokens"]
-        print("\n===== completion =====\n" + PROMPT + text + "\n======================")
-        print(f"[main] {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)")
         m = spec_metrics(_get(base + "/metrics"))
-        drafts = m.get("vllm:spec_decode_num_drafts", 0.0)
-        draft_tokens = m.get("vllm:spec_decode_num_draft_tokens", 0.0)
-        accepted = m.get("vllm:spec_decode_num_accepted_tokens", 0.0)
-        per_pos = [int(v) for k, v in sorted(m.items()) if "per_pos" in k]
-        if not draft_tokens:
-            print("[main] no speculative drafts were counted: MTP is not active", file=sys.stderr)
-            return 1
-        print(
-            f"[main] MTP k={args.k}: drafts {int(drafts)}, draft tokens {int(draft_tokens)}, accepted {int(accepted)}, "
-            f"acceptance rate {accepted / draft_tokens:.1%}, mean acceptance length {1 + accepted / drafts:.2f}, "
-            f"per position {per_pos}"
-        )
-        return 0
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        _stop(server)
+        for relay in relays:
+            relay.join(timeout=30)
+    dropped = sum(r.dropped for r in relays)
+    if dropped:
+        print(
+            f"[main] server stopped ({dropped} lines of Triton's nanobind leak report at its exit not shown)"
+        )
+    # The result comes last, after the server's shutdown log.
+    print("\n===== completion =====\n" + PROMPT + text + "\n======================")
+    print(f"[main] {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)")
+    drafts = m.get("vllm:spec_decode_num_drafts", 0.0)
+    draft_tokens = m.get("vllm:spec_decode_num_draft_tokens", 0.0)
+    accepted = m.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+    per_pos = [int(v) for k, v in sorted(m.items()) if "per_pos" in k]
+    if not draft_tokens:
+        print("[main] no speculative drafts were counted: MTP is not active", file=sys.stderr)
+        return 1
+    print(
+        f"[main] MTP k={args.k}: drafts {int(drafts)}, draft tokens {int(draft_tokens)}, accepted {int(accepted)}, "
+        f"acceptance rate {accepted / draft_tokens:.1%}, mean acceptance length {1 + accepted / drafts:.2f}, "
+        f"per position {per_pos}"
+    )
+    return 0
+
+
+def _stop(server: subprocess.Popen) -> None:
+    if server.poll() is not None:
+        return
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 if __name__ == "__main__":
