@@ -1,9 +1,13 @@
 """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``) with MTP through the ATOM plugin.
 
-One server per module (float32, k = 2): greedy.json prompts streamed concurrently reproduce the float32
-continuations token for token; 64 concurrent streaming requests of mixed prompt/output lengths all
-complete and each is the float32 greedy continuation (teacher-forced through transformers); aborted
-streams free their state; ``/metrics`` carries the spec-decode counters; the log names the ATOM plugin.
+One server per module (float32, k = 2), started with vLLM's default prefix-caching setting, as the README's
+``vllm serve`` line does: the plugin turns prefix caching off with a warning. greedy.json prompts streamed
+concurrently reproduce the float32 continuations token for token, also when they share the batch with
+sampled (temperature, top_p, top_k, seeded) and streamed requests; 64 concurrent streaming requests of mixed
+prompt/output lengths all complete and each is the float32 greedy continuation (teacher-forced through
+transformers); ``top_k`` requests are served without harming the server; a seeded request reproduces its
+output; aborted streams free their state; ``/metrics`` carries the spec-decode counters; the log names the
+ATOM plugin.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def server(tmp_path_factory):
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir()),
         "--served-model-name", "tiny", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-        "--no-enable-prefix-caching", "--max-model-len", "512", "--max-num-seqs", "64",
+        "--max-model-len", "512", "--max-num-seqs", "64",
         "--speculative-config", f'{{"method": "mtp", "num_speculative_tokens": {K}}}',
     ]  # fmt: skip
     with open(log_path, "w") as log:
@@ -72,20 +76,33 @@ def server(tmp_path_factory):
             proc.kill()
 
 
-def _stream(base: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
+def _complete(
+    base: str, prompt_ids: list[int], max_tokens: int, stream: bool = True, **sampling
+) -> list[int]:
+    """The generated token ids of one completion request (greedy unless ``sampling`` says otherwise)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base}/v1", api_key="none", timeout=600)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    for name in ("top_k", "min_p"):
+        if name in sampling:
+            extra[name] = sampling.pop(name)
+    sampling.setdefault("temperature", 0.0)
+    response = client.completions.create(
+        model="tiny", prompt=prompt_ids, max_tokens=max_tokens, stream=stream, extra_body=extra, **sampling
+    )
+    if not stream:
+        return list(response.choices[0].token_ids)
     tokens: list[int] = []
-    stream = client.completions.create(
-        model="tiny", prompt=prompt_ids, max_tokens=max_tokens, temperature=0.0, stream=True,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    )  # fmt: skip
-    for chunk in stream:
+    for chunk in response:
         ids = getattr(chunk.choices[0], "token_ids", None) if chunk.choices else None
         if ids:
             tokens.extend(ids)
     return tokens
+
+
+def _stream(base: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    return _complete(base, prompt_ids, max_tokens)
 
 
 def _metric(base: str, name: str) -> float:
@@ -102,6 +119,63 @@ def _metric(base: str, name: str) -> float:
 def test_log_names_the_active_implementation(server) -> None:
     _, log_path = server
     assert re.search(r"ATOM vLLM plugin active", log_path.read_text()), "no 'ATOM vLLM plugin active' line"
+
+
+def test_default_prefix_caching_is_turned_off_with_a_warning(server) -> None:
+    _, log_path = server
+    assert "prefix caching is turned off" in log_path.read_text(), "no warning that prefix caching is off"
+
+
+def test_greedy_exact_under_mixed_greedy_sampled_streamed_load(server) -> None:
+    """Every greedy request keeps its single-request output when its batches also hold sampled requests."""
+    base, _ = server
+    cases = greedy_cases()
+    prompts, _ = prompt_set()
+    sampled = [
+        {"temperature": 0.8}, {"temperature": 1.2, "top_p": 0.9}, {"temperature": 1.0, "top_k": 5},
+        {"temperature": 1.0, "top_k": 1}, {"temperature": 1.5, "top_p": 0.9, "seed": 42}, {"temperature": 0.7},
+    ]  # fmt: skip
+    jobs = []
+    for i, c in enumerate(cases):
+        jobs.append(("greedy", i, dict(prompt_ids=c["prompt_ids"], max_tokens=64, stream=i % 2 == 0)))
+    for i in range(32):
+        jobs.append(("sampled", i, dict(prompt_ids=prompts[i % len(prompts)][: 16 + i], max_tokens=24 + i,
+                                        stream=i % 3 == 0, **sampled[i % len(sampled)])))  # fmt: skip
+    order = [jobs[j] for j in sorted(range(len(jobs)), key=lambda j: (j * 7) % len(jobs))]  # interleave kinds
+    with ThreadPoolExecutor(len(order)) as pool:
+        outs = list(pool.map(lambda job: _complete(base, **job[2]), order))
+    for (kind, i, job), out in zip(order, outs):
+        assert len(out) == job["max_tokens"], (
+            f"{kind} request {i}: {len(out)} tokens, expected {job['max_tokens']}"
+        )
+        if kind == "greedy":
+            want = cases[i]["greedy_ids"]
+            first = next((t for t, (a, b) in enumerate(zip(out, want)) if a != b), None)
+            assert out == want, f"greedy case {i} differs from its single-request output from token {first}"
+
+
+@pytest.mark.parametrize("top_k", [1, 5])
+def test_top_k_sampling_is_served(server, top_k) -> None:
+    import httpx
+
+    base, _ = server
+    prompt = greedy_cases()[1]["prompt_ids"]
+    outs = [_complete(base, prompt, 32, stream=s, temperature=1.0, top_k=top_k) for s in (False, True)]
+    assert all(len(o) == 32 for o in outs), [len(o) for o in outs]
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    if top_k == 1:  # top_k = 1 samples the argmax: the greedy continuation
+        assert outs[0] == greedy_cases()[1]["greedy_ids"][:32]
+
+
+def test_seeded_sampling_reproduces(server) -> None:
+    base, _ = server
+    prompt = greedy_cases()[2]["prompt_ids"]
+    params = dict(temperature=1.5, top_p=0.9, seed=42)
+    first = _complete(base, prompt, 48, stream=False, **params)
+    again = _complete(base, prompt, 48, stream=True, **params)
+    other = _complete(base, prompt, 48, stream=False, **{**params, "seed": 43})
+    assert first == again, "the same seed gave two different outputs"
+    assert first != other, "seeds 42 and 43 gave the same 48 sampled tokens: the seed is not used"
 
 
 def test_streaming_concurrent_greedy_cases_are_exact(server) -> None:

@@ -1,0 +1,264 @@
+"""Soak test of vLLM's OpenAI server with MTP: the plugin and stock vLLM side by side, under hostile traffic.
+
+For each implementation (atom: the plugin, float32; stock: ``ATOM_DISABLE_VLLM_PLUGIN=1``, bfloat16, which
+stock's CPU GDN needs) one server is started with vLLM's default prefix-caching setting. A set of greedy
+requests is first sent one at a time (their single-request outputs). Then ``--concurrency`` clients keep
+the server busy for ``--duration`` seconds with a random mix: greedy requests from that set (streamed or
+not; each output is compared with its single-request output), sampled ones (temperature, top_p, top_k,
+seeds; streamed or not), and streams the client drops after a few chunks (``--abort`` of all requests).
+Reported per implementation: requests done / aborted, errors (HTTP or connection errors, wrong lengths, a
+dead server), greedy requests checked and wrong, server RSS (process tree) at start and end, KV-cache usage
+and running requests after the load, ERROR lines in the server log. Results go to
+``benchmarks/results/soak.json``.
+
+    uv run python benchmarks/soak.py                         # 600 s each, 256 clients, k = 3
+    uv run python benchmarks/soak.py --impls atom --duration 60 --concurrency 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+DTYPE = {"atom": "float32", "stock": "bfloat16"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_mib(pid: int) -> float:
+    proc = psutil.Process(pid)
+    procs = [proc, *proc.children(recursive=True)]
+    return sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
+
+
+def _metric(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
+def start_server(impl: str, model: str, k: int, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = dict(
+        os.environ, ATOM_DISABLE_VLLM_PLUGIN="1" if impl == "stock" else "0", VLLM_CPU_KVCACHE_SPACE="2"
+    )
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
+        "tiny", "--port", str(port), "--dtype", DTYPE[impl], "--enforce-eager", "--max-model-len", "512",
+        "--max-num-seqs", "256", "--shutdown-timeout", "10",
+        "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k}),
+    ]  # fmt: skip
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 900
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{impl} server exited with {proc.returncode}: {log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{impl} server did not come up in 900 s (log: {log_path})")
+        time.sleep(2)
+
+
+async def complete(
+    client: httpx.AsyncClient, base: str, prompt: list[int], max_tokens: int, stream: bool,
+    sampling: dict[str, Any], abort_after: int | None = None,
+) -> list[int] | None:  # fmt: skip
+    """Generated token ids; None for a stream dropped by the client after ``abort_after`` chunks."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True,
+            "return_token_ids": True, "temperature": 0.0, **sampling}  # fmt: skip
+    if not stream:
+        r = await client.post(f"{base}/v1/completions", json=body)
+        r.raise_for_status()
+        return list(r.json()["choices"][0]["token_ids"])
+    tokens: list[int] = []
+    chunks = 0
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunks += 1
+            if abort_after is not None and chunks >= abort_after:
+                return None  # leaving the block closes the connection: vLLM aborts the request
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"error event in the stream: {event['error']}")
+            for choice in event.get("choices", []):
+                tokens.extend(choice.get("token_ids") or [])
+    return tokens
+
+
+def _greedy_set(prompts: list[list[int]], n: int, rng: random.Random) -> list[tuple[list[int], int]]:
+    return [(prompts[i % len(prompts)][: rng.randint(8, 64)], rng.randint(8, 96)) for i in range(n)]
+
+
+def _sampling(rng: random.Random) -> dict[str, Any]:
+    s: dict[str, Any] = {"temperature": rng.choice([0.6, 0.8, 1.0, 1.2, 1.5])}
+    if rng.random() < 0.5:
+        s["top_p"] = rng.choice([0.8, 0.9, 0.95])
+    if rng.random() < 0.3:
+        s["top_k"] = rng.choice([1, 5, 20])
+    if rng.random() < 0.3:
+        s["seed"] = rng.randint(0, 2**31 - 1)
+    return s
+
+
+async def load(base: str, args, greedy: list[tuple[list[int], int]], refs: list[list[int]], prompts) -> dict:
+    stats = {"done": 0, "aborted": 0, "greedy_checked": 0, "greedy_wrong": 0, "errors": 0}
+    errors: list[str] = []
+    wrong: list[dict[str, Any]] = []
+    stop = time.time() + args.duration
+    limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency)
+
+    async def client_loop(seed: int) -> None:
+        rng = random.Random(seed)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            while time.time() < stop:
+                roll = rng.random()
+                stream = rng.random() < 0.5
+                try:
+                    if roll < args.abort:
+                        p = prompts[rng.randrange(len(prompts))][: rng.randint(8, 64)]
+                        await complete(
+                            client, base, p, 256, True, _sampling(rng), abort_after=rng.randint(1, 4)
+                        )
+                        stats["aborted"] += 1
+                    elif roll < args.abort + (1 - args.abort) / 2:
+                        i = rng.randrange(len(greedy))
+                        out = await complete(client, base, greedy[i][0], greedy[i][1], stream, {})
+                        stats["done"] += 1
+                        stats["greedy_checked"] += 1
+                        if out != refs[i]:
+                            stats["greedy_wrong"] += 1
+                            first = next(
+                                (t for t, (a, b) in enumerate(zip(out, refs[i])) if a != b), len(out)
+                            )
+                            wrong.append({"case": i, "first_wrong_token": first, "len": len(out)})
+                    else:
+                        p = prompts[rng.randrange(len(prompts))][: rng.randint(8, 64)]
+                        n = rng.randint(8, 128)
+                        out = await complete(client, base, p, n, stream, _sampling(rng))
+                        if len(out) != n:
+                            raise RuntimeError(f"{len(out)} tokens, expected {n}")
+                        stats["done"] += 1
+                except Exception as e:  # every failure is counted and kept
+                    stats["errors"] += 1
+                    errors.append(f"{type(e).__name__}: {e}"[:300])
+                    await asyncio.sleep(1)
+
+    await asyncio.gather(*(client_loop(1000 + c) for c in range(args.concurrency)))
+    return {**stats, "first_errors": errors[:20], "first_wrong_greedy": wrong[:20]}
+
+
+def soak(impl: str, args, prompts: list[list[int]], workdir: Path) -> dict[str, Any]:
+    log_path = workdir / f"soak_{impl}.log"
+    proc, base = start_server(impl, args.model, args.k, log_path)
+    try:
+        rng = random.Random(0)
+        greedy = _greedy_set(prompts, args.greedy_set, rng)
+        refs = [
+            asyncio.run(_one(base, p, n)) for p, n in greedy
+        ]  # single-request outputs, one request at a time
+        rss_start = _rss_mib(proc.pid)
+        t0 = time.time()
+        result = asyncio.run(load(base, args, greedy, refs, prompts))
+        wall = time.time() - t0
+        deadline = time.time() + 120
+        while _metric(base, "vllm:num_requests_running") > 0 and time.time() < deadline:
+            time.sleep(1)
+        healthy = httpx.get(f"{base}/health", timeout=10).status_code == 200
+        result.update(
+            impl=impl, dtype=DTYPE[impl], k=args.k, concurrency=args.concurrency, duration_s=round(wall, 1),
+            healthy_at_end=healthy, rss_mib_start=round(rss_start, 1), rss_mib_end=round(_rss_mib(proc.pid), 1),
+            running_at_end=_metric(base, "vllm:num_requests_running"),
+            kv_cache_usage_at_end=_metric(base, "vllm:kv_cache_usage_perc"),
+        )  # fmt: skip
+    except Exception as e:
+        result = {"impl": impl, "fatal": f"{type(e).__name__}: {e}"[:2000]}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    lines = log_path.read_text(errors="replace").splitlines()
+    err = [ln for ln in lines if re.search(r"\bERROR\b", ln)]
+    result.update(error_log_lines=len(err), first_error_log_lines=err[:10], log=str(log_path))
+    return result
+
+
+async def _one(base: str, prompt: list[int], n: int) -> list[int]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        return await complete(client, base, prompt, n, False, {})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the bundled tiny model)")
+    ap.add_argument("--impls", nargs="+", default=["atom", "stock"], choices=["atom", "stock"])
+    ap.add_argument("--duration", type=float, default=600, help="seconds of load per implementation")
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--abort", type=float, default=0.2, help="fraction of requests the client drops")
+    ap.add_argument("--greedy-set", type=int, default=32, help="distinct greedy requests checked")
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--out", default=str(RESULTS / "soak.json"))
+    args = ap.parse_args()
+    if args.model is None:
+        from atom_core.paths import default_model_dir
+
+        args.model = str(default_model_dir())
+    from atom_core.paths import reference_dir
+
+    raw = json.loads((reference_dir() / "prompts.json").read_text())
+    prompts = [p["prompt_token_ids"] for p in raw["prompts"]]
+    workdir = Path(os.environ.get("TMPDIR", "/tmp")) / "atom-soak"
+    workdir.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for impl in args.impls:
+        print(f"[soak] {impl}: {args.duration:.0f} s, {args.concurrency} clients, k={args.k}", flush=True)
+        runs.append(soak(impl, args, prompts, workdir))
+        print(
+            json.dumps({k: v for k, v in runs[-1].items() if not k.startswith("first_")}, indent=1),
+            flush=True,
+        )
+    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "runs": runs}, indent=1) + "\n")
+    print(f"[soak] wrote {args.out}")
+    bad = [
+        r
+        for r in runs
+        if r["impl"] == "atom" and (r.get("fatal") or r.get("errors") or r.get("greedy_wrong"))
+    ]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
