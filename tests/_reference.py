@@ -1,4 +1,4 @@
-"""Greedy consistency (DESIGN.md section 4): teacher-force emitted tokens through transformers in float32.
+"""Greedy consistency (docs/design.md, "Oracles"): teacher-force emitted tokens through transformers in float32.
 
 For each emitted token, ``gap = max_logit - logit[emitted]`` under the float32 reference given the
 prompt and the tokens emitted before it. A gap of 0 means the token is the float32 argmax; bf16 runs may

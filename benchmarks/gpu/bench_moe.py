@@ -4,7 +4,7 @@ Implementations, timed in the same run on the same inputs:
 - ``triton fused``: atom_kernels' triton ``moe_experts`` (align + two grouped GEMMs with fused SiLU-and-mul
   + weighted sum; 4 launches);
 - ``torch._grouped_mm``: sort by expert with torch ops, two ``torch._grouped_mm`` calls, SiLU-and-mul,
-  weighted ``index_add_`` (the anchor baseline of DESIGN.md section 5);
+  weighted ``index_add_`` (the baseline of docs/performance.md, MoE section);
 - ``torch per-expert loop``: the reference backend's loop over experts that received tokens.
 Plus ``routed+shared``: the shared expert (intermediate 512) stacked as expert 513 with its sigmoid gate
 as the routing weight, so one fused call does routed and shared experts (top-11 of 513).
