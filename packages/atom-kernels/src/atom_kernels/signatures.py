@@ -53,6 +53,22 @@ class MoeExperts(Protocol):
     def __call__(self, x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor: ...
 
 
+class MoeExpertsFp8(Protocol):
+    """``moe_experts_fp8``: :class:`MoeExperts` with FP8 block-scaled expert weights (W8A8, dynamic activation scales). Spec: :func:`atom_kernels.ops.moe.reference.moe_experts_fp8`."""
+
+    def __call__(
+        self,
+        x: Tensor,
+        weights: Tensor,
+        ids: Tensor,
+        w13: Tensor,
+        w13_scale: Tensor,
+        w2: Tensor,
+        w2_scale: Tensor,
+        block: tuple[int, int] = (128, 128),
+    ) -> Tensor: ...
+
+
 class GdnGating(Protocol):
     """``gdn_gating``: Per-token decay (log space) and write strength of the gated delta rule. Spec: :func:`atom_kernels.ops.gdn_gating.reference.gdn_gating`."""
 
@@ -117,7 +133,7 @@ class GatedDeltaRuleChunked(Protocol):
 
 
 class GatedDeltaRuleRecurrent(Protocol):
-    """``gated_delta_rule_recurrent``: Decode / MTP verify: Q tokens per sequence, the state after every token written to its slot. Spec: :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_recurrent`."""
+    """``gated_delta_rule_recurrent``: Decode: Q tokens per sequence from its slot's state, the final state written back to the slot. Spec: :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_recurrent`."""
 
     def __call__(
         self,
@@ -128,7 +144,6 @@ class GatedDeltaRuleRecurrent(Protocol):
         beta: Tensor,
         ssm_state: Tensor,
         state_indices: Tensor,
-        num_accepted: Tensor | None,
         scale: float,
         use_qk_l2norm: bool = True,
     ) -> Tensor: ...
@@ -147,7 +162,7 @@ class GatedDeltaRuleVerify(Protocol):
         ssm_state: Tensor,
         pending: Tensor,
         state_indices: Tensor,
-        num_accepted: Tensor,
+        num_commit: Tensor,
         scale: float,
         use_qk_l2norm: bool = True,
     ) -> Tensor: ...
@@ -204,7 +219,7 @@ class Fp8ActQuant(Protocol):
 
 
 class Fp8Linear(Protocol):
-    """``fp8_linear``: ``x @ dequant(w_fp8).T + bias`` with a block-scaled FP8 weight. Spec: :func:`atom_kernels.ops.fp8.reference.fp8_linear`."""
+    """``fp8_linear``: W8A8 block-scaled linear: ``dequant(fp8_act_quant(x, bk)) @ dequant(w_fp8).T + bias``. Spec: :func:`atom_kernels.ops.fp8.reference.fp8_linear`."""
 
     def __call__(
         self,

@@ -114,8 +114,7 @@ def gdn_decode(
         g.view(n, 1, -1),
         beta.view(n, 1, -1),
         state.ssm,
-        meta.state_indices.view(n, 1),
-        None,
+        meta.state_indices,
         scale=geometry.scale,
         use_qk_l2norm=True,
     )

@@ -159,11 +159,17 @@ def check_cu_seqlens_values(op: str, cu_seqlens: torch.Tensor, total: int) -> No
 
 
 def check_num_accepted_values(
-    op: str, num_accepted: torch.Tensor | None, limit: int, limit_text: str, low: int = 1
+    op: str,
+    num_accepted: torch.Tensor | None,
+    limit: int,
+    limit_text: str,
+    low: int = 1,
+    name: str = "num_accepted",
 ) -> None:
-    """``num_accepted`` (None: all ones) must lie in ``[low, limit]``; ``limit_text`` names the bound."""
+    """A per-sequence count (None: all ones) must lie in ``[low, limit]``; ``limit_text`` names the bound,
+    ``name`` the argument (``num_accepted`` of the conv op, ``num_commit`` of the verify op)."""
     if num_accepted is None or num_accepted.numel() == 0 or not values_checkable(num_accepted):
         return
     lo, hi = int(num_accepted.min()), int(num_accepted.max())
     if lo < low or hi > limit:
-        raise ValueError(f"{op}: num_accepted must lie in [{low}, {limit_text}], got values in [{lo}, {hi}]")
+        raise ValueError(f"{op}: {name} must lie in [{low}, {limit_text}], got values in [{lo}, {hi}]")

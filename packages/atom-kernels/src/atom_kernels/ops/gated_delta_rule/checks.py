@@ -51,7 +51,6 @@ def check_gated_delta_rule_recurrent(
     beta: torch.Tensor,
     ssm_state: torch.Tensor,
     state_indices: torch.Tensor,
-    num_accepted: torch.Tensor | None,
     scale: float,
     use_qk_l2norm: bool,
 ) -> None:
@@ -61,8 +60,7 @@ def check_gated_delta_rule_recurrent(
     c.tensor("v", v, ("N", "Q", "Hv", "Dv"), FLOAT_DTYPES)
     c.tensor("g", g, ("N", "Q", "Hv"), FLOAT_DTYPES)
     c.tensor("beta", beta, ("N", "Q", "Hv"), FLOAT_DTYPES)
-    c.tensor("state_indices", state_indices, ("N", "Q"), INDEX_DTYPES)
-    c.optional("num_accepted", num_accepted, ("N",), INDEX_DTYPES)
+    c.tensor("state_indices", state_indices, ("N",), INDEX_DTYPES)
     _common(c, ssm_state, scale, use_qk_l2norm)
 
 
@@ -80,7 +78,7 @@ def check_gated_delta_rule_verify(
     ssm_state: torch.Tensor,
     pending: torch.Tensor,
     state_indices: torch.Tensor,
-    num_accepted: torch.Tensor,
+    num_commit: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool,
 ) -> None:
@@ -91,7 +89,7 @@ def check_gated_delta_rule_verify(
     c.tensor("g", g, ("N", "Q", "Hv"), FLOAT_DTYPES)
     c.tensor("beta", beta, ("N", "Q", "Hv"), FLOAT_DTYPES)
     c.tensor("state_indices", state_indices, ("N",), INDEX_DTYPES)
-    c.tensor("num_accepted", num_accepted, ("N",), INDEX_DTYPES)
+    c.tensor("num_commit", num_commit, ("N",), INDEX_DTYPES)
     _common(c, ssm_state, scale, use_qk_l2norm)
     c.dims["P"] = pending_width(c.dim("Hk"), c.dim("Dk"), c.dim("Hv"), c.dim("Dv"))
     c.tensor("pending", pending, ("S", "R", "P"), (torch.float32,))

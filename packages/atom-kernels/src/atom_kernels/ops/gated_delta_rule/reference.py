@@ -153,47 +153,36 @@ def gated_delta_rule_recurrent(
     beta: torch.Tensor,
     ssm_state: torch.Tensor,
     state_indices: torch.Tensor,
-    num_accepted: torch.Tensor | None,
     scale: float,
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
-    """Decode / MTP verify: Q tokens per sequence, the state after every token written to its slot.
+    """Decode: Q tokens per sequence from its slot's state, the final state written back to the slot.
 
     Args:
         q, k: ``[N, Q, Hk, Dk]``; v: ``[N, Q, Hv, Dv]``; g, beta: ``[N, Q, Hv]``.
         ssm_state: ``[S, Hv, Dv, Dk]`` float32/bf16, updated in place.
-        state_indices: ``[N, Q]`` int32: the state after token j goes to ``state_indices[n, j]``
-            (entries < 0 are skipped).
-        num_accepted: ``[N]`` int32 in ``[1, Q]`` or None (= 1): the initial state is read from
-            ``state_indices[n, num_accepted[n] - 1]`` (a negative slot there reads zeros).
+        state_indices: ``[N]`` int32 slots (< 0: padding row, zero state, nothing written).
         scale: query scale; use_qk_l2norm: L2-normalise q and k first.
 
     Returns:
         ``o [N, Q, Hv, Dv]`` in q.dtype. The state is carried in float32 between the tokens of a call
-        and rounded only when stored.
+        and rounded once, when stored.
     """
-    check_gated_delta_rule_recurrent(
-        q, k, v, g, beta, ssm_state, state_indices, num_accepted, scale, use_qk_l2norm
-    )
+    check_gated_delta_rule_recurrent(q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm)
     op = "gated_delta_rule_recurrent"
-    num_seqs, q_len, num_v_heads, _ = v.shape
+    q_len, num_v_heads = v.shape[1], v.shape[2]
     check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
     slots = state_indices.long()
-    check_num_accepted_values(op, num_accepted, q_len, f"Q={q_len}")
-    if num_accepted is None:
-        first = torch.zeros(num_seqs, dtype=torch.int64, device=q.device)
-    else:
-        first = num_accepted.long() - 1
-    init_slots = slots.gather(1, first[:, None]).squeeze(1)
-    state = _read_states(ssm_state, init_slots, init_slots >= 0)  # [N, Hv, Dv, Dk]
+    valid = slots >= 0
+    state = _read_states(ssm_state, slots, valid)  # [N, Hv, Dv, Dk]
     q32, k32 = _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm)
     v32, g32, b32 = v.float(), g.float(), beta.float()
     out = torch.empty(v.shape, dtype=torch.float32, device=q.device)
     for j in range(q_len):
         state, _ = _delta_step(state, k32[:, j], v32[:, j], g32[:, j], b32[:, j])
         out[:, j] = (state @ q32[:, j, :, :, None]).squeeze(-1)
-        keep = (slots[:, j] >= 0).nonzero().squeeze(1)
-        ssm_state[slots[keep, j]] = state[keep].to(ssm_state.dtype)
+    keep = valid.nonzero().squeeze(1)
+    ssm_state[slots[keep]] = state[keep].to(ssm_state.dtype)
     return out.to(q.dtype)
 
 
@@ -218,7 +207,7 @@ def gated_delta_rule_verify(
     ssm_state: torch.Tensor,
     pending: torch.Tensor,
     state_indices: torch.Tensor,
-    num_accepted: torch.Tensor,
+    num_commit: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
@@ -231,7 +220,8 @@ def gated_delta_rule_verify(
             tokens ``[k (raw) | u | g]``, ``u = beta (v - (S exp(g)) k)`` the token's update
             coefficients; overwritten with this step's.
         state_indices: ``[N]`` int32 slots (< 0: padding row, zero state, nothing read or written).
-        num_accepted: ``[N]`` int32 in ``[0, R]``: how many pending tokens to commit first.
+        num_commit: ``[N]`` int32 in ``[0, R]``: how many pending tokens to commit first (the tokens of
+            the previous step that were accepted; 0 commits nothing).
         scale: query scale; use_qk_l2norm: L2-normalise q and k (also the pending k on replay).
 
     Returns:
@@ -240,26 +230,27 @@ def gated_delta_rule_verify(
         token is ``S = S exp(g) + u k^T``: no reduction over the state, so committing is cheap.
     """
     check_gated_delta_rule_verify(
-        q, k, v, g, beta, ssm_state, pending, state_indices, num_accepted, scale, use_qk_l2norm
+        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm
     )
     op = "gated_delta_rule_verify"
     num_seqs, q_len, num_k_heads, dk = k.shape
     num_v_heads, dv = v.shape[2], v.shape[3]
     check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
-    check_num_accepted_values(op, num_accepted, pending.shape[1], f"R={pending.shape[1]}", low=0)
+    r = pending.shape[1]
+    check_num_accepted_values(op, num_commit, r, f"R={r}", low=0, name="num_commit")
     slots = state_indices.long()
     valid = slots >= 0
     safe = slots.clamp(min=0)
     state = _read_states(ssm_state, safe, valid)  # [N, Hv, Dv, Dk] float32
 
-    # 1. commit the first num_accepted pending tokens of each slot: S = S exp(g) + u k^T.
+    # 1. commit the first num_commit pending tokens of each slot: S = S exp(g) + u k^T.
     old = pending[safe]  # [N, R, P] (a copy: the stash below cannot disturb it)
     kd, vd = num_k_heads * dk, num_v_heads * dv
     pk = old[..., :kd].view(num_seqs, -1, num_k_heads, dk)
     pu = old[..., kd : kd + vd].view(num_seqs, -1, num_v_heads, dv)
     pg = old[..., kd + vd :]
     _, pk32 = _prepare_qk(pk, pk, num_v_heads, 1.0, use_qk_l2norm)
-    n_commit = num_accepted.long() * valid
+    n_commit = num_commit.long() * valid
     for j in range(int(n_commit.max()) if num_seqs > 0 else 0):
         stepped = state * pg[:, j].exp()[..., None, None]
         stepped = stepped + pu[:, j, :, :, None] * pk32[:, j, :, None, :]

@@ -1,30 +1,24 @@
-"""Triton gated delta rule: our multi-token recurrent kernel and fla-core's chunked prefill, wrapped.
+"""Triton gated delta rule: our recurrent decode kernel and fla-core's chunked prefill, wrapped.
 
-``gated_delta_rule_recurrent`` (decode, MTP verify) is our own kernel. One program per (sequence, value
-head, block of ``BV`` value rows) keeps its ``[BV, Dk]`` float32 state tile in registers, loops over the
-Q tokens (q/k L2-normalised in the kernel) and stores the tile after every token into
-``state_indices[n, j]``; it reads the initial tile from ``state_indices[n, num_accepted - 1]``. fla-core's
-``fused_recurrent_gated_delta_rule`` cannot do this: it reads a dense ``initial_state[N]`` and writes
-only the final state, with no slot indirection and no per-token states. Like the reference, the state
-is carried in float32 between the tokens of one call and rounded to the pool dtype only when stored.
+``gated_delta_rule_recurrent`` (decode) is our own kernel. One program per (sequence, value head, block of
+``BV`` value rows) loads its ``[BV, Dk]`` float32 state tile from the sequence's slot, loops over the Q
+tokens (q/k L2-normalised in the kernel) and stores the tile back once, rounded to the pool dtype. fla-core's
+``fused_recurrent_gated_delta_rule`` reads a dense ``initial_state[N]`` instead of a slot pool.
 
 ``gated_delta_rule_chunked`` (varlen prefill) wraps fla-core's ``chunk_gated_delta_rule``: its math is
 ours (log-space decay ``g``, ``beta`` after the sigmoid, L2 norm of q/k with eps 1e-6, GQA with
-``Hv % Hk == 0``), and since fla-core 0.6 ``state_v_first=True`` gives exactly our ``[.., Dv, Dk]`` state
-layout. What it lacks is the slot pool: it takes ``initial_state[N]`` and returns ``final_state[N]``
-(float32). So two small Triton kernels gather the pool slots into a dense float32 ``h0`` (zeros where
-``has_initial_state`` is False or the slot is < 0) and scatter the final states back (cast to the pool
-dtype, slots < 0 skipped); their cost is two passes over ``N`` states (H200, 16 states of 2 MiB: 10-19 us
-of device time each, 1-2 us for one; ``bench_gdn_prefill.py``, results/gdn_prefill_run1). The prefill's
-eager time is set by the host: fla-core's Python path takes 0.8-1.3 ms per call against 0.27-0.59 ms of
-device time, so eager timings of this op and of fla-core mostly measure (noisy) Python launch cost.
-fla-core supports chunk sizes 16, 32, 64; any other ``chunk_size`` runs with 64 (the result does not depend on it beyond rounding).
+``Hv % Hk == 0``), and ``state_v_first=True`` gives exactly our ``[.., Dv, Dk]`` state layout. What it lacks
+is the slot pool: it takes ``initial_state[N]`` and returns ``final_state[N]`` (float32). So two small
+Triton kernels gather the pool slots into a dense float32 ``h0`` (zeros where ``has_initial_state`` is False
+or the slot is < 0) and scatter the final states back (cast to the pool dtype, slots < 0 skipped): two
+passes over ``N`` states. fla-core's host-side launch path dominates the eager time of a small prefill.
+fla-core supports chunk sizes 16, 32, 64; any other ``chunk_size`` runs with 64 (the result does not
+depend on it beyond rounding).
 
 ``cu_seqlens`` goes to fla-core as the caller's own tensor object: fla caches the chunk indices it derives
 from it by object identity, and computing them synchronises with the device. A converted copy (e.g.
-``.long()``) misses that cache on every call, and the sync then exposes all of fla's Python launch
-overhead: on the H200 that made the wrapper 1.8-2.3x slower than fla itself (run 2). Passing the same
-tensor to every GDN layer of a step costs one sync per step.
+``.long()``) misses that cache on every call and synchronises every layer; passing the same tensor to every
+GDN layer of a step costs one sync per step.
 
 Only ``tl`` primitives: the sources compile for ROCm too (fla-core supports ROCm as well).
 """
@@ -54,7 +48,6 @@ def _recurrent_kernel(
     o_ptr,
     state_ptr,
     idx_ptr,
-    acc_ptr,
     scale,
     eps,
     s_qn,
@@ -84,7 +77,6 @@ def _recurrent_kernel(
     s_sv,
     s_sk,
     s_in,
-    s_it,
     Q: tl.constexpr,
     HV: tl.constexpr,
     GROUP: tl.constexpr,
@@ -92,7 +84,6 @@ def _recurrent_kernel(
     DV: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    HAS_ACC: tl.constexpr,
     L2NORM: tl.constexpr,
 ):
     i_v = tl.program_id(0)
@@ -105,14 +96,12 @@ def _recurrent_kernel(
     m_k = o_k < DK
     m_v = o_v < DV
 
-    col = 0
-    if HAS_ACC:
-        col = tl.load(acc_ptr + i_n) - 1
-    slot0 = tl.load(idx_ptr + i_n * s_in + col * s_it).to(tl.int64)
-    p_h = state_ptr + i_hv * s_sh + o_v[:, None] * s_sv + o_k[None, :] * s_sk  # [BV, BK] tile of one slot
-    # Scalar conditions enter masks as bounds (Triton 3.9's interpreter rejects tensor & scalar-bool masks).
-    m_h0 = (o_v < tl.where(slot0 >= 0, DV, 0))[:, None] & m_k[None, :]
-    h = tl.load(p_h + slot0 * s_ss, mask=m_h0, other=0.0).to(tl.float32)
+    slot = tl.load(idx_ptr + i_n * s_in).to(tl.int64)
+    p_h = state_ptr + slot * s_ss + i_hv * s_sh + o_v[:, None] * s_sv + o_k[None, :] * s_sk  # [BV, BK] tile
+    # The slot condition enters the mask as a bound, not `mask & cond` (the interpreter rejects a
+    # tensor & scalar-bool mask); empty on padding rows.
+    m_h = (o_v < tl.where(slot >= 0, DV, 0))[:, None] & m_k[None, :]
+    h = tl.load(p_h, mask=m_h, other=0.0).to(tl.float32)
 
     for j in tl.static_range(Q):
         b_q = tl.load(q_ptr + i_n * s_qn + j * s_qt + i_hk * s_qh + o_k * s_qd, mask=m_k, other=0.0).to(
@@ -136,18 +125,14 @@ def _recurrent_kernel(
         tl.store(
             o_ptr + i_n * s_on + j * s_ot + i_hv * s_oh + o_v * s_od, b_o.to(o_ptr.dtype.element_ty), mask=m_v
         )
-        slot = tl.load(idx_ptr + i_n * s_in + j * s_it).to(tl.int64)
-        m_hj = (o_v < tl.where(slot >= 0, DV, 0))[:, None] & m_k[None, :]
-        tl.store(p_h + slot * s_ss, h.to(state_ptr.dtype.element_ty), mask=m_hj)
+    tl.store(p_h, h.to(state_ptr.dtype.element_ty), mask=m_h)
 
 
 def recurrent_launch_config(num_seqs: int, num_v_heads: int, dv: int) -> tuple[int, int]:
     """(BV, num_warps) of the recurrent kernel: 8 value rows per program, one warp (fla-core's choice).
 
-    Small tiles give N * Hv * Dv / 8 independent programs, enough loads in flight at every batch. On the
-    H200, BV=32 / 4 warps (run 1) and BV=8 / 1 warp (run 2) gave the same fp32 decode time at B=256
-    (283 vs 287 us, ~89% of copy bandwidth) and the latter was faster for verify (B=256 Q=4: 708 vs
-    773 us; B=64 Q=5: 223 vs 257 us). ``bench_gdn.py --sweep`` compares candidates within one run.
+    Small tiles give ``N * Hv * Dv / 8`` independent programs, enough loads in flight at every batch size.
+    ``benchmarks/gpu/bench_gdn.py --sweep`` compares other tiles on the device.
     """
     return min(8, triton.next_power_of_2(dv)), 1
 
@@ -160,20 +145,29 @@ def gated_delta_rule_recurrent(
     beta: torch.Tensor,
     ssm_state: torch.Tensor,
     state_indices: torch.Tensor,
-    num_accepted: torch.Tensor | None,
     scale: float,
     use_qk_l2norm: bool = True,
-    *,
+) -> torch.Tensor:
+    """See :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_recurrent`."""
+    check_gated_delta_rule_recurrent(q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm)
+    return _launch_recurrent(q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm)
+
+
+def _launch_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
     block_v: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """See :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_recurrent`.
-
-    ``block_v`` / ``num_warps`` override :func:`recurrent_launch_config` (benchmarks only).
-    """
-    check_gated_delta_rule_recurrent(
-        q, k, v, g, beta, ssm_state, state_indices, num_accepted, scale, use_qk_l2norm
-    )
+    """The recurrent kernel's launch; ``block_v`` / ``num_warps`` override :func:`recurrent_launch_config`
+    (benchmarks compare launch settings through this; no input checks)."""
     N, Q, HK, DK = q.shape
     HV, DV = v.shape[2], v.shape[3]
     o = torch.empty((N, Q, HV, DV), dtype=q.dtype, device=q.device)
@@ -181,14 +175,13 @@ def gated_delta_rule_recurrent(
         return o
     bv, nw = recurrent_launch_config(N, HV, DV)
     bv, nw = block_v or bv, num_warps or nw
-    acc = num_accepted if num_accepted is not None else state_indices
     _recurrent_kernel[(triton.cdiv(DV, bv), N * HV)](
-        q, k, v, g, beta, o, ssm_state, state_indices, acc,
+        q, k, v, g, beta, o, ssm_state, state_indices,
         float(scale), L2NORM_EPS,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *o.stride(),
-        *ssm_state.stride(), *state_indices.stride(),
+        *ssm_state.stride(), state_indices.stride(0),
         Q=Q, HV=HV, GROUP=HV // HK, DK=DK, DV=DV, BK=triton.next_power_of_2(DK), BV=bv,
-        HAS_ACC=num_accepted is not None, L2NORM=use_qk_l2norm, num_warps=nw,
+        L2NORM=use_qk_l2norm, num_warps=nw,
     )  # fmt: skip
     return o
 

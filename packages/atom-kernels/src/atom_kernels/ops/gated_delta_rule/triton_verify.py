@@ -1,56 +1,39 @@
-"""Triton ``gated_delta_rule_verify``: MTP verification with deferred commit (docs/kernel-api.md, last section).
+"""Triton ``gated_delta_rule_verify``: MTP verification with deferred commit (docs/kernel-api.md).
 
 Two launches, in stream order:
 
 1. ``_verify_kernel``: one program (one warp) per (sequence, value head, block of ``BV`` value rows) keeps
    its float32 state tile in registers as ``[BV, NC, KC]``: Dk split into NC chunks of KC. Then:
-   commit the accepted pending tokens (a pending token carries the update coefficients ``u = beta (v - S k)``
-   its verify computed, so a commit is ``S exp(g) + u k^T``, no reduction over the state; the R pending rows
-   are R static steps, merged into one pass ``S E + sum_j (u_j W_j) k_j^T`` with ``E`` the product of the
-   accepted decays and ``W_j`` that of the decays after row j; a row beyond ``num_accepted`` loads g = 0,
-   u = 0), store the tile once (rounded to the pool dtype; skipped when nothing was committed: the slot
-   holds that value already) and continue from the rounded value; verify the ``Q`` tokens (outputs and u
-   rows collected in ``[BV, Q]`` tiles and stored at the end) and stash this program's own ``u`` rows
-   into ``pending``: only this program reads them, before. The tokens go one after another (decay,
-   ``h k`` reduction, rank-1 update, ``h q`` reduction) or, with ``WY`` (up to 2 tokens), in WY form:
-   every state reduction is against the committed state (``x_t = h k_t``, ``y_t = h q_t``), none waits for
-   another, and only a per-row Q x Q recurrence on scalars links the tokens (see the kernel).
+   commit the first ``num_commit`` pending tokens (a pending token carries the update coefficients
+   ``u = beta (v - S k)`` its verify computed, so a commit is ``S exp(g) + u k^T``, no reduction over the
+   state; the R pending rows are R static steps, merged into one pass ``S E + sum_j (u_j W_j) k_j^T`` with
+   ``E`` the product of the committed decays and ``W_j`` that of the decays after row j; a row beyond
+   ``num_commit`` loads g = 0, u = 0), store the tile once (rounded to the pool dtype; skipped when nothing
+   was committed: the slot holds that value already) and continue from the rounded value; verify the ``Q``
+   tokens (outputs and u rows collected in ``[BV, Q]`` tiles and stored at the end) and stash this
+   program's own ``u`` rows into ``pending``: only this program reads them, before. The tokens go one after
+   another (decay, ``h k`` reduction, rank-1 update, ``h q`` reduction) or, in WY form, with every state
+   reduction against the committed state (``x_t = h k_t``, ``y_t = h q_t``), none waiting for another,
+   and only a per-row Q x Q recurrence on scalars linking the tokens (see the kernel).
 2. ``_stash_kernel``: writes the shared part of each new pending token, ``k`` (read by every program of
    the key head's group) and ``g`` (read by every value-row block of the head), after all programs of
    launch 1 have read the old ones.
 
-What makes it cheap (H200, session 4): Nsight Compute showed the previous kernel bound by instruction
-issue (B=64, k=3, float32 pool: 87 M warp instructions, 2657 per warp against a decode's 682, issue slots
-72% busy), so this one cuts instructions:
-- L2 norms are per-row scalars: ``h (k r) = (h k) r`` and ``u (k r)^T = (u r) k^T`` with ``r = 1/|k|``
-  (as the reference's ``x * rsqrt(...)``); ``x / sqrt(...)`` per element compiled to an IEEE division,
-  about 4 instructions per element of every q and k.
-- The ``[BV, NC, KC]`` tile: with Triton 3.6 (the device's), 8 lanes go along KC and 4 along the value
-  rows, the chunk axis stays in registers; a row reduction is in-thread over NC and 3 shuffle levels (the
-  ``[BV, Dk]`` tile had all 32 lanes along Dk: 5 levels per row). Other Triton versions may lay it out
-  otherwise: still correct, possibly slower.
-- Every token's q/k/v/g/beta and every pending row is its own load, in the layout it is used in (the old
-  kernel loaded ``[Q, Dk]`` tiles and extracted rows with where + sum: selects and shuffles).
-Measured side by side in one run (session 4 run 5, results/verify_s4_run5.log; B=64 / 256, decode 72 / 271
-us with a float32 pool, 39 / 145 us with bf16), session 3's kernel -> this one: float32 pool k=1 91 / 352 ->
-78 / 291 us, k=3 122 / 489 -> 117 / 443 us; bf16 pool k=1 62 / 213 -> 60 / 224 us, k=3 99 / 361 -> 92 /
-354 us. The k=3 step is now bound by latency, not issue (55-65% of cycles without an eligible warp,
-49 M instructions at B=64): the token chain of dependent reductions per warp, with 12 warps per SM.
-The WY form removes that chain but needs 214-228 registers at Q=4 (8 warps per SM) and was slower there
-(run 7); at Q=2 with a 128-register cap it wins with a bf16 pool (run 9, B=64 / 256: 52.2 / 188.5 us
-against 59.9 / 227.4 one token after another; decode 39.3 / 146.5) and ties with float32.
-ptxas's schedule of this kernel is fragile: a version with the token loads converted to float32 at the
-load (same instruction mix, other order) ran 15-25% slower; its SASS puts a layout conversion that waits
-for the first pending load ahead of the token loads, probably the cause (not verified); keep the
-statement order and compare the SASS when editing.
-
-History: run 4 (session 2) replayed full per-token steps for the commit (1.78x a decode at k=3); the
-chunked WY/UT form with ``tl.dot`` (commit 21d70c5) and session 3's WY-in-registers, Dk-chunked and
-register-capped variants were all correct and slower (benchmarks/gpu/exp_verify_wy.py); a persistent
-variant that prefetches the next tile's state (session 4) was slower still (1.5-2x, 243-255 registers).
+Instruction count is what bounds this kernel at large batch, so:
+- L2 norms are per-row scalars: ``h (k r) = (h k) r`` and ``u (k r)^T = (u r) k^T`` with ``r = 1/|k|``;
+  no per-element division of q and k.
+- The ``[BV, NC, KC]`` tile: with Triton 3.6, 8 lanes go along KC and 4 along the value rows, the chunk
+  axis stays in registers, so a row reduction is in-thread over NC and 3 shuffle levels. Other Triton
+  versions may lay it out otherwise: still correct, possibly slower.
+- Every token's q/k/v/g/beta and every pending row is its own load, in the layout it is used in.
+The launch defaults (:func:`verify_launch_config`) come from side-by-side timings on an H200
+(``benchmarks/gpu/bench_gdn.py``): the WY form with a 128-register cap for up to 2 tokens, one token after
+another beyond (the WY form's register use leaves too few warps per SM there). ptxas's schedule of this
+kernel is sensitive to statement order (a reordering of the token loads measured 15-25% slower with the
+same instruction mix): keep the order and compare timings when editing.
 
 Slots < 0 are padding rows: zero state, nothing read from or written to ``ssm_state`` / ``pending``
-(``num_accepted`` is ignored there); ``num_accepted`` above ``R`` is clamped. Only ``tl`` primitives: the
+(``num_commit`` is ignored there); ``num_commit`` above ``R`` is clamped. Only ``tl`` primitives: the
 sources compile for ROCm too.
 """
 
@@ -72,7 +55,7 @@ VERIFY_BLOCK_K = 32  # KC: Dk chunk of the state tile (8 lanes x 4 float32, 16-b
 
 class VerifyLaunch(NamedTuple):
     """How ``_verify_kernel`` is launched: value rows per program, warps, the WY form of the token section
-    (``wy``) and CUDA's per-thread register cap (``max_registers``, None: the compiler's choice; not
+    (``wy``) and CUDA's per-thread register cap (``max_registers``, None or 0: the compiler's choice; not
     applied on ROCm, where Triton has no such option)."""
 
     block_v: int
@@ -82,20 +65,9 @@ class VerifyLaunch(NamedTuple):
 
 
 def verify_launch_config(num_seqs: int, num_v_heads: int, dv: int, num_tokens: int) -> VerifyLaunch:
-    """One warp per program; 16 value rows when that still leaves >= 4096 programs, else 8 (fewer programs
-    cannot fill the GPU); up to 2 tokens (k=1) the WY form capped at 128 registers, else one token after
-    another.
-
-    H200, session 4 (B=64 / 256):
-    - Q=4, one token after another (run 5, results/verify_s4_run5.log, this statement order = "r2"):
-      float32 pool BV=16 117 / 443 us against BV=32 124 / 457; bf16 92 / 354 against 94 / 348 (BV=32);
-      BV=8 127 / 488 us (float32, run 3). The WY form was slower there (run 7: float32 BV=16 150 / 572 us;
-      its 214-228 registers leave 8 warps per SM).
-    - Q=2 (run 8), the WY form at 128 registers against one token after another (BV=16): bf16 pool 51.9 / 188.9
-      against 59.5 / 226.7 us (decode 39.3 / 146.4); float32 77.3 / 284.5 against 77.9 / 288.0 us.
-    - Session 3: with 128 programs (B=1) wider tiles took 2x as long; between B=1 and B=64 (80B shape:
-      B >= 16 takes BV=16) the threshold is a guess.
-    """
+    """One warp per program; 16 value rows when that still leaves >= 4096 programs, else the recurrent
+    kernel's tile (fewer programs cannot fill the GPU); up to 2 tokens the WY form capped at 128 registers,
+    else one token after another."""
     bv = min(16, triton.next_power_of_2(dv))
     if num_seqs * num_v_heads * triton.cdiv(dv, bv) < 4096:
         bv = recurrent_launch_config(num_seqs, num_v_heads, dv)[0]
@@ -143,7 +115,7 @@ def _verify_kernel(
     state_ptr,
     pend_ptr,
     idx_ptr,
-    acc_ptr,
+    commit_ptr,
     scale,
     eps,
     s_qn,
@@ -202,30 +174,30 @@ def _verify_kernel(
 
     slot = tl.load(idx_ptr + i_n * s_in).to(tl.int64)
     valid = slot >= 0
-    n_acc = tl.where(valid, tl.minimum(tl.load(acc_ptr + i_n), R), 0)
-    # Scalar conditions enter masks as bounds, not `mask & cond`: Triton 3.9's interpreter turns a
-    # tensor & scalar bool into int32, which tl.load rejects. Empty on padding rows; for the state store
-    # also when nothing is committed.
+    n_commit = tl.where(valid, tl.minimum(tl.load(commit_ptr + i_n), R), 0)
+    # Scalar conditions enter masks as bounds, not `mask & cond`: the interpreter turns a tensor &
+    # scalar bool into int32, which tl.load rejects. Empty on padding rows; for the state store also
+    # when nothing is committed.
     m_vs = o_v < tl.where(valid, DV, 0)
-    m_vc = o_v < tl.where(n_acc > 0, DV, 0)
+    m_vc = o_v < tl.where(n_commit > 0, DV, 0)
 
     p_h = state_ptr + slot * s_ss + i_hv * s_sh + o_v[:, None, None] * s_sv + d2[None, :, :] * s_sk
     m_h = m_d2[None, :, :]
     h = tl.load(p_h, mask=m_vs[:, None, None] & m_h, other=0.0).to(tl.float32)
 
     # ---- 1. commit: h E + sum_j (u_j r_j W_j) k_j^T (r_j = 1/|k_j|), rows walked from the last, so W_j
-    # (the product of the decays after row j) builds up; a row beyond num_accepted has g = 0, u = 0.
+    # (the product of the decays after row j) builds up; a row beyond num_commit has g = 0, u = 0.
     p_pend = pend_ptr + slot * s_ps
     w = tl.full([BV], 1.0, tl.float32)
     acc = tl.zeros([BV, NC, KC], dtype=tl.float32)
     for jj in tl.static_range(R):
         j = R - 1 - jj
-        m_j = o_v < tl.where(j < n_acc, DV, 0)
+        m_j = o_v < tl.where(j < n_commit, DV, 0)
         c_k = tl.load(
-            p_pend + j * s_pr + (i_hk * DK + d2) * s_pp, mask=d2 < tl.where(j < n_acc, DK, 0), other=0.0
+            p_pend + j * s_pr + (i_hk * DK + d2) * s_pp, mask=d2 < tl.where(j < n_commit, DK, 0), other=0.0
         )
         c_u = tl.load(p_pend + j * s_pr + (HK * DK + i_hv * DV + o_v) * s_pp, mask=m_j, other=0.0)
-        c_g = tl.load(p_pend + j * s_pr + (HK * DK + HV * DV + i_hv) * s_pp, mask=j < n_acc, other=0.0)
+        c_g = tl.load(p_pend + j * s_pr + (HK * DK + HV * DV + i_hv) * s_pp, mask=j < n_commit, other=0.0)
         if L2NORM:
             c_u = c_u / tl.sqrt(tl.sum(tl.sum(c_k * c_k, 1), 0) + eps)
         acc = acc + (c_u * w)[:, None, None] * c_k[None, :, :]
@@ -363,51 +335,58 @@ def gated_delta_rule_verify(
     ssm_state: torch.Tensor,
     pending: torch.Tensor,
     state_indices: torch.Tensor,
-    num_accepted: torch.Tensor,
+    num_commit: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool = True,
-    *,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-    max_registers: int | None = None,
-    form: str | None = None,
 ) -> torch.Tensor:
-    """See :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_verify`.
-
-    Benchmark knobs, each overriding :func:`verify_launch_config`: ``block_v``, ``num_warps``,
-    ``max_registers`` (CUDA's ``maxnreg``: more resident warps, possibly spills; 0 = no cap) and ``form``
-    (``"wy"`` or ``"seq"``: the token section in WY form or one token after another).
-    """
-    if form not in (None, "wy", "seq"):
-        raise ValueError(f"gated_delta_rule_verify: form must be None, 'wy' or 'seq', got {form!r}")
+    """See :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_verify`."""
     check_gated_delta_rule_verify(
-        q, k, v, g, beta, ssm_state, pending, state_indices, num_accepted, scale, use_qk_l2norm
+        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm
     )
+    if q.device.type == "cpu":  # reads values: only under the interpreter (no device sync on a GPU)
+        op, r = "gated_delta_rule_verify", pending.shape[1]
+        check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
+        check_num_accepted_values(op, num_commit, r, f"R={r}", low=0, name="num_commit")
+    return _launch_verify(
+        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm
+    )
+
+
+def _launch_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    pending: torch.Tensor,
+    state_indices: torch.Tensor,
+    num_commit: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    launch: VerifyLaunch | None = None,
+) -> torch.Tensor:
+    """The two launches of the verify op with ``launch`` (None: :func:`verify_launch_config`); no input
+    checks. Benchmarks and tests compare launch settings through this."""
     N, Q, HK, DK = q.shape
     HV, DV = v.shape[2], v.shape[3]
     R = pending.shape[1]
-    if q.device.type == "cpu":  # reads values: only under the interpreter (no device sync on a GPU)
-        op = "gated_delta_rule_verify"
-        check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
-        check_num_accepted_values(op, num_accepted, R, f"R={R}", low=0)
     o = torch.empty((N, Q, HV, DV), dtype=q.dtype, device=q.device)
     if N == 0 or Q == 0:
         return o
-    cfg = verify_launch_config(N, HV, DV, Q)
-    bv, nw = block_v or cfg.block_v, num_warps or cfg.num_warps
-    wy = cfg.wy if form is None else form == "wy"
-    regs = cfg.max_registers if max_registers is None else max_registers
+    cfg = launch or verify_launch_config(N, HV, DV, Q)
     # maxnreg is an option of Triton's CUDA backend only (the HIP backend rejects unknown options)
+    regs = cfg.max_registers
     extra = {"maxnreg": regs} if regs and q.is_cuda and torch.version.hip is None else {}
     kc = min(VERIFY_BLOCK_K, triton.next_power_of_2(DK))
-    _verify_kernel[(triton.cdiv(DV, bv), N * HV)](
-        q, k, v, g, beta, o, ssm_state, pending, state_indices, num_accepted,
+    _verify_kernel[(triton.cdiv(DV, cfg.block_v), N * HV)](
+        q, k, v, g, beta, o, ssm_state, pending, state_indices, num_commit,
         float(scale), L2NORM_EPS,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *o.stride(),
         *ssm_state.stride(), *pending.stride(), state_indices.stride(0),
         Q=Q, R=R, QP=triton.next_power_of_2(Q), HK=HK, HV=HV, GROUP=HV // HK, DK=DK, DV=DV,
-        NC=triton.next_power_of_2(DK) // kc, KC=kc, BV=bv,
-        L2NORM=use_qk_l2norm, WY=wy, num_warps=nw, **extra,
+        NC=triton.next_power_of_2(DK) // kc, KC=kc, BV=cfg.block_v,
+        L2NORM=use_qk_l2norm, WY=cfg.wy, num_warps=cfg.num_warps, **extra,
     )  # fmt: skip
     stash_shared(k, g, pending, state_indices)
     return o
