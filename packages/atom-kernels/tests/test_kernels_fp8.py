@@ -46,6 +46,16 @@ def block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tenso
     return q.to(E4M3).to(w.device), scales.to(w.device)
 
 
+def act_qdq(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """Test-local per-token-group quantise-dequantise (scale = absmax / 448, round to nearest e4m3)."""
+    k = x.shape[-1]
+    groups = -(-k // group)
+    xp = torch.nn.functional.pad(x.float(), (0, groups * group - k)).reshape(*x.shape[:-1], groups, group)
+    s = xp.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448.0
+    q = (xp / s).clamp(-448, 448).to(E4M3).float() * s
+    return q.reshape(*x.shape[:-1], groups * group)[..., :k]
+
+
 @pytest.mark.parametrize("block", [(128, 128), (64, 32)])
 def test_block_dequant_round_trip(impl, tol, device, block):
     dequant = impl("fp8_block_dequant", torch.float32)
@@ -112,7 +122,8 @@ def test_linear(impl, tol, device, dtype, with_bias):
     y = linear(x, w_fp8, scale_inv, (128, 128), bias)
     assert y.shape == (63, n) and y.dtype == dtype
     w64 = dequant(w_fp8, scale_inv, (128, 128), torch.float32).double().cpu()
-    expected = x.double().cpu() @ w64.t() + (bias.double().cpu() if with_bias else 0)
+    x64 = act_qdq(x).double().cpu()  # W8A8: the activations are quantised per token-group of 128
+    expected = x64 @ w64.t() + (bias.double().cpu() if with_bias else 0)
     assert_close(y, expected, tol("linear", dtype), f"fp8_linear {dtype} bias={with_bias}")
 
 

@@ -26,6 +26,7 @@ class Kernels:
     silu_and_mul: sig.SiluAndMul
     moe_router: sig.MoeRouter
     moe_experts: sig.MoeExperts
+    moe_experts_fp8: sig.MoeExpertsFp8
     gdn_gating: sig.GdnGating
     l2norm: sig.L2Norm
     causal_conv1d_varlen: sig.CausalConv1dVarlen

@@ -36,6 +36,7 @@ OPS: tuple[str, ...] = (
     "silu_and_mul",
     "moe_router",
     "moe_experts",
+    "moe_experts_fp8",
     "gdn_gating",
     "l2norm",
     "causal_conv1d_varlen",

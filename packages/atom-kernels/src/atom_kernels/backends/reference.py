@@ -27,6 +27,7 @@ REFERENCE_OPS = {
     "silu_and_mul": activation.silu_and_mul,
     "moe_router": moe.moe_router,
     "moe_experts": moe.moe_experts,
+    "moe_experts_fp8": moe.moe_experts_fp8,
     "gdn_gating": gdn_gating.gdn_gating,
     "l2norm": l2norm.l2norm,
     "causal_conv1d_varlen": conv1d.causal_conv1d_varlen,

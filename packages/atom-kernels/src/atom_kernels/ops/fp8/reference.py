@@ -74,12 +74,13 @@ def fp8_linear(
     block: tuple[int, int] = (128, 128),
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ dequant(w_fp8).T + bias`` with a block-scaled FP8 weight.
+    """W8A8 block-scaled linear: ``dequant(fp8_act_quant(x, bk)) @ dequant(w_fp8).T + bias``.
 
-    The reference is weight-only: activations are NOT quantised, the matmul runs in float32 on the
-    dequantised weight. Backends that quantise activations (``fp8_act_quant`` + an FP8 GEMM, as vLLM's
-    W8A8 block path) add about one e4m3 rounding (rel. 2^-4 per element, averaging out over K) and
-    must state their tolerance against this reference.
+    Activations are quantised dynamically per token and per group of ``bk = block[1]`` input channels
+    (:func:`fp8_act_quant`), as in the published FP8 checkpoints' ``activation_scheme: dynamic`` (vLLM's
+    W8A8 block path); both operands are then dequantised and multiplied in float32. A backend that
+    multiplies the e4m3 values and applies the two scales per K block computes the same sum up to
+    float32 accumulation order.
 
     Args:
         x: ``[T, K]`` (any leading dims); w_fp8: ``[N, K]`` float8_e4m3fn;
@@ -89,8 +90,11 @@ def fp8_linear(
         ``[T, N]`` in x.dtype.
     """
     check_fp8_linear(x, w_fp8, scale_inv, block, bias)
+    bk = int(block[1])
+    x_fp8, x_scales = fp8_act_quant(x, bk)
+    xd = x_fp8.float() * x_scales.repeat_interleave(bk, -1)[..., : x.shape[-1]]
     w = w_fp8.float() * _expand_scales(scale_inv, tuple(w_fp8.shape), tuple(block))
-    y = x.float() @ w.t()
+    y = xd @ w.t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

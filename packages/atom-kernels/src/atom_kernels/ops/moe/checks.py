@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from atom_kernels.ops._checks import FLOAT_DTYPES, Checker
+from atom_kernels.ops._checks import FLOAT_DTYPES, FP8_DTYPES, Checker
 
 
 def check_moe_router(logits: torch.Tensor, top_k: int, renormalize: bool) -> None:
@@ -24,3 +24,33 @@ def check_moe_experts(
     c.require(c.dim("2I") % 2 == 0, f"w13 must have shape [E, 2I, H] with an even 2I, got {tuple(w13.shape)}")
     c.dims["I"] = c.dim("2I") // 2
     c.tensor("w2", w2, ("E", "H", "I"), (x.dtype,))
+
+
+def check_moe_experts_fp8(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    block: object,
+) -> None:
+    c = Checker("moe_experts_fp8")
+    c.tensor("x", x, ("T", "H"), FLOAT_DTYPES)
+    c.tensor("weights", weights, ("T", "K"), FLOAT_DTYPES)
+    c.tensor("ids", ids, ("T", "K"), (torch.int64, torch.int32))
+    c.tensor("w13", w13, ("E", "2I", "H"), FP8_DTYPES)
+    c.require(c.dim("2I") % 2 == 0, f"w13 must have shape [E, 2I, H] with an even 2I, got {tuple(w13.shape)}")
+    c.dims["I"] = c.dim("2I") // 2
+    c.tensor("w2", w2, ("E", "H", "I"), FP8_DTYPES)
+    ok = isinstance(block, (tuple, list)) and len(block) == 2
+    ok = ok and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)  # type: ignore[union-attr]
+    c.require(ok, f"block must be a pair of positive ints (bn, bk), got {block!r}")
+    bn, bk = int(block[0]), int(block[1])  # type: ignore[index]
+    c.dims["2*ceil(I/bn)"] = 2 * -(-c.dim("I") // bn)
+    c.dims["ceil(H/bk)"] = -(-c.dim("H") // bk)
+    c.dims["ceil(H/bn)"] = -(-c.dim("H") // bn)
+    c.dims["ceil(I/bk)"] = -(-c.dim("I") // bk)
+    c.tensor("w13_scale", w13_scale, ("E", "2*ceil(I/bn)", "ceil(H/bk)"), (torch.float32,))
+    c.tensor("w2_scale", w2_scale, ("E", "ceil(H/bn)", "ceil(I/bk)"), (torch.float32,))

@@ -1,4 +1,5 @@
-"""Reference MoE: softmax top-k router and a loop over the experts that received tokens."""
+"""Reference MoE: softmax top-k router and a loop over the experts that received tokens (bf16/float32
+weights, or FP8 block-scaled weights with per-token-group activation quantisation)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from atom_kernels.ops._checks import values_checkable
-from atom_kernels.ops.moe.checks import check_moe_experts, check_moe_router
+from atom_kernels.ops.fp8.reference import fp8_act_quant
+from atom_kernels.ops.moe.checks import check_moe_experts, check_moe_experts_fp8, check_moe_router
 
 
 def moe_router(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,12 +51,23 @@ def moe_experts(
         float32, and the weighted sum over experts accumulates in float32.
     """
     check_moe_experts(x, weights, ids, w13, w2)
-    num_experts = w13.shape[0]
+
+    def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+        h = (xs @ w13[e].t()).float()
+        half = h.shape[-1] // 2
+        act = (F.silu(h[:, :half]) * h[:, half:]).to(x.dtype)
+        return act @ w2[e].t()
+
+    return _route(x, weights, ids, w13.shape[0], expert, "moe_experts")
+
+
+def _route(x, weights, ids, num_experts, expert, op: str) -> torch.Tensor:
+    """``sum_j weights[t, j] * expert(ids[t, j], x[t])`` in float32, returned in x.dtype."""
     flat_ids = ids.reshape(-1).long()
     if values_checkable(flat_ids) and flat_ids.numel() > 0:
         lo, hi = int(flat_ids.min()), int(flat_ids.max())
         if lo < 0 or hi >= num_experts:
-            raise ValueError(f"moe_experts: ids must lie in [0, E={num_experts}), got values in [{lo}, {hi}]")
+            raise ValueError(f"{op}: ids must lie in [0, E={num_experts}), got values in [{lo}, {hi}]")
     top_k = ids.shape[1]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if flat_ids.numel() == 0:
@@ -68,11 +81,64 @@ def moe_experts(
         if n == 0:
             continue
         tok = token_of[start : start + n]
-        h = x[tok] @ w13[e].t()
-        half = h.shape[-1] // 2
-        h32 = h.float()
-        act = (F.silu(h32[:, :half]) * h32[:, half:]).to(x.dtype)
-        y = (act @ w2[e].t()).float() * flat_w[start : start + n, None]
+        y = expert(e, x[tok]).float() * flat_w[start : start + n, None]
         out.index_add_(0, tok, y)
         start += n
     return out.to(x.dtype)
+
+
+def _qdq(a: torch.Tensor, group: int) -> torch.Tensor:
+    """``fp8_act_quant`` then back to float32 (what an FP8 GEMM multiplies)."""
+    q, s = fp8_act_quant(a, group)
+    return q.float() * s.repeat_interleave(group, -1)[..., : a.shape[-1]]
+
+
+def _dequant(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    bn, bk = block
+    full = scale.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+    return w.float() * full[: w.shape[0], : w.shape[1]]
+
+
+def moe_experts_fp8(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+) -> torch.Tensor:
+    """:func:`moe_experts` with FP8 block-scaled expert weights (W8A8, dynamic activation scales).
+
+    Per expert: ``h = qdq(x) @ dequant(w13[e]).T`` rounded to x.dtype, ``act = silu(gate) * up`` (float32,
+    rounded to x.dtype), ``y = qdq(act) @ dequant(w2[e]).T`` rounded to x.dtype, where ``qdq`` is
+    :func:`~atom_kernels.ops.fp8.reference.fp8_act_quant` with groups of ``bk`` channels, dequantised;
+    products in float32. The routed sum accumulates in float32.
+
+    Args:
+        x: ``[T, H]``; weights: ``[T, K]``; ids: ``[T, K]`` in ``[0, E)``.
+        w13: ``[E, 2I, H]`` float8_e4m3fn, rows ``[gate; up]``.
+        w13_scale: ``[E, 2 * ceil(I/bn), ceil(H/bk)]`` float32: the gate's ``ceil(I/bn)`` row blocks, then
+            the up projection's (each half blocked on its own, so ``I`` need not be a multiple of ``bn``).
+        w2: ``[E, H, I]`` float8_e4m3fn; w2_scale: ``[E, ceil(H/bn), ceil(I/bk)]`` float32.
+        block: ``(bn, bk)``.
+
+    Returns:
+        ``[T, H]`` in x.dtype.
+    """
+    check_moe_experts_fp8(x, weights, ids, w13, w13_scale, w2, w2_scale, block)
+    bn, bk = int(block[0]), int(block[1])
+    inter = w13.shape[1] // 2
+    nb = -(-inter // bn)
+
+    def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+        gate = _dequant(w13[e, :inter], w13_scale[e, :nb], (bn, bk))
+        up = _dequant(w13[e, inter:], w13_scale[e, nb:], (bn, bk))
+        xq = _qdq(xs, bk)
+        g = (xq @ gate.t()).to(x.dtype).float()
+        u = (xq @ up.t()).to(x.dtype).float()
+        act = (F.silu(g) * u).to(x.dtype)
+        return (_qdq(act, bk) @ _dequant(w2[e], w2_scale[e], (bn, bk)).t()).to(x.dtype)
+
+    return _route(x, weights, ids, w13.shape[0], expert, "moe_experts_fp8")

@@ -1,0 +1,308 @@
+"""Triton FP8 (e4m3) kernels: per-token-group activation quantisation, the W8A8 block-scaled GEMM
+(``fp8_linear``), block dequantisation and per-tensor KV quantisation.
+
+``fp8_linear`` quantises the activations with ``_act_quant_kernel`` (one program per token and group,
+absmax / 448, IEEE division, round to nearest e4m3) and multiplies with ``_fp8_gemm_kernel``: e4m3 x e4m3
+tiles on the tensor cores (``tl.dot``, float32 accumulation), each K tile scaled by the token's group
+scale and the weight block's scale, so ``BLOCK_K`` divides the scale block ``bk``. Two plans:
+
+- prefill (M > 64): 64- or 128-row tiles, 128-column tiles, grouped tile order for L2 reuse;
+- decode (M <= 64): one row tile of ``16 <= BLOCK_M <= 64`` rows, narrow column tiles, and split-K over
+  enough programs to stream the weight from every SM: float32 partials ``[SPLIT_K, M, N]`` summed in a
+  fixed order by ``_splitk_reduce_kernel`` (deterministic), which also adds the bias.
+
+No host synchronisation (CUDA-graph safe). Launch options are portable (no CUDA-only options), so the
+sources compile for ROCm too. Triton 3.9's CPU interpreter flushes e4m3 subnormals to zero and does not
+saturate, so these kernels are registered for real GPUs only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_kernels.ops._fp8_math import FP8_MAX, scale_tensor
+from atom_kernels.ops.fp8.checks import (
+    check_fp8_act_quant,
+    check_fp8_block_dequant,
+    check_fp8_kv_dequant,
+    check_fp8_kv_quant,
+    check_fp8_linear,
+)
+from atom_kernels.ops.fp8.reference import ACT_SCALE_EPS
+
+E4M3 = torch.float8_e4m3fn
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, EPS: tl.constexpr, FMAX: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, BLOCK)
+    m = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
+    x = tl.load(x_ptr + t * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x), 0), EPS) / FMAX
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FMAX), FMAX)
+    tl.store(q_ptr + t * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(s_ptr + t * stride_s + g, s)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K,
+    stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs, TILES_PER_SPLIT,
+    BN_Q: tl.constexpr, BK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """``c[m, n] = sum_k a[m, k] b[n, k] as[m, k // BK_Q] bs[n // BN_Q, k // BK_Q]`` over this program's
+    K tiles; PARTIAL: float32 partial sums to ``c[pid_k]`` (no bias), else the output in c's dtype."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    t0 = pid_k * TILES_PER_SPLIT
+    t1 = tl.minimum(t0 + TILES_PER_SPLIT, k_tiles)
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
+    bs_ptrs = bs_ptr + (offs_n // BN_Q).to(tl.int64) * stride_bsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kt in range(t0, t1):
+        k0 = kt * BLOCK_K
+        k_ok = (k0 + offs_k) < K
+        a = tl.load(a_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        kb = k0 // BK_Q
+        a_s = tl.load(as_ptrs + kb, mask=m_ok, other=0.0)
+        b_s = tl.load(bs_ptrs + kb, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if PARTIAL:
+        tl.store(c_ptrs + pid_k.to(tl.int64) * stride_cs, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    ws_ptr, bias_ptr, c_ptr, MN, N, stride_ws, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: deterministic
+        acc += tl.load(ws_ptr + s * stride_ws + offs, mask=m, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=m, other=0.0).to(tl.float32)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _block_dequant_kernel(
+    w_ptr, s_ptr, out_ptr, N, K, stride_w, stride_s, stride_o, BN: tl.constexpr, BK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    m = (rows < N)[:, None] & (cols < K)[None, :]
+    w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :], mask=m, other=0.0)
+    s = tl.load(s_ptr + (rows // BN)[:, None] * stride_s + (cols // BK)[None, :], mask=m, other=0.0)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :], (w.to(tl.float32) * s).to(
+        out_ptr.dtype.element_ty), mask=m)  # fmt: skip
+
+
+@triton.jit
+def _kv_quant_kernel(
+    x_ptr, s_ptr, out_ptr, numel, FMAX: tl.constexpr, DEQUANT: tl.constexpr, BLOCK: tl.constexpr
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr)
+    if DEQUANT:
+        y = x * s
+    else:
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FMAX), FMAX)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _act_quant_2d(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t, k = x.shape
+    groups = triton.cdiv(k, group)
+    q = torch.empty((t, k), dtype=E4M3, device=x.device)
+    s = torch.empty((t, groups), dtype=torch.float32, device=x.device)
+    if t:
+        _act_quant_kernel[(t, groups)](
+            x, q, s, k, x.stride(0), q.stride(0), s.stride(0), EPS=ACT_SCALE_EPS, FMAX=FP8_MAX,
+            GROUP=group, BLOCK=triton.next_power_of_2(group), num_warps=1 if group <= 128 else 4,
+        )  # fmt: skip
+    return q, s
+
+
+def fp8_act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group e4m3 quantisation: ``(x_fp8 [..., K], scales [..., ceil(K/group)] float32)``."""
+    check_fp8_act_quant(x, group)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    q, s = _act_quant_2d(x2, group)
+    return q.reshape(*lead, k), s.reshape(*lead, s.shape[-1])
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def plan(m: int, n: int, k: int, bk: int, device: torch.device, config: dict | None = None) -> dict:
+    """Tile sizes from shapes alone: decode-sized M (<= 64) splits K to fill about two programs per SM;
+    larger M runs whole-K tiles."""
+    block_k = min(128, bk)
+    if m <= 64:
+        block_m = max(16, triton.next_power_of_2(m))
+        block_n = 64 if n >= 4096 else 32
+        tiles = triton.cdiv(n, block_n)
+        sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+        k_tiles = triton.cdiv(k, block_k)
+        split = max(1, min(k_tiles, (2 * sms) // max(tiles, 1)))
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1, SPLIT_K=split, num_warps=4,
+                   num_stages=4)  # fmt: skip
+    elif m <= 256:
+        cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=1, num_warps=4, num_stages=3)
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=3)
+    if config:
+        cfg.update(config)
+    return cfg
+
+
+def fp8_gemm(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    w: torch.Tensor,
+    w_scales: torch.Tensor,
+    block: tuple[int, int],
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``[M, K] e4m3 (group scales [M, ceil(K/bk)]) x [N, K] e4m3 (block scales) -> [M, N] out_dtype``."""
+    m, k = a.shape
+    n = w.shape[0]
+    bn, bk = int(block[0]), int(block[1])
+    if bk < 32 or bk & (bk - 1):
+        raise ValueError(f"fp8_linear (triton): block[1] must be a power of two >= 32, got {bk}")
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    cfg = plan(m, n, k, bk, a.device, config)
+    k_tiles = triton.cdiv(k, cfg["BLOCK_K"])
+    per = triton.cdiv(k_tiles, cfg["SPLIT_K"])
+    split = triton.cdiv(k_tiles, per)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
+    partial = split > 1
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=a.device) if partial else out
+    has_bias = bias is not None
+    _fp8_gemm_kernel[grid](
+        a, a_scales, w, w_scales, ws, bias if has_bias else out, m, n, k,
+        a.stride(0), a_scales.stride(0), w.stride(0), w_scales.stride(0), ws.stride(-2),
+        ws.stride(0) if partial else 0, per,
+        BN_Q=bn, BK_Q=bk, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        GROUP_M=cfg["GROUP_M"], PARTIAL=partial, HAS_BIAS=has_bias,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if partial:
+        block_r = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block_r),)](
+            ws, bias if has_bias else out, out, m * n, n, ws.stride(0), SPLIT_K=split, HAS_BIAS=has_bias,
+            BLOCK=block_r, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    bias: torch.Tensor | None = None,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """W8A8 block-scaled linear (see the reference): act quant + :func:`fp8_gemm`; ``config`` overrides
+    the tile plan (keys of :func:`plan`)."""
+    check_fp8_linear(x, w_fp8, scale_inv, block, bias)
+    if w_fp8.stride(-1) != 1:
+        raise ValueError("fp8_linear (triton): w_fp8 needs a unit last-dim stride")
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    a, a_s = _act_quant_2d(x2, int(block[1]))
+    scales = scale_inv if scale_inv.dtype == torch.float32 else scale_inv.float()
+    y = fp8_gemm(a, a_s, w_fp8, scales, block, x.dtype, bias, config)
+    return y.reshape(*lead, w_fp8.shape[0])
+
+
+def fp8_block_dequant(
+    w: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``[N, K]`` ``w * scale_inv[n // bn, k // bk]`` (float32 math) in ``dtype``."""
+    check_fp8_block_dequant(w, scale_inv, block, dtype)
+    n, k = w.shape
+    out = torch.empty((n, k), dtype=dtype, device=w.device)
+    scales = scale_inv if scale_inv.dtype == torch.float32 else scale_inv.float()
+    if n and k:
+        _block_dequant_kernel[(triton.cdiv(n, 64), triton.cdiv(k, 64))](
+            w, scales, out, n, k, w.stride(0), scales.stride(0), out.stride(0), BN=int(block[0]),
+            BK=int(block[1]), BLOCK_N=64, BLOCK_K=64, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def _per_tensor(x: torch.Tensor, scale, out_dtype: torch.dtype, dequant: bool) -> torch.Tensor:
+    flat = x.contiguous().reshape(-1)
+    out = torch.empty(flat.shape, dtype=out_dtype, device=x.device)
+    s = scale_tensor(scale, x.device)
+    if flat.numel():
+        _kv_quant_kernel[(triton.cdiv(flat.numel(), 1024),)](
+            flat, s, out, flat.numel(), FMAX=FP8_MAX, DEQUANT=dequant, BLOCK=1024, num_warps=4
+        )
+    return out.reshape(x.shape)
+
+
+def fp8_kv_quant(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """Per-tensor ``clamp(x / scale, -448, 448)`` as float8_e4m3fn (any shape)."""
+    check_fp8_kv_quant(x, scale)
+    return _per_tensor(x, scale, E4M3, dequant=False)
+
+
+def fp8_kv_dequant(x_fp8: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x_fp8 * scale`` in ``dtype`` (float32 math), any shape."""
+    check_fp8_kv_dequant(x_fp8, scale, dtype)
+    return _per_tensor(x_fp8, scale, dtype, dequant=True)

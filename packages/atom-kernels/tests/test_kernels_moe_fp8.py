@@ -1,0 +1,110 @@
+"""moe_experts_fp8 (W8A8 block-scaled experts) against a per-token loop in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from atom_kernels.testing import assert_close, randn
+
+E4M3 = torch.float8_e4m3fn
+# (what, dtype) -> (atol, rtol) against the float64 per-token loop (same e4m3 rounding of the inputs).
+# Measured max abs error in the comments (reference on CPU; triton on the H200: see docs/performance.md).
+TOL = {
+    ("moe_fp8", torch.float32): (1e-5, 1e-5),  # measured 3.4e-07 (|out| ~ 0.6)
+    # bf16: GEMM outputs round to bf16 before the activation's quantisation, so a different accumulation
+    # order can move one e4m3 step (2^-4 of one element's contribution): measured 1.7e-03 (|out| ~ 0.6)
+    ("moe_fp8", torch.bfloat16): (3e-2, 2e-2),
+}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def block_quantize(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` -> (e4m3, ``[ceil(N/bn), ceil(K/bk)]`` scales), per block absmax / 448."""
+    n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    pad = F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n)).reshape(nb, bn, kb, bk)
+    s = pad.abs().amax((1, 3)).clamp(min=1e-12) / 448.0
+    q = (pad / s[:, None, :, None]).reshape(nb * bn, kb * bk)[:n, :k]
+    return q.to(E4M3), s
+
+
+def make_experts(num_experts, hidden, inter, block, device, seed=0):
+    bn, bk = block
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.05
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) * 0.05
+    q13, s13, q2, s2 = [], [], [], []
+    for e in range(num_experts):
+        (gq, gs), (uq, us) = block_quantize(w13[e, :inter], bn, bk), block_quantize(w13[e, inter:], bn, bk)
+        q13.append(torch.cat([gq, uq]))
+        s13.append(torch.cat([gs, us]))
+        dq, ds = block_quantize(w2[e], bn, bk)
+        q2.append(dq)
+        s2.append(ds)
+    return [torch.stack(t).to(device) for t in (q13, s13, q2, s2)]
+
+
+def qdq64(a: torch.Tensor, group: int) -> torch.Tensor:
+    k = a.shape[-1]
+    groups = -(-k // group)
+    ap = F.pad(a.float(), (0, groups * group - k)).reshape(*a.shape[:-1], groups, group)
+    s = ap.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448.0
+    q = (ap / s).clamp(-448, 448).to(E4M3).double() * s.double()
+    return q.reshape(*a.shape[:-1], groups * group)[..., :k]
+
+
+def deq64(w: torch.Tensor, s: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    full = s.double().repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: w.shape[0], : w.shape[1]]
+    return w.double() * full
+
+
+def per_token_loop(x, weights, ids, q13, s13, q2, s2, block):
+    bn, bk = block
+    x, weights, ids = x.cpu(), weights.cpu(), ids.cpu()
+    q13, s13, q2, s2 = q13.cpu(), s13.cpu(), q2.cpu(), s2.cpu()
+    inter = q13.shape[1] // 2
+    nb = -(-inter // bn)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        xq = qdq64(x[t : t + 1], bk)
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate = xq @ deq64(q13[e, :inter], s13[e, :nb], bn, bk).t()
+            up = xq @ deq64(q13[e, inter:], s13[e, nb:], bn, bk).t()
+            g, u = gate.to(x.dtype).double(), up.to(x.dtype).double()
+            act = (g * torch.sigmoid(g) * u).to(x.dtype)
+            y = (qdq64(act, bk) @ deq64(q2[e], s2[e], bn, bk).t()).to(x.dtype).double()
+            out[t] += float(weights[t, j]) * y[0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "inter"), [(1, 64), (7, 64), (40, 192)])
+def test_moe_experts_fp8_matches_per_token_loop(impl, tol, device, dtype, tokens, inter):
+    fn = impl("moe_experts_fp8", dtype)
+    num_experts, hidden, top_k, block = 8, 256, 2, (128, 128)
+    q13, s13, q2, s2 = make_experts(num_experts, hidden, inter, block, device)
+    x = randn(tokens, hidden, seed=1, dtype=dtype, device=device)
+    logits = randn(tokens, num_experts, seed=2, dtype=torch.float32, device=device)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
+    out = fn(x, weights, ids, q13, s13, q2, s2, block)
+    assert out.shape == x.shape and out.dtype == dtype
+    expected = per_token_loop(x, weights, ids, q13, s13, q2, s2, block)
+    assert_close(out, expected, tol("moe_fp8", dtype), f"moe_experts_fp8 {dtype} T={tokens} I={inter}")
+
+
+def test_moe_experts_fp8_bad_inputs(impl, device):
+    fn = impl("moe_experts_fp8", torch.float32)
+    q13, s13, q2, s2 = make_experts(4, 256, 64, (128, 128), device)
+    x = torch.zeros(3, 256, device=device)
+    w = torch.full((3, 2), 0.5, device=device)
+    ids = torch.zeros(3, 2, dtype=torch.int64, device=device)
+    with pytest.raises(
+        ValueError, match=r"w13_scale must have shape \[E=4, 2\*ceil\(I/bn\)=2, ceil\(H/bk\)=2\]"
+    ):
+        fn(x, w, ids, q13, s13[:, :1], q2, s2, (128, 128))
+    with pytest.raises(ValueError, match="w13 must have dtype float8_e4m3fn"):
+        fn(x, w, ids, q13.float(), s13, q2, s2, (128, 128))
+    with pytest.raises(ValueError, match="block must be a pair of positive ints"):
+        fn(x, w, ids, q13, s13, q2, s2, (128,))
