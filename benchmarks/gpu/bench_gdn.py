@@ -3,19 +3,19 @@
 Shape: 16 key heads and 32 value heads of dim 128, conv kernel 4 over 2*16*128 + 32*128 = 8192
 channels, bf16 activations, recurrent state float32 or bf16 in the ``[S, Hv, Dv, Dk]`` pool.
 
-Cases: decode (Q = 1) and verify (Q = 1 + k, k = 1..4) at B = 1, 8, 64, 256; prefill 1 x 4096 and
-16 x 512; conv1d update and varlen prefill; gating. Verify both ways: ``gated_delta_rule_recurrent`` with a
-state slot per token (bench ``recurrent``) and ``gated_delta_rule_verify`` (bench ``verify``: deferred
-commit, one state per sequence plus the pending tokens; ``triton-verify`` commits all Q pending tokens of
-the previous step, the most commit work, ``triton-verify-a1`` commits one). Implementations in the same
-run: ``triton`` (ours),
-``reference`` (atom-kernels' torch spec, on the GPU), fla-core's ``fused_recurrent_gated_delta_rule``
-and ``chunk_gated_delta_rule`` (dense states, final state only), and ``triton-final``: our verify
-kernel with only the last token's slot valid (the traffic of a design that keeps only the final state).
+Cases: decode (Q = 1) and Q = 1 + k tokens (k = 1..4) at B = 1, 8, 64, 256; prefill 1 x 4096 and
+16 x 512; conv1d update and varlen prefill; gating. Bench ``recurrent``: ``gated_delta_rule_recurrent``,
+Q tokens from and back to one slot per sequence (final state only: Q = 1 is a decode, Q > 1 the traffic
+floor of a verify step). Bench ``verify``: ``gated_delta_rule_verify`` (deferred commit, one state per
+sequence plus the pending tokens; ``triton-verify`` commits all Q pending tokens of the previous step, the
+most commit work, ``triton-verify-a1`` commits one; ``-bv8`` / ``-seq`` other launch settings through the
+op's private ``_launch_verify``). Implementations in the same run: ``triton`` (ours), ``reference``
+(atom-kernels' torch spec, on the GPU), fla-core's ``fused_recurrent_gated_delta_rule`` and
+``chunk_gated_delta_rule`` (dense states, final state only).
 
 Every case is first checked against the reference run in float32 (inputs upcast, float32 state):
-outputs and every per-token state of a verify step (deferred commit: outputs, the committed state and the
-pending tokens), with the tolerances in :data:`TOL`.
+outputs and final states (verify: outputs, the committed state and the pending tokens), with the
+tolerances in :data:`TOL`.
 Timing: decode/verify through CUDA-graph replay (how vLLM runs decode), prefill eagerly; both median.
 
 Writes ``<out>/gdn.json`` and ``<out>/gdn.png``; exits non-zero if a check fails.
@@ -39,15 +39,15 @@ from gdn_harness import BF16, FP32, QUICK, QWEN3_NEXT_80B, SMOKE, Run, get_impl 
 # sequence on the H200 (batch and varlen calls, runs 1 and 2), which ends the CUDA context: not run there.
 FLA_RECURRENT_FAULT_TOKENS = 1024
 SWEEP_CONFIGS = ((8, 1), (8, 2), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4))
-# (BV, num_warps, max registers per thread) of the verify kernel. Session 3 (results/gdn_s3_run4.json):
-# capping the registers (uncapped: 168 on Triton 3.6) gains at most 4% (bf16 pool, 128) and loses up to
-# 60% (80); two warps per program are 3-5x slower (cross-warp conversions of the token tiles).
+# (BV, num_warps, max registers per thread) of the verify kernel: capping the registers (uncapped: 168 on
+# Triton 3.6) gained at most 4% (bf16 pool, 128) and lost up to 60% (80); two warps per program were 3-5x
+# slower (cross-warp conversions of the token tiles).
 VERIFY_SWEEP_CONFIGS = ((8, 1, None), (16, 1, None), (32, 1, None), (8, 1, 128))
 # (what, state dtype) -> (atol, rtol) of the bf16-activation Triton result against the float32 reference.
 # Measured worst max abs error over every shape on the H200 (run 2, results/gdn_run2.json) in the comments.
 TOL = {
     ("recurrent_out", FP32): (2e-2, 2e-2),  # 4.9e-04 (bf16 output rounding)
-    ("recurrent_state", FP32): (1e-4, 1e-4),  # 8.3e-07 (every per-token state)
+    ("recurrent_state", FP32): (1e-4, 1e-4),  # 8.3e-07 (per-token states; now the final state)
     ("recurrent_out", BF16): (3e-2, 3e-2),  # 4.9e-04
     ("recurrent_state", BF16): (3e-2, 2e-2),  # 7.8e-03 (one bf16 ulp of |S| ~ 1-2)
     ("verify_out", FP32): (2e-2, 2e-2),  # 4.9e-04 (run 4, results/gdn_run4.json; bf16 outputs)
@@ -85,30 +85,29 @@ class GdnRun(Run):
         v = rn(B, Q, HV, DV).to(BF16)
         g = -torch.rand(B, Q, HV, generator=gen, device=dev) * 0.5
         beta = torch.rand(B, Q, HV, generator=gen, device=dev)
-        S = B * Q
-        idx = torch.randperm(S, generator=gen, device=dev).to(torch.int32).view(B, Q)
-        na = torch.randint(1, Q + 1, (B,), generator=gen, device=dev, dtype=torch.int32)
+        S = B * Q  # each sequence's slot scattered among more slots than sequences
+        idx = torch.randperm(S, generator=gen, device=dev)[:B].to(torch.int32)
         pool = rn(S, HV, DV, DK, scale=0.5).to(sd)
         sbytes = HV * DV * DK * pool.element_size() * B
         act = B * Q * (2 * HK * DK * 2 + 2 * HV * DV * 2 + 2 * HV * 4)
-        return q, k, v, g, beta, idx, na, pool, sbytes, act
+        return q, k, v, g, beta, idx, pool, sbytes, act
 
     def recurrent(self, sd: torch.dtype, B: int, Q: int) -> None:
         dev = self.device
         SCALE = self.shape.scale
-        q, k, v, g, beta, idx, na, pool, sbytes, act = self.recurrent_inputs(sd, B, Q)
+        q, k, v, g, beta, idx, pool, sbytes, act = self.recurrent_inputs(sd, B, Q)
         case = f"B={B} Q={Q} state={str(sd)[6:]}"
         tri = get_impl("gated_delta_rule_recurrent", "triton", dev, BF16)
         ref = get_impl("gated_delta_rule_recurrent", "reference", dev, BF16)
         ref32 = get_impl("gated_delta_rule_recurrent", "reference", dev, FP32)
         if tri is None or ref32 is None:
             return
-        # correctness: every output and every per-token state against the float32 reference
+        # correctness: every output and the final states against the float32 reference
         pool_t, pool_r = pool.clone(), pool.float()
-        o_t = tri(q, k, v, g, beta, pool_t, idx, na, SCALE, True)
-        o_r = ref32(q.float(), k.float(), v.float(), g, beta, pool_r, idx, na, SCALE, True)
+        o_t = tri(q, k, v, g, beta, pool_t, idx, SCALE, True)
+        o_r = ref32(q.float(), k.float(), v.float(), g, beta, pool_r, idx, SCALE, True)
         self.check("recurrent_out", sd, case, o_t, o_r)
-        written = idx.flatten().long()
+        written = idx.long()
         self.check("recurrent_state", sd, case, pool_t[written].float(), pool_r[written])
         del pool_r
         extra = dict(B=B, Q=Q, state_dtype=str(sd)[6:])
@@ -116,18 +115,7 @@ class GdnRun(Run):
             "recurrent",
             case,
             "triton",
-            lambda: tri(q, k, v, g, beta, pool, idx, na, SCALE, True),
-            (1 + Q) * sbytes + act,
-            **extra,
-        )
-        idx_f = idx.clone()
-        idx_f[:, :-1] = -1
-        na_f = torch.full_like(na, Q)
-        self.add(
-            "recurrent",
-            case,
-            "triton-final",
-            lambda: tri(q, k, v, g, beta, pool, idx_f, na_f, SCALE, True),
+            lambda: tri(q, k, v, g, beta, pool, idx, SCALE, True),
             2 * sbytes + act,
             **extra,
         )
@@ -136,8 +124,8 @@ class GdnRun(Run):
                 "recurrent",
                 case,
                 "reference",
-                lambda: ref(q, k, v, g, beta, pool, idx, na, SCALE, True),
-                (1 + Q) * sbytes + act,
+                lambda: ref(q, k, v, g, beta, pool, idx, SCALE, True),
+                2 * sbytes + act,
                 graph=False,
                 **extra,
             )
@@ -145,15 +133,15 @@ class GdnRun(Run):
     # ---------------------------------------------------------------- verify with deferred commit
     def verify(self, sd: torch.dtype, B: int, Q: int) -> None:
         """``gated_delta_rule_verify``: Q tokens per sequence, one slot per sequence, pending [S, Q, P]
-        holding raw random tokens of a previous step; ``num_accepted`` = Q (every pending token
+        holding raw random tokens of a previous step; ``num_commit`` = Q (every pending token
         committed) and = 1. Checked: outputs, committed states and the pending tokens after the stash."""
         from atom_kernels.ops.gated_delta_rule import pending_width
+        from atom_kernels.ops.gated_delta_rule.triton_verify import _launch_verify, verify_launch_config
 
         dev, sh = self.device, self.shape
-        q, k, v, g, beta, _, _, pool, sbytes, act = self.recurrent_inputs(sd, B, Q)
+        q, k, v, g, beta, idx, pool, sbytes, act = self.recurrent_inputs(sd, B, Q)
         S = pool.shape[0]  # B * Q slots: each sequence's slot is scattered among them
         gen = torch.Generator(device=dev).manual_seed(77 * B + Q)
-        idx = torch.randperm(S, generator=gen, device=dev)[:B].to(torch.int32)
         P = pending_width(sh.hk, sh.dk, sh.hv, sh.dv)
         pend = torch.randn(S, Q, P, generator=gen, device=dev)
         kd, vd = sh.hk * sh.dk, sh.hv * sh.dv
@@ -166,18 +154,24 @@ class GdnRun(Run):
             return
         na = torch.full((B,), Q, dtype=torch.int32, device=dev)
         na1 = torch.ones_like(na)
-        # (impl, kernel knobs, num_accepted, checked): num_accepted = Q commits every pending token, = 1 one.
+        default = verify_launch_config(B, sh.hv, sh.dv, Q)
+        # (impl, launch (None: the op itself), num_commit, checked): num_commit = Q commits every pending
+        # token, = 1 one.
         variants = [
-            ("triton-verify", {}, na, True),
-            ("triton-verify-a1", {}, na1, False),
-            ("triton-verify-bv8", {"block_v": 8}, na, True),
-            ("triton-verify-seq", {"form": "seq", "max_registers": 0}, na, True),
+            ("triton-verify", None, na, True),
+            ("triton-verify-a1", None, na1, False),
+            ("triton-verify-bv8", default._replace(block_v=8), na, True),
+            ("triton-verify-seq", default._replace(wy=False, max_registers=None), na, True),
         ]
+
+        def run_op(launch, *args):
+            return tri(*args) if launch is None else _launch_verify(*args, launch=launch)
+
         pbytes = B * P * 4  # one pending token of every sequence
-        for impl, kw, acc, checked in variants:
+        for impl, launch, acc, checked in variants:
             if checked:
                 pool_t, pool_r, pend_t, pend_r = pool.clone(), pool.float(), pend.clone(), pend.clone()
-                o_t = tri(q, k, v, g, beta, pool_t, pend_t, idx, acc, sh.scale, True, **kw)
+                o_t = run_op(launch, q, k, v, g, beta, pool_t, pend_t, idx, acc, sh.scale, True)
                 o_r = ref32(
                     q.float(), k.float(), v.float(), g, beta, pool_r, pend_r, idx, acc, sh.scale, True
                 )
@@ -191,12 +185,14 @@ class GdnRun(Run):
                 "verify",
                 case,
                 impl,
-                lambda acc=acc, kw=kw: tri(q, k, v, g, beta, pool, pend, idx, acc, sh.scale, True, **kw),
+                lambda acc=acc, launch=launch: run_op(
+                    launch, q, k, v, g, beta, pool, pend, idx, acc, sh.scale, True
+                ),
                 2 * sbytes + (int(acc[0]) + Q) * pbytes + act,  # state r+w, pending read + stash, q/k/v/o
                 B=B,
                 Q=Q,
                 state_dtype=str(sd)[6:],
-                num_accepted=int(acc[0]),
+                num_commit=int(acc[0]),
             )
 
     def fla_recurrent(self, sd: torch.dtype, B: int, Q: int) -> None:
@@ -220,8 +216,8 @@ class GdnRun(Run):
                 }
             )
             return
-        q, k, v, g, beta, idx, na, pool, sbytes, act = self.recurrent_inputs(sd, B, Q)
-        h0 = pool[idx[:, 0].long()].contiguous()
+        q, k, v, g, beta, idx, pool, sbytes, act = self.recurrent_inputs(sd, B, Q)
+        h0 = pool[idx.long()].contiguous()
         del pool
         cu = torch.arange(0, B * Q + 1, Q, device=self.device, dtype=torch.long)
         flat = [t.reshape(1, B * Q, *t.shape[2:]) for t in (q, k, v, g, beta)]
@@ -345,7 +341,6 @@ def summarize(rows: list[dict]) -> list[dict]:
     for r in rows:
         verify_impls = (
             "triton",
-            "triton-final",
             "triton-verify",
             "triton-verify-a1",
             "triton-verify-bv8",
@@ -383,6 +378,11 @@ def sweep(run: GdnRun) -> list[dict]:
 
     tri = get_impl("gated_delta_rule_recurrent", "triton", dev, BF16)
     ver = get_impl("gated_delta_rule_verify", "triton", dev, BF16)
+    if tri is None:
+        return []
+    from atom_kernels.ops.gated_delta_rule.triton import _launch_recurrent
+    from atom_kernels.ops.gated_delta_rule.triton_verify import _launch_verify, verify_launch_config
+
     rows = []
     for B in (64, 256):
         for Q in (1, 4):
@@ -391,13 +391,13 @@ def sweep(run: GdnRun) -> list[dict]:
             v = torch.randn(B, Q, sh.hv, sh.dv, device=dev).to(BF16)
             g = -torch.rand(B, Q, sh.hv, device=dev) * 0.5
             beta = torch.rand(B, Q, sh.hv, device=dev)
-            idx = torch.arange(B * Q, device=dev, dtype=torch.int32).view(B, Q)
-            pool = torch.randn(B * Q, sh.hv, sh.dv, sh.dk, device=dev)
-            nbytes = (1 + Q) * B * sh.hv * sh.dv * sh.dk * 4
+            idx = torch.arange(B, device=dev, dtype=torch.int32)
+            pool = torch.randn(B, sh.hv, sh.dv, sh.dk, device=dev)
+            nbytes = 2 * B * sh.hv * sh.dv * sh.dk * 4
             for bv, nw in SWEEP_CONFIGS:
                 ms, mode = run.time(
-                    lambda bv=bv, nw=nw, q=q, k=k, v=v, g=g, beta=beta, pool=pool, idx=idx: tri(
-                        q, k, v, g, beta, pool, idx, None, sh.scale, True, block_v=bv, num_warps=nw
+                    lambda bv=bv, nw=nw, q=q, k=k, v=v, g=g, beta=beta, pool=pool, idx=idx: _launch_recurrent(
+                        q, k, v, g, beta, pool, idx, sh.scale, True, block_v=bv, num_warps=nw
                     ),
                     graph=True,
                 )
@@ -413,17 +413,21 @@ def sweep(run: GdnRun) -> list[dict]:
                     )
                 )
             if ver is not None:  # the deferred-commit op, every pending token committed
-                vidx = idx[:, 0].contiguous()
-                pend = torch.randn(B * Q, Q, pending_width(sh.hk, sh.dk, sh.hv, sh.dv), device=dev) * 0.1
+                vidx = idx
+                pend = torch.randn(B, Q, pending_width(sh.hk, sh.dk, sh.hv, sh.dv), device=dev) * 0.1
                 na = torch.full((B,), Q, device=dev, dtype=torch.int32)
                 for sd in (FP32, BF16):
                     vpool = pool.to(sd)
                     vbytes = 2 * vpool[:B].numel() * vpool.element_size() + 2 * Q * B * pend.shape[-1] * 4
                     for bv, nw, regs in VERIFY_SWEEP_CONFIGS:
-                        kw = dict(block_v=bv, num_warps=nw, max_registers=regs or 0)
+                        launch = verify_launch_config(B, sh.hv, sh.dv, Q)._replace(
+                            block_v=bv, num_warps=nw, max_registers=regs
+                        )
                         ms, mode = run.time(
-                            lambda kw=kw, q=q, k=k, v=v, g=g, beta=beta, vpool=vpool, pend=pend, vidx=vidx, na=na: (
-                                ver(q, k, v, g, beta, vpool, pend, vidx, na, sh.scale, True, **kw)
+                            lambda launch=launch, q=q, k=k, v=v, g=g, beta=beta, vpool=vpool, pend=pend, vidx=vidx, na=na: (
+                                _launch_verify(
+                                    q, k, v, g, beta, vpool, pend, vidx, na, sh.scale, True, launch=launch
+                                )
                             ),
                             graph=True,
                         )
