@@ -25,7 +25,10 @@ TOL = {
     ),  # measured 6.2e-02 at |w| ~ 30 (rel 2.1e-03): one bf16 rounding
     ("act_roundtrip", torch.float32): (2e-5, 2**-4),  # measured 1.1e-01 at |x| ~ 3 (rel 3.5e-02)
     ("act_roundtrip", torch.bfloat16): (2e-5, 2**-4),  # measured 1.1e-01 (rel 3.4e-02)
-    ("linear", torch.float32): (1e-5, 1e-5),  # measured 2.1e-06 (|y| up to ~4)
+    ("linear", torch.float32): (1e-5, 1e-5),  # measured 1.2e-06 (|y| up to ~4)
+    # Hopper's e4m3 tensor-core dot accumulates below float32 precision inside one 128-wide K tile
+    # (Triton's default on sm_90, as vLLM's block-FP8 kernel): measured 9.7e-04 (rel 2.7e-04), H200
+    ("linear", torch.float32, "triton"): (2e-3, 1e-3),
     ("linear", torch.bfloat16): (2e-2, 1e-2),  # measured 1.5e-02 (rel 2.9e-03: bf16 output rounding)
     ("kv", torch.float32): (0.05 * 2**-10, 2**-4),  # measured 1.6e-01 (rel 4.7e-02)
 }

@@ -13,7 +13,7 @@ with e4m3 operands:
    multiplies it with ``w2[e]`` (block scales ``w2_scale[e]``), and ``_moe_sum_kernel`` adds each
    token's ``K`` rows times their routing weights in float32.
 
-``BLOCK_K`` divides ``bk`` (one scale per K tile); column tiles gather one scale per column, so any
+``BLOCK_K = min(128, bk)`` (one scale per K tile); column tiles gather one scale per column, so any
 ``BLOCK_N`` works. No host synchronisation; portable launch options (ROCm-compilable).
 """
 
@@ -149,7 +149,7 @@ def moe_experts_fp8(
                 f"moe_experts_fp8: ids must lie in [0, E={num_experts}), got values in [{lo}, {hi}]"
             )
     cfg = plan(num_tokens, top_k, num_experts, config)
-    k1, k2 = min(cfg["K1"], bk), min(cfg["K2"], bk)
+    k1 = k2 = min(128, bk)  # one scale group per K tile (measured faster than 64 for fp8 at 4096 tokens)
     bm = cfg["BLOCK_M"]
     dev = x.device
     flat_ids = ids.reshape(-1).contiguous()
