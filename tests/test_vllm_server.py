@@ -1,6 +1,6 @@
 """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``) with MTP through the ATOM plugin.
 
-One server per module (float32, k = 2), started with vLLM's default prefix-caching setting, as the README's
+One server per module (float32, k = 2, at most 256 tokens per step so that prompts get chunked), started with vLLM's default prefix-caching setting, as the README's
 ``vllm serve`` line does: the plugin turns prefix caching off with a warning. greedy.json prompts streamed
 concurrently reproduce the float32 continuations token for token, also when they share the batch with
 sampled (temperature, top_p, top_k, seeded) and streamed requests; 64 concurrent streaming requests of mixed
@@ -48,7 +48,7 @@ def server(tmp_path_factory):
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir()),
         "--served-model-name", "tiny", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-        "--max-model-len", "512", "--max-num-seqs", "64",
+        "--max-model-len", "512", "--max-num-seqs", "64", "--max-num-batched-tokens", "256",
         "--speculative-config", f'{{"method": "mtp", "num_speculative_tokens": {K}}}',
     ]  # fmt: skip
     with open(log_path, "w") as log:
@@ -168,8 +168,11 @@ def test_top_k_sampling_is_served(server, top_k) -> None:
 
 
 def test_seeded_sampling_reproduces(server) -> None:
+    """A seed reproduces its output, also for a prompt longer than a step's token budget (256 here): its
+    first chunk's sample is discarded and the seeded generator rewound."""
     base, _ = server
-    prompt = greedy_cases()[2]["prompt_ids"]
+    prompts, _ = prompt_set()
+    prompt = [t for p in prompts[:5] for t in p]  # 320 tokens: prefilled in two chunks
     params = dict(temperature=1.5, top_p=0.9, seed=42)
     first = _complete(base, prompt, 48, stream=False, **params)
     again = _complete(base, prompt, 48, stream=True, **params)

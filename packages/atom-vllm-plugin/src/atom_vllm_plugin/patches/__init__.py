@@ -9,6 +9,9 @@ is needed:
   greedy and sampled requests (wrong tokens, ``top_k`` crashes, unreproducible seeds).
 - :mod:`.top_k_empty_batch`: vLLM's PyTorch ``apply_top_k_only`` raises on zero rows, which the rejection
   sampler passes in every prefill-only step: one ``top_k`` request killed the engine on vLLM-CPU.
+- :mod:`.cpu_seeded_rewind`: vLLM rewinds a seeded request's generator by a CUDA Philox offset when it
+  discards a sample (partly prefilled prompts); CPU generators have no offset, so on vLLM-CPU one seeded
+  request arriving under load killed the engine. The CPU rewind restores the generator's saved state.
 - :mod:`.prefix_caching`: vLLM turns prefix caching on by default for hybrid models, which needs the
   Mamba "align" cache mode that ATOM's GDN state does not implement; the first request would fail.
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 import logging
 
 from atom_vllm_plugin._version_check import SUPPORTED_VLLM, installed_vllm_version
-from atom_vllm_plugin.patches import cpu_expand_kernel, prefix_caching, top_k_empty_batch
+from atom_vllm_plugin.patches import cpu_expand_kernel, cpu_seeded_rewind, prefix_caching, top_k_empty_batch
 
 logger = logging.getLogger("vllm.atom_vllm_plugin")
 
@@ -28,6 +31,7 @@ PATCHED_VLLM = SUPPORTED_VLLM
 _PATCHES = {
     "cpu_expand_kernel": cpu_expand_kernel.apply,
     "top_k_empty_batch": top_k_empty_batch.apply,
+    "cpu_seeded_rewind": cpu_seeded_rewind.apply,
     "prefix_caching": prefix_caching.apply,
 }
 
