@@ -8,6 +8,8 @@ included. The guard's own tests show it raises on each kind of sync, so these te
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from atom_core import Qwen3NextConfig
@@ -199,20 +201,64 @@ def test_engine_decode_and_verify_forwards_do_not_sync_on_cpu(model_dir, greedy_
         assert r.output_ids == c["greedy_ids"][:8]
 
 
+class CudaSyncDebug:
+    """``torch.cuda.set_sync_debug_mode("error")`` while entered: any device-to-host sync raises."""
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_pipeline_decode_and_verify_do_not_sync_on_cuda():
+    """The GDN pipeline alone with the GPU's kernels (triton): a step with a plain decode part and a
+    gathered, padded verify part, then a contiguous verify step, under the CUDA sync check."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: torch.cuda.set_sync_debug_mode only sees CUDA synchronisation")
+    dev = torch.device("cuda")
+    cfg = _config()
+    kern = select_kernels(dev, torch.bfloat16)
+    with torch.device(dev):
+        layer = GatedDeltaNet(cfg, 0, core=None, kernels=kern, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.5)
+    geo = GDNGeometry.from_config(cfg, K_SPEC)
+    state = GDNLayerState.allocate(geo, 4, conv_dtype=torch.bfloat16, ssm_dtype=torch.float32, device=dev)
+    toks = {k: v.to(dev, torch.bfloat16) for k, v in _tokens(14, geo).items()}
+    i32 = functools.partial(torch.tensor, dtype=torch.int32, device=dev)
+    pre = GDNPrefillMeta(
+        3, 14, i32([0, 5, 9, 14]), i32([2, 0, 3]), torch.zeros(3, dtype=torch.bool, device=dev)
+    )
+    _run(kern, geo, layer, state, toks, GDNStepMeta(prefill=pre))
+    batch = {k: v[:5] for k, v in toks.items()}
+    mixed = GDNStepMeta(
+        decodes=(GDNDecodeMeta(1, i32([3]), token_start=4),),
+        verifies=(
+            GDNVerifyMeta(
+                2, 3, i32([0, 2]), i32([1, 1]),
+                gather_index=torch.tensor([0, 0, 0, 1, 2, 3], device=dev),
+                scatter_index=torch.tensor([0, -1, -1, 1, 2, 3], device=dev),
+            ),
+        ),
+    )  # fmt: skip
+    contiguous = GDNStepMeta(verifies=(GDNVerifyMeta(1, 3, i32([2]), i32([3]), token_start=1),))
+    with torch.no_grad(), CudaSyncDebug():
+        out = _run(kern, geo, layer, state, batch, mixed)
+        out2 = _run(kern, geo, layer, state, batch, contiguous)
+    torch.cuda.synchronize()
+    assert out.isfinite().all() and out2.isfinite().all()
+
+
 @pytest.mark.gpu
 def test_engine_decode_and_verify_forwards_do_not_sync_on_cuda(model_dir, greedy_cases, monkeypatch):
     """On a GPU with the default (triton) kernels: decode/verify target forwards and MTP forwards under
     ``torch.cuda.set_sync_debug_mode("error")``, which raises at any device-to-host synchronisation."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device: torch.cuda.set_sync_debug_mode only sees CUDA synchronisation")
-
-    class CudaSyncDebug:
-        def __enter__(self):
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-
-        def __exit__(self, *exc):
-            torch.cuda.set_sync_debug_mode("default")
 
     cfg = EngineConfig(num_speculative_tokens=2, max_model_len=128, max_num_seqs=2)
     eng = LLMEngine.from_pretrained(model_dir, cfg, dtype=torch.float32, device="cuda")

@@ -90,6 +90,6 @@ class GDNStepMeta:
     verifies: tuple[GDNVerifyMeta, ...] = ()
 
     @property
-    def captureable(self) -> bool:
+    def capturable(self) -> bool:
         """No prefill part: the forward reads nothing from the host (decode / verify only)."""
         return self.prefill is None
