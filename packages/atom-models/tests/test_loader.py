@@ -259,8 +259,8 @@ def test_fp8_block_checkpoint_is_dequantised_on_load(model_dir, tmp_path, kernel
         return safe_open(path, *args, **kwargs)
 
     monkeypatch.setattr(loader, "safe_open", counting_open)
-    load_target(target, ckpt)
-    load_mtp(mtp, ckpt)
+    load_target(target, ckpt, dequantize_fp8=True)
+    load_mtp(mtp, ckpt, dequantize_fp8=True)
     # per load: the key listing, the header pass and the tensor pass (not one open per FP8 scale)
     assert opened == ["model.safetensors"] * 6, opened
     assert len(quantised) == 152  # every expert, attention, GDN and shared-expert projection

@@ -5,14 +5,18 @@ are collected into ONE :class:`CheckpointError`); then tensors are streamed one 
 straight into the parameters (stacked experts and fused gate/up rows are written in place, no second
 full copy). The renames/fuses/stacks come from :mod:`atom_models.weight_map`.
 
-FP8 block-quantised checkpoints (``quantization_config.quant_method: fp8``): every weight that has a
-``<name>_scale_inv`` companion is dequantised on load with ``kernels.fp8_block_dequant`` into the model
-dtype (weight-only; the model then runs like the bf16 checkpoint); weights listed in
-``modules_to_not_convert`` have no scales and are read as they are.
+FP8 block-quantised checkpoints (``quantization_config.quant_method: fp8``): by default the weights stay
+FP8. Before planning, :func:`convert_fp8_modules` replaces every :class:`~atom_models.modules.Linear` and
+:class:`~atom_models.moe.Experts` whose checkpoint modules the config does not list in
+``modules_to_not_convert`` by :class:`~atom_models.modules.Fp8Linear` / :class:`~atom_models.moe.Fp8Experts`
+(e4m3 weights + float32 ``*_scale_inv`` block scales, copied as they are); listed modules stay in the model
+dtype and read their bf16 tensors. With ``dequantize_fp8=True`` nothing is converted and every FP8 weight is
+dequantised on load with ``kernels.fp8_block_dequant`` into the model dtype (weight-only).
 
 Every tensor is checked for NaN/Inf after it lands in its parameter (so a value that only overflows in the
-model dtype is caught too): one float32 sum per tensor, read back once per file, and an exact count only for
-the tensors whose sum is not finite. A file safetensors cannot read (truncated, corrupt header) is reported
+model dtype is caught too): one float32 sum per tensor (for FP8 parameters: whether any e4m3 NaN code is
+present, plus the sum of its block scales), read back once per file, and an exact count only for the
+tensors whose sum is not finite. A file safetensors cannot read (truncated, corrupt header) is reported
 with its path and size.
 """
 
@@ -30,6 +34,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from atom_models.modules import Fp8Linear, Linear
+from atom_models.moe import Experts, Fp8Experts
 from atom_models.weight_map import Target, map_name, sources_for
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -127,11 +133,71 @@ def _renumber(local: str, offset: int) -> str:
 SCALE_SUFFIX = "_scale_inv"  # FP8: ``<name>.weight_scale_inv`` holds the block scales of ``<name>.weight``
 
 
+FP8_DTYPES = (torch.float8_e4m3fn,)
+SHARED_MODULES = ("lm_head", "embed_tokens")  # shared by the target and the MTP draft: never converted
+
+
+@dataclass
+class _Copy:
+    name: str  # checkpoint tensor
+    view: torch.Tensor  # destination (a slice of a parameter)
+    scale: str | None = None  # its FP8 block scales in the checkpoint, if any
+    scale_view: torch.Tensor | None = None  # where they go (FP8 parameters); None: dequantise into ``view``
+
+
 @dataclass
 class _Plan:
-    # file -> [(checkpoint name, destination view, name of its FP8 block scales or None)]
-    copies: dict[str, list[tuple[str, torch.Tensor, str | None]]]
+    copies: dict[str, list[_Copy]]  # file -> copies
     scale_files: dict[str, str]  # scale tensor name -> file
+
+
+def _skipped(ckpt_module: str, not_convert: tuple[str, ...]) -> bool:
+    """``modules_to_not_convert`` as transformers matches it: an entry contained in the module name."""
+    return any(entry in ckpt_module for entry in not_convert)
+
+
+def convert_fp8_modules(module: nn.Module, scope: _Scope, quant, kernels) -> list[str]:
+    """Replace the linears and routed experts that the checkpoint quantises by their FP8 forms, in place.
+
+    A module is quantised unless every checkpoint module behind it (through ``weight_map``: fused gate/up
+    rows, stacked experts) matches ``quant.modules_to_not_convert``; a module with some sources listed and
+    some not cannot be represented and raises ``ValueError`` naming it. Linears with a bias and ``lm_head``
+    stay as they are (the MTP draft holds the target's ``lm_head`` module; a quantised ``lm_head`` in the
+    checkpoint is dequantised on load). The new parameters are created on the old weight's device (uninitialised;
+    the loader fills them). Returns the names of the converted modules.
+    """
+    block = tuple(quant.weight_block_size)
+    converted: list[str] = []
+    for name, mod in list(module.named_modules()):
+        if not isinstance(mod, (Linear, Experts)) or (isinstance(mod, Linear) and mod.bias is not None):
+            continue
+        pname = f"{name}.w13" if isinstance(mod, Experts) else f"{name}.weight"
+        if not pname.startswith(scope.param_prefix):
+            srcs = [pname]  # outside the scope (lm_head): the checkpoint name is the parameter name
+        else:
+            local = pname[len(scope.param_prefix) :]
+            rows = mod.num_experts if isinstance(mod, Experts) else mod.weight.shape[0]
+            srcs = [scope.to_ckpt(s) for s in sources_for(local, rows)]
+        if not srcs or name.split(".")[0] in SHARED_MODULES:
+            continue
+        skipped = [_skipped(s.rsplit(".", 1)[0], quant.modules_to_not_convert) for s in srcs]
+        if all(skipped):
+            continue
+        if any(skipped):
+            listed = [s for s, k in zip(srcs, skipped) if k]
+            raise ValueError(
+                f"{name}: modules_to_not_convert lists {listed[:3]} but not the other sources of this fused "
+                "parameter; it cannot be half FP8"
+            )
+        dev = mod.w13.device if isinstance(mod, Experts) else mod.weight.device
+        if isinstance(mod, Experts):
+            new: nn.Module = Fp8Experts(mod.num_experts, mod.w13.shape[2], mod.w2.shape[2], block, device=dev)
+        else:
+            new = Fp8Linear(mod.in_features, mod.out_features, block, kernels, device=dev)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent_name) if parent_name else module, attr, new)
+        converted.append(name)
+    return converted
 
 
 def _dest_view(param: torch.Tensor, t: Target) -> torch.Tensor:
@@ -157,7 +223,8 @@ def _plan(
     fp8_block: tuple[int, int] | None = None,
 ) -> _Plan:
     """Map every checkpoint tensor in scope to a parameter slice; collect every problem."""
-    params = {n: p for n, p in module.named_parameters() if n not in skip_params}
+    all_params = dict(module.named_parameters())
+    params = {n: p for n, p in all_params.items() if n not in skip_params and not n.endswith(SCALE_SUFFIX)}
     problems: list[str] = []
     # expected checkpoint names (from the parameters), so that missing ones can be named
     expected: dict[str, str] = {}
@@ -172,7 +239,7 @@ def _plan(
             problems.append(f"parameter {pname} of the {what} has no checkpoint rule (weight_map.RULES)")
         for s in srcs:
             expected[s] = pname
-    copies: dict[str, list[tuple[str, torch.Tensor, str | None]]] = defaultdict(list)
+    copies: dict[str, list[_Copy]] = defaultdict(list)
     by_file: dict[str, list[str]] = defaultdict(list)
     for name, fname in files.items():
         if not name.endswith(SCALE_SUFFIX):
@@ -185,7 +252,8 @@ def _plan(
         )
     used_scales: set[str] = set()
     scale_shapes: dict[str, tuple[int, ...]] = {}  # from the headers, while each file is open anyway
-    scale_checks: list[tuple[str, tuple[int, ...]]] = []  # (scale name, weight shape)
+    scale_checks: list[tuple[str, tuple[int, ...], tuple[int, ...] | None, str]] = []
+    # (scale name, weight shape, shape of the scale parameter's slice or None, its parameter)
     for fname in sorted(set(by_file) | set(scales.values())):
         with _open(ckpt_dir, fname) as f:
             scale_shapes.update(
@@ -217,17 +285,34 @@ def _plan(
                         f"(for {target.param})"
                     )
                     continue
-                scale = None
+                fp8_dest = params[target.param].dtype in FP8_DTYPES
+                is_fp8 = f.get_slice(name).get_dtype() in ("F8_E4M3", "F8_E5M2")
+                copy = _Copy(name, view)
                 if name + SCALE_SUFFIX in scales and fp8_block is not None:
-                    scale = name + SCALE_SUFFIX
-                    used_scales.add(scale)
-                    scale_checks.append((scale, shape))
-                elif f.get_slice(name).get_dtype() in ("F8_E4M3", "F8_E5M2"):
+                    copy.scale = name + SCALE_SUFFIX
+                    used_scales.add(copy.scale)
+                    sparam = target.param + SCALE_SUFFIX
+                    if fp8_dest:
+                        copy.scale_view = _dest_view(all_params[sparam], target)
+                    want = tuple(copy.scale_view.shape) if fp8_dest else None
+                    scale_checks.append((copy.scale, shape, want, sparam))
+                elif is_fp8:
                     problems.append(f"tensor {name} in {fname} is FP8 but {name + SCALE_SUFFIX} is missing")
                     continue
-                copies[fname].append((name, view, scale))
-    for sname, wshape in scale_checks:
+                if fp8_dest and not is_fp8:
+                    problems.append(
+                        f"tensor {name} in {fname} has dtype {f.get_slice(name).get_dtype()}, but "
+                        f"{target.param} is FP8 (quantization_config does not list it in modules_to_not_convert)"
+                    )
+                    continue
+                copies[fname].append(copy)
+    for sname, wshape, want, sparam in scale_checks:
         why = _check_scale(scales[sname], sname, scale_shapes[sname], wshape, fp8_block)
+        if why is None and want is not None and tuple(scale_shapes[sname]) != want:
+            why = (
+                f"tensor {sname} in {scales[sname]} has shape {list(scale_shapes[sname])}, expected "
+                f"{list(want)} (for {sparam})"
+            )
         if why:
             problems.append(why)
     if fp8_block is not None:
@@ -263,21 +348,38 @@ def _read(ckpt_dir: str, fname: str, f, name: str) -> torch.Tensor:
         raise CheckpointError(ckpt_dir, [f"tensor {name}: {_unreadable(Path(ckpt_dir) / fname, e)}"]) from e
 
 
-def _non_finite(ckpt_dir: str, fname: str, loaded: list[tuple[str, torch.Tensor]]) -> list[str]:
+def _suspect_sum(c: _Copy) -> torch.Tensor:
+    """A float32 scalar that is not finite if the destination of ``c`` holds a NaN or Inf: the sum of the
+    values; for an FP8 parameter, NaN if any e4m3 NaN code (0x7F / 0xFF) is present, plus the scales' sum."""
+    if c.scale_view is None:
+        return c.view.sum(dtype=torch.float32)
+    nan_code = ((c.view.view(torch.uint8) & 0x7F) == 0x7F).any()
+    return torch.where(nan_code, float("nan"), 0.0) + c.scale_view.sum(dtype=torch.float32)
+
+
+def _non_finite(ckpt_dir: str, fname: str, loaded: list[_Copy], plan: _Plan) -> list[str]:
     """Problems for the tensors of one file whose destination holds NaN or Inf (one device read per file)."""
-    sums = [view.sum(dtype=torch.float32) for _, view in loaded if view.is_floating_point()]
-    if not sums:
+    floating = [c for c in loaded if c.view.is_floating_point()]
+    if not floating:
         return []
-    suspects = (~torch.isfinite(torch.stack(sums))).cpu()
-    floating = [(name, view) for name, view in loaded if view.is_floating_point()]
+    suspects = (~torch.isfinite(torch.stack([_suspect_sum(c) for c in floating]))).cpu()
     problems = []
-    for (name, view), suspect in zip(floating, suspects):
+    for c, suspect in zip(floating, suspects):
         if not suspect:
             continue
+        if c.scale_view is not None:
+            codes = int(((c.view.view(torch.uint8) & 0x7F) == 0x7F).sum())
+            if codes:
+                problems.append(
+                    f"tensor {c.name} in {fname} has {codes} NaN values (as {c.view.dtype}) in {ckpt_dir}"
+                )
+            view, name, where = c.scale_view, c.scale, plan.scale_files[c.scale]
+        else:
+            view, name, where = c.view, c.name, fname
         nan, inf = int(torch.isnan(view).sum()), int(torch.isinf(view).sum())
         if nan or inf:  # a finite tensor whose float32 sum overflowed is fine
             problems.append(
-                f"tensor {name} in {fname} has {nan} NaN and {inf} Inf values (as {view.dtype}) in {ckpt_dir}"
+                f"tensor {name} in {where} has {nan} NaN and {inf} Inf values (as {view.dtype}) in {ckpt_dir}"
             )
     return problems
 
@@ -299,19 +401,22 @@ def _execute(ckpt_dir: str, plan: _Plan, kernels, block: tuple[int, int] | None)
 
         for fname, items in plan.copies.items():
             f = handle(fname)
-            loaded: list[tuple[str, torch.Tensor]] = []
-            for name, view, sname in items:
-                t = _read(ckpt_dir, fname, f, name)
-                if sname is not None:  # FP8 block-scaled weight: dequantise (weight-only) into the parameter
-                    sfile = plan.scale_files[sname]
-                    scale = _read(ckpt_dir, sfile, handle(sfile), sname)
-                    t = kernels.fp8_block_dequant(
-                        t.to(view.device), scale.to(view.device), block=block, dtype=view.dtype
-                    )
-                view.copy_(t)
-                loaded.append((name, view))
+            loaded: list[_Copy] = []
+            for c in items:
+                t = _read(ckpt_dir, fname, f, c.name)
+                if c.scale is not None:
+                    sfile = plan.scale_files[c.scale]
+                    scale = _read(ckpt_dir, sfile, handle(sfile), c.scale)
+                    if c.scale_view is not None:  # FP8 parameter: weight and block scales as they are
+                        c.scale_view.copy_(scale)
+                    else:  # dequantise (weight-only) into the parameter's dtype
+                        t = kernels.fp8_block_dequant(
+                            t.to(c.view.device), scale.to(c.view.device), block=block, dtype=c.view.dtype
+                        )
+                c.view.copy_(t)
+                loaded.append(c)
                 n += 1
-            problems += _non_finite(ckpt_dir, fname, loaded)
+            problems += _non_finite(ckpt_dir, fname, loaded, plan)
     if problems:
         raise CheckpointError(ckpt_dir, problems)
     return n
@@ -322,10 +427,11 @@ def _fp8_block(config) -> tuple[int, int] | None:
     return None if q is None else tuple(q.weight_block_size)
 
 
-def load_target(model: nn.Module, ckpt_dir: str | os.PathLike[str]) -> int:
+def load_target(model: nn.Module, ckpt_dir: str | os.PathLike[str], *, dequantize_fp8: bool = False) -> int:
     """Fill a :class:`Qwen3NextForCausalLM` from a HF checkpoint; ``mtp.*`` tensors are ignored.
 
-    Returns the number of checkpoint tensors read.
+    FP8 checkpoints: the quantised modules are first converted to their FP8 forms (module docstring),
+    unless ``dequantize_fp8``. Returns the number of checkpoint tensors read.
     """
     ckpt_dir = str(ckpt_dir)
     config = model.config
@@ -335,17 +441,19 @@ def load_target(model: nn.Module, ckpt_dir: str | os.PathLike[str]) -> int:
     if config.tie_word_embeddings:
         ignore += ("lm_head.weight",)  # tied: the embedding is the head
     block = _fp8_block(config)
-    plan = _plan(
-        model, ckpt_dir, files, [_Scope("model.", "model.", 0)], extra, set(), ignore, "target model", block
-    )
+    scope = _Scope("model.", "model.", 0)
+    if block is not None and not dequantize_fp8:
+        convert_fp8_modules(model, scope, config.quantization, model.kernels)
+    plan = _plan(model, ckpt_dir, files, [scope], extra, set(), ignore, "target model", block)
     return _execute(ckpt_dir, plan, model.kernels, block)
 
 
-def load_mtp(mtp: nn.Module, ckpt_dir: str | os.PathLike[str]) -> int:
+def load_mtp(mtp: nn.Module, ckpt_dir: str | os.PathLike[str], *, dequantize_fp8: bool = False) -> int:
     """Fill a :class:`Qwen3NextMTP` from the ``mtp.*`` tensors of a HF checkpoint.
 
     ``mtp.layers.j`` goes to the layer with absolute index ``num_hidden_layers + j``. The shared
-    embedding and lm_head belong to the target (already loaded there) and are not read again.
+    embedding and lm_head belong to the target (already loaded there) and are not read again. FP8
+    checkpoints: as :func:`load_target`.
     """
     ckpt_dir = str(ckpt_dir)
     config = mtp.config
@@ -355,15 +463,8 @@ def load_mtp(mtp: nn.Module, ckpt_dir: str | os.PathLike[str]) -> int:
         raise CheckpointError(ckpt_dir, ["no mtp.* tensors: this checkpoint has no MTP head"])
     skip = {n for n, _ in mtp.named_parameters() if n.split(".")[0] in ("embed_tokens", "lm_head")}
     block = _fp8_block(config)
-    plan = _plan(
-        mtp,
-        ckpt_dir,
-        mtp_files,
-        [_Scope("", "mtp.", config.num_hidden_layers)],
-        {},
-        skip,
-        (),
-        "MTP draft",
-        block,
-    )
+    scope = _Scope("", "mtp.", config.num_hidden_layers)
+    if block is not None and not dequantize_fp8:
+        convert_fp8_modules(mtp, scope, config.quantization, mtp.kernels)
+    plan = _plan(mtp, ckpt_dir, mtp_files, [scope], {}, skip, (), "MTP draft", block)
     return _execute(ckpt_dir, plan, mtp.kernels, block)

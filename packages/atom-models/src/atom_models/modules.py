@@ -34,6 +34,53 @@ class Linear(nn.Module):
         )
 
 
+class Fp8Linear(nn.Module):
+    """``y = kernels.fp8_linear(x, weight, weight_scale_inv, block, bias)``: a W8A8 block-scaled linear.
+
+    ``weight`` is ``[out_features, in_features]`` float8_e4m3fn and ``weight_scale_inv`` its float32
+    ``[ceil(out/bn), ceil(in/bk)]`` block multipliers (the checkpoint's names); activations are quantised
+    per token and group of ``bk`` channels inside the op. ``bias`` (optional) is in ``dtype``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        block: tuple[int, int],
+        kernels,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.block = (int(block[0]), int(block[1]))
+        self.kernels = kernels
+        rows, cols = -(-out_features // self.block[0]), -(-in_features // self.block[1])
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device),
+            requires_grad=False,
+        )
+        self.weight_scale_inv = nn.Parameter(
+            torch.empty(rows, cols, dtype=torch.float32, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"fp8 block={list(self.block)}"
+        )
+
+
 class Embedding(nn.Module):
     """Token embedding table ``weight[V, H]``."""
 

@@ -24,6 +24,44 @@ class Experts(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
         )
 
+    def forward(self, kernels, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return kernels.moe_experts(x, weights, ids, self.w13, self.w2)
+
+
+class Fp8Experts(nn.Module):
+    """Routed experts with FP8 block-scaled weights, stacked: ``w13[E, 2I, H]`` and ``w2[E, H, I]``
+    float8_e4m3fn; ``w13_scale_inv[E, 2 * ceil(I/bn), ceil(H/bk)]`` (the gate's row blocks, then the up
+    projection's, each as in its checkpoint tensor) and ``w2_scale_inv[E, ceil(H/bn), ceil(I/bk)]`` float32.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        block: tuple[int, int],
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        self.num_experts = num_experts
+        self.block = (int(block[0]), int(block[1]))
+        bn, bk = self.block
+        e, h, i = num_experts, hidden_size, intermediate_size
+
+        def param(*shape, dtype):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        fp8 = torch.float8_e4m3fn
+        self.w13 = param(e, 2 * i, h, dtype=fp8)
+        self.w13_scale_inv = param(e, 2 * -(-i // bn), -(-h // bk), dtype=torch.float32)
+        self.w2 = param(e, h, i, dtype=fp8)
+        self.w2_scale_inv = param(e, -(-h // bn), -(-i // bk), dtype=torch.float32)
+
+    def forward(self, kernels, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return kernels.moe_experts_fp8(
+            x, weights, ids, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, self.block
+        )
+
 
 class SparseMoeBlock(nn.Module):
     """``experts(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)`` (HF ``Qwen3NextSparseMoeBlock``)."""
@@ -50,7 +88,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.kernels
         weights, ids = k.moe_router(self.gate(x), self.top_k, self.renormalize)
-        out = k.moe_experts(x, weights, ids, self.experts.w13, self.experts.w2)
+        out = self.experts(k, x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -1,0 +1,175 @@
+"""FP8 checkpoints keep FP8 weights: module conversion from quantization_config, loading of e4m3 weights
+and their block scales (stacked experts, fused rows, MTP), the errors that name tensor/file/shape, and the
+FP8 model's logits against the float32 reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from atom_core import Qwen3NextConfig
+from atom_models import (
+    CheckpointError,
+    DenseCoreFactory,
+    Qwen3NextForCausalLM,
+    Qwen3NextMTP,
+    load_mtp,
+    load_target,
+)
+from atom_models.modules import Fp8Linear, Linear
+from atom_models.moe import Fp8Experts
+from safetensors.torch import load_file, save_file
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_fp8_checkpoint.py"
+E4M3 = torch.float8_e4m3fn
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("make_fp8_checkpoint", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def fp8_dir(model_dir, tmp_path_factory):
+    """The bundled tiny model made FP8 by scripts/make_fp8_checkpoint.py (in a temporary directory)."""
+    dst = tmp_path_factory.mktemp("fp8") / "tiny-fp8"
+    summary = _script().make_fp8_checkpoint(model_dir, dst)
+    assert summary["fp8_weights"] == 149  # every expert, attention, GDN qkvz/out and shared-expert projection
+    return dst
+
+
+def _build(ckpt, kernels):
+    cfg = Qwen3NextConfig.from_hf(ckpt)
+    target = Qwen3NextForCausalLM(cfg, DenseCoreFactory(kernels), kernels)
+    mtp = Qwen3NextMTP(cfg, DenseCoreFactory(kernels), kernels, target.model.embed_tokens, target.lm_head)
+    return target, mtp
+
+
+def _copy(src: Path, dst: Path, fname: str, edit) -> Path:
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / fname))
+    edit(tensors)
+    save_file(tensors, str(dst / fname))
+    return dst
+
+
+def test_checkpoint_has_the_published_layout(fp8_dir, model_dir):
+    cfg = json.loads((fp8_dir / "config.json").read_text())
+    q = cfg["quantization_config"]
+    assert list(q) == [
+        "activation_scheme",
+        "fmt",
+        "quant_method",
+        "weight_block_size",
+        "modules_to_not_convert",
+    ]
+    assert q["modules_to_not_convert"][:4] == [
+        "lm_head",
+        "model.layers.0.linear_attn.in_proj_ba",
+        "model.layers.0.mlp.gate",
+        "model.layers.0.mlp.shared_expert_gate",
+    ]
+    assert q["modules_to_not_convert"][-3:] == [
+        "mtp.fc",
+        "mtp.layers.0.mlp.gate",
+        "mtp.layers.0.mlp.shared_expert_gate",
+    ]
+    index = json.loads((fp8_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    src = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(set(index.values())) == sorted(set(src.values()))  # same shard files
+    name = "mtp.layers.0.mlp.experts.3.down_proj.weight"
+    assert index[name + "_scale_inv"] == index[name] == "model-mtp.safetensors"
+    f = load_file(str(fp8_dir / "model-mtp.safetensors"))
+    assert f[name].dtype == E4M3 and f[name + "_scale_inv"].shape == (2, 1)  # [256, 64] in 128x128 blocks
+    assert f["mtp.fc.weight"].dtype == torch.bfloat16 and "mtp.fc.weight_scale_inv" not in f
+
+
+def test_fp8_weights_stay_fp8(fp8_dir, kernels32):
+    target, mtp = _build(fp8_dir, kernels32)
+    load_target(target, fp8_dir)
+    load_mtp(mtp, fp8_dir)
+    layer = target.model.layers[3]
+    assert isinstance(layer.self_attn.q_proj, Fp8Linear) and layer.self_attn.q_proj.weight.dtype == E4M3
+    assert isinstance(layer.mlp.experts, Fp8Experts) and layer.mlp.experts.w13.dtype == E4M3
+    assert isinstance(layer.mlp.shared_expert.gate_up_proj, Fp8Linear)
+    for kept in (layer.mlp.gate, layer.mlp.shared_expert_gate, target.model.layers[0].linear_attn.in_proj_ba,
+                 target.lm_head, mtp.fc, mtp.layers["4"].mlp.gate):  # fmt: skip
+        assert type(kept) is Linear and kept.weight.dtype == torch.float32
+    assert isinstance(target.model.layers[0].linear_attn.in_proj_qkvz, Fp8Linear)
+    assert isinstance(mtp.layers["4"].mlp.experts, Fp8Experts)
+    assert mtp.lm_head is target.lm_head
+    # bytes as in the checkpoint: stacked experts (gate/up halves with their own scale rows), fused rows
+    f = load_file(str(fp8_dir / "model-00001-of-00002.safetensors"))
+    ex = target.model.layers[1].mlp.experts
+    up = "model.layers.1.mlp.experts.6.up_proj.weight"
+    assert torch.equal(ex.w13[6, 64:].view(torch.uint8), f[up].view(torch.uint8))
+    assert torch.equal(ex.w13_scale_inv[6, 1:], f[up + "_scale_inv"])
+    su = "model.layers.2.mlp.shared_expert.up_proj.weight"
+    gu = target.model.layers[2].mlp.shared_expert.gate_up_proj
+    assert torch.equal(gu.weight[128:].view(torch.uint8), f[su].view(torch.uint8))
+    assert torch.equal(gu.weight_scale_inv[1:], f[su + "_scale_inv"])
+
+
+def test_fp8_model_logits_follow_the_float32_reference(fp8_dir, kernels32, golden):
+    target, _ = _build(fp8_dir, kernels32)
+    load_target(target, fp8_dir)
+    ids = golden["input_ids"][0]
+    with torch.no_grad():
+        logits = target.compute_logits(target(ids, torch.arange(ids.shape[0])))
+    ref = golden["target_logits"][0]
+    agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    err = (logits - ref).abs().max().item()
+    print(f"FP8 (W8A8) vs float32 reference: argmax agreement {agree:.3f}, max |logit diff| {err:.3f}")
+    assert agree > 0.85, f"argmax agreement {agree:.3f}, max |logit diff| {err:.3f}"
+
+
+def test_scale_that_does_not_fit_its_fp8_parameter_is_named(fp8_dir, tmp_path, kernels32):
+    name = "model.layers.3.self_attn.k_proj.weight_scale_inv"  # [256, 256] weight: scales [2, 2]
+
+    def edit(t):
+        t[name] = torch.ones(2, 3)
+        w = "model.layers.1.linear_attn.out_proj.weight"
+        t[w] = t[w].float()  # a float32 tensor (its scales still beside it) where the model holds FP8
+
+    ckpt = _copy(fp8_dir, tmp_path / "ck", "model-00001-of-00002.safetensors", edit)
+    target, _ = _build(ckpt, kernels32)
+    with pytest.raises(CheckpointError) as e:
+        load_target(target, ckpt)
+    print(e.value)
+    assert (
+        f"tensor {name} in model-00001-of-00002.safetensors has shape [2, 3], expected [2, 2] "
+        "(weight [256, 256], block [128, 128])"
+    ) in e.value.problems
+    assert (
+        "tensor model.layers.1.linear_attn.out_proj.weight in model-00001-of-00002.safetensors has dtype F32, "
+        "but model.layers.1.linear_attn.out_proj.weight is FP8 (quantization_config does not list it in "
+        "modules_to_not_convert)"
+    ) in e.value.problems
+
+
+def test_non_finite_fp8_weight_or_scale_is_named(fp8_dir, tmp_path, kernels32):
+    w = "model.layers.2.mlp.experts.5.down_proj.weight"
+    s = "model.layers.3.self_attn.o_proj.weight_scale_inv"
+
+    def edit(t):
+        raw = t[w].view(torch.uint8).clone()
+        raw[3, 7] = 0x7F  # an e4m3 NaN code
+        t[w] = raw.view(E4M3)
+        t[s] = t[s].clone()
+        t[s][0, 1] = float("inf")
+
+    ckpt = _copy(fp8_dir, tmp_path / "ck", "model-00001-of-00002.safetensors", edit)
+    target, _ = _build(ckpt, kernels32)
+    with pytest.raises(CheckpointError) as e:
+        load_target(target, ckpt)
+    print(e.value)
+    assert e.value.problems == [
+        f"tensor {w} in model-00001-of-00002.safetensors has 1 NaN values (as torch.float8_e4m3fn) in {ckpt}",
+        f"tensor {s} in model-00001-of-00002.safetensors has 0 NaN and 1 Inf values (as torch.float32) in {ckpt}",
+    ]
