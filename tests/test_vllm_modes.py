@@ -68,13 +68,15 @@ def test_tensor_parallel_2_reproduces_greedy() -> None:
 
 
 def test_unsupported_kv_cache_dtype_fails_clearly(tmp_path) -> None:
-    """An fp8 KV cache is not supported by the plugin's CPU attention: the engine must refuse to start
-    with an error naming the option, not run with a silently different cache."""
+    """An e5m2 KV cache is not supported by the plugin's attention (e4m3 is): the engine must refuse to
+    start with an error naming the option, not run with a silently different cache."""
     from _harness import run
 
-    s = spec(plugin=True, dtype="bfloat16", k=1, jobs=[greedy_job()], llm_kwargs={"kv_cache_dtype": "fp8"})
+    s = spec(
+        plugin=True, dtype="bfloat16", k=1, jobs=[greedy_job()], llm_kwargs={"kv_cache_dtype": "fp8_e5m2"}
+    )
     r = run(s, str(tmp_path), timeout=900, log_name="fp8_kv")
-    assert "error" in r, "the engine started with kv_cache_dtype=fp8"
+    assert "error" in r, "the engine started with kv_cache_dtype=fp8_e5m2"
     log = Path(r["log"]).read_text()
     # the plugin's own ConfigError (not merely the echoed engine arguments) names the field and the value
-    assert "field 'kv_cache_dtype' = 'fp8'" in log, log[-3000:]
+    assert "field 'kv_cache_dtype' = 'fp8_e5m2'" in log, log[-3000:]

@@ -106,3 +106,36 @@ def test_profiling_run_and_bad_cache():
     assert not core.run(None, q, torch.randn(3, HKV, D), torch.randn(3, HKV, D)).any()
     with pytest.raises(ValueError, match="kv_cache"):
         split_kv_cache(torch.zeros(2, HKV, BS, D), D)
+
+
+def test_fp8_kv_cache_with_per_tensor_scales():
+    """``--kv-cache-dtype fp8``: vLLM hands a uint8 cache; the core stores e4m3 ``k / _k_scale`` and
+    ``v / _v_scale`` and attends over their dequantised values (== dense attention on the rounded K/V)."""
+    torch.manual_seed(1)
+    kern = select_kernels("cpu", torch.float32, backend="reference")
+    core = AtomAttentionCore("model.layers.3.self_attn", HQ, HKV, D, kern, torch.float32)
+    core._k_scale.fill_(0.5)
+    core._v_scale.fill_(0.25)
+    raw = torch.zeros(8, BS, HKV, 2 * D, dtype=torch.uint8)  # vLLM allocates an fp8 cache as uint8
+    core.kv_cache = raw.permute(0, 2, 1, 3)
+    seqs = {s: [torch.randn(n, h, D) * 4 for h in (HQ, HKV, HKV)] for s, n in (("A", 10), ("B", 6))}
+
+    def rounded(x, scale):
+        return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+
+    def take(rows):
+        parts = [[t[lo:hi] for t in seqs[s]] for s, lo, hi in rows]
+        return [torch.cat([p[i] for p in parts]) for i in range(3)]
+
+    core.run(_md([("A", 0, 7), ("B", 0, 5)]), *take([("A", 0, 7), ("B", 0, 5)]))
+    rows = [("A", 7, 10), ("B", 5, 6)]
+    out = core.run(_md(rows), *take(rows))
+    for name, got, s, lo, hi in (("verify A", out[0:3], "A", 7, 10), ("decode B", out[3:4], "B", 5, 6)):
+        q, k, v = seqs[s]
+        ref = _dense(q[:hi], rounded(k[:hi], 0.5), rounded(v[:hi], 0.25))[lo:hi]
+        err = (got - ref).abs().max().item()
+        assert err < ATOL[torch.float32], f"fp8 cache {name}: max error {err}"
+    key_cache, value_cache = split_kv_cache(core.kv_cache, D)
+    assert key_cache.dtype == torch.float8_e4m3fn
+    blk, off = BLOCKS["A"][9 // BS], 9 % BS
+    assert torch.equal(key_cache[blk, off].float() * 0.5, rounded(seqs["A"][1][9], 0.5))

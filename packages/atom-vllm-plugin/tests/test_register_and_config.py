@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 
 from atom_core import ConfigError  # noqa: E402
 from atom_vllm_plugin import _version_check  # noqa: E402
-from atom_vllm_plugin.config import DRAFT_ARCH, TARGET_ARCH, from_vllm, speculative_from_vllm  # noqa: E402
+from atom_vllm_plugin.config import DRAFT_ARCH, TARGET_ARCH, cache_from_vllm, from_vllm, speculative_from_vllm  # noqa: E402
 
 FIXTURE_HF = {
     "model_type": "qwen3_next", "hidden_size": 256, "num_hidden_layers": 4,
@@ -96,11 +96,17 @@ def test_speculative_tokens_outside_1_to_4_are_refused(k):
         speculative_from_vllm(SimpleNamespace(method="mtp", num_speculative_tokens=k))
 
 
-def test_other_methods_and_fp8_kv_cache_are_refused():
+def test_other_methods_and_e5m2_kv_cache_are_refused():
     with pytest.raises(ConfigError, match="'mtp' only"):
         speculative_from_vllm(SimpleNamespace(method="eagle3", num_speculative_tokens=1))
-    with pytest.raises(ConfigError, match="kv_cache_dtype"):
-        from_vllm(_vllm_config(k=1, cache_dtype="fp8"), "target")
+    with pytest.raises(ConfigError, match="field 'kv_cache_dtype' = 'fp8_e5m2'"):
+        from_vllm(_vllm_config(k=1, cache_dtype="fp8_e5m2"), "target")
+
+
+@pytest.mark.parametrize("dtype", ["auto", "fp8", "fp8_e4m3"])
+def test_kv_cache_dtypes_the_plugin_stores(dtype):
+    assert cache_from_vllm(SimpleNamespace(cache_dtype=dtype, block_size=16)).kv_cache_dtype == dtype
+    from_vllm(_vllm_config(k=1, cache_dtype=dtype), "target")
 
 
 def test_draft_without_speculative_config_is_refused():

@@ -66,16 +66,21 @@ def speculative_from_vllm(spec: Any) -> SpeculativeConfig | None:
     return SpeculativeConfig(method="mtp", num_speculative_tokens=int(k))
 
 
+PLUGIN_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 def cache_from_vllm(cache_config: Any) -> CacheConfig:
+    """vLLM's cache config -> ours. KV cache dtypes: ``auto`` (model dtype) and ``fp8`` / ``fp8_e4m3`` (e4m3
+    with per-tensor k/v scales, see :class:`~atom_vllm_plugin.layers.attention.AtomAttentionCore`)."""
     dtype = str(cache_config.cache_dtype)
-    if dtype != "auto":
+    if dtype not in PLUGIN_KV_CACHE_DTYPES:
         raise ConfigError(
             "kv_cache_dtype",
             dtype,
             "cache_config",
-            "the ATOM plugin's CPU attention stores the KV cache in the model dtype; use kv_cache_dtype='auto'",
+            f"the ATOM plugin's attention stores the KV cache as one of {list(PLUGIN_KV_CACHE_DTYPES)}",
         )
-    return CacheConfig(block_size=int(cache_config.block_size), kv_cache_dtype="auto")
+    return CacheConfig(block_size=int(cache_config.block_size), kv_cache_dtype=dtype)
 
 
 def model_tag() -> str | None:

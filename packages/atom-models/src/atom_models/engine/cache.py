@@ -7,6 +7,18 @@ from atom_core import Qwen3NextConfig
 
 from atom_models.gdn_state import GDNGeometry, GDNLayerState
 
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+KV_CACHE_DTYPES.update(dict.fromkeys(("fp8", "fp8_e4m3"), torch.float8_e4m3fn))
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype of the paged KV cache for ``kv_cache_dtype`` (vLLM's names): ``auto`` is the
+    model dtype; ``fp8`` / ``fp8_e4m3`` store ``k / k_scale`` and ``v / v_scale`` as float8_e4m3fn
+    (per-tensor scales; the engine's are 1.0, vLLM's default without calibrated scales)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name] or model_dtype
+
 
 class BlockAllocator:
     """Free list of KV-cache block ids (``num_blocks`` blocks of ``block_size`` tokens)."""
@@ -69,8 +81,8 @@ class SlotAllocator:
 class EngineCaches:
     """Per-layer tensors, for ``S = max_num_seqs`` sequences (one GDN slot each):
 
-    - ``kv[layer] = (key_cache, value_cache)`` ``[num_blocks, block_size, Hkv, D]`` for every full-attention
-      layer (target and MTP);
+    - ``kv[layer] = (key_cache, value_cache)`` ``[num_blocks, block_size, Hkv, D]`` in ``kv_dtype`` (default:
+      ``dtype``; float8_e4m3fn for an FP8 cache) for every full-attention layer (target and MTP);
     - ``gdn[layer]``: a :class:`~atom_models.gdn_state.GDNLayerState` for every GDN layer, shaped by
       ``gdn_geometry`` (conv ``[S, C, K - 1 + k]``, ONE committed recurrent state ``[S, Hv, Dv, Dk]`` per
       sequence, and with MTP (k > 0) the float32 pending tokens ``[S, 1 + k, P]`` of the sequence's last
@@ -89,6 +101,7 @@ class EngineCaches:
         device: torch.device,
         ssm_dtype: torch.dtype = torch.float32,
         with_mtp: bool = True,
+        kv_dtype: torch.dtype | None = None,
     ):
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -98,8 +111,8 @@ class EngineCaches:
             attn_layers += [config.mtp_layer_index(j) for j in range(config.num_mtp_layers)]
         self.kv = {
             i: (
-                torch.zeros(kv_shape, dtype=dtype, device=device),
-                torch.zeros(kv_shape, dtype=dtype, device=device),
+                torch.zeros(kv_shape, dtype=kv_dtype or dtype, device=device),
+                torch.zeros(kv_shape, dtype=kv_dtype or dtype, device=device),
             )
             for i in attn_layers
         }

@@ -22,7 +22,7 @@ import torch
 from atom_core import Qwen3NextConfig
 from atom_kernels import select_kernels
 
-from atom_models.engine.cache import EngineCaches
+from atom_models.engine.cache import EngineCaches, kv_cache_dtype
 from atom_models.engine.context import AttentionMeta, StepContext
 from atom_models.engine.cores import EngineCoreFactory
 from atom_models.engine.request import Request, SpecStats
@@ -42,8 +42,10 @@ class EngineConfig:
     max_model_len: int = 4096
     num_blocks: int | None = None  # default: enough for max_num_seqs sequences of max_model_len
     max_num_batched_tokens: int = 8192  # target tokens per step; a prompt must fit (no chunked prefill)
+    kv_cache_dtype: str = "auto"  # vLLM's names: auto (model dtype), bfloat16, float32, fp8, fp8_e4m3
 
     def __post_init__(self) -> None:
+        kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # validates the name
         minimums = {
             "num_speculative_tokens": 0,
             "block_size": 1,
@@ -126,6 +128,7 @@ class LLMEngine:
             dtype=dtype,
             device=self.device,
             with_mtp=k > 0,
+            kv_dtype=kv_cache_dtype(ec.kv_cache_dtype, dtype),
         )
         cores = EngineCoreFactory(self.caches, self.kernels)
         with torch.device(self.device):

@@ -3,6 +3,10 @@
 atom-models' ``Qwen3NextAttention`` calls ``core(q, k, v, ctx)`` after q/k-norm and RoPE; this core
 writes k/v into the layer's KV cache at vLLM's slot mapping and attends with ``paged_attention`` (causal
 over each request's cached prefix and its new tokens, for any mix of prefill / decode / 1 + k verify).
+
+``--kv-cache-dtype fp8``: the cache holds e4m3 ``k / k_scale`` and ``v / v_scale`` with per-tensor float32
+scales kept, as on vLLM's own attention layers, in ``_k_scale`` / ``_v_scale`` (1.0: vLLM's default when
+the checkpoint has no calibrated KV scales).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
 from atom_vllm_plugin.layers.attention_backend import (
@@ -56,17 +61,21 @@ class AtomAttentionCore(nn.Module, AttentionLayerBase):
         self.dtype = dtype
         self.is_draft_layer = is_draft
         self.kv_cache = torch.tensor([])
+        self.register_buffer("_k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.register_buffer("_v_scale", torch.ones((), dtype=torch.float32), persistent=False)
 
     # ---- vLLM's AttentionLayerBase -----------------------------------------------------------
     def get_attn_backend(self) -> type[AtomAttentionBackend]:
         return AtomAttentionBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        dtype = self.dtype if cache_dtype == "auto" else kv_cache_dtype_str_to_dtype(cache_dtype, None)
         return FullAttentionSpec(
             block_size=vllm_config.cache_config.block_size,
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_size,
-            dtype=self.dtype,
+            dtype=dtype,
         )
 
     # ---- the core ----------------------------------------------------------------------------
@@ -86,9 +95,17 @@ class AtomAttentionCore(nn.Module, AttentionLayerBase):
         if n == 0:
             return out
         key_cache, value_cache = split_kv_cache(self.kv_cache, self.head_size)
-        self.kernels.kv_cache_write(k[:n], v[:n], key_cache, value_cache, md.slot_mapping[:n])
+        scales = (self._k_scale, self._v_scale) if key_cache.dtype == torch.float8_e4m3fn else (None, None)
+        self.kernels.kv_cache_write(k[:n], v[:n], key_cache, value_cache, md.slot_mapping[:n], *scales)
         out[:n] = self.kernels.paged_attention(
-            q[:n], key_cache, value_cache, md.block_table, md.seq_lens, md.query_start_loc, self.scale
+            q[:n],
+            key_cache,
+            value_cache,
+            md.block_table,
+            md.seq_lens,
+            md.query_start_loc,
+            self.scale,
+            *scales,
         )
         return out
 

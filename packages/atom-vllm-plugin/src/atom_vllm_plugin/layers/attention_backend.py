@@ -4,7 +4,7 @@ One ``paged_attention`` call serves prefill chunks (with a cached prefix), plain
 and verification (1 + k query tokens) mixed in one batch, so the metadata is what the op takes:
 ``query_start_loc``, ``seq_lens``, ``block_table`` and the ``slot_mapping`` of the new tokens.
 
-KV cache: vLLM 0.32 hands each attention layer a logical ``[num_blocks, num_kv_heads, block_size, C]``
+KV cache (model dtype, or e4m3 for ``--kv-cache-dtype fp8``): vLLM 0.32 hands each attention layer a logical ``[num_blocks, num_kv_heads, block_size, C]``
 view with ``C = 2 * head_dim`` (key then value in the content axis); we ask for the LBNHC physical layout
 (``[block, token, head, content]`` in memory) so ``key_cache = view.transpose(1, 2)[..., :D]`` is the
 ``[B, block_size, Hkv, D]`` cache atom_kernels expects, with unit stride on D.
@@ -81,7 +81,7 @@ class AtomAttentionBackend(AttentionBackend):
 
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "fp8", "fp8_e4m3"]
 
     @staticmethod
     def get_name() -> str:
@@ -110,11 +110,14 @@ class AtomAttentionBackend(AttentionBackend):
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's per-layer ``[B, Hkv, block_size, 2D]`` view -> (key_cache, value_cache), each ``[B, bs, Hkv, D]``."""
+    """vLLM's per-layer ``[B, Hkv, block_size, 2D]`` view -> (key_cache, value_cache), each ``[B, bs, Hkv, D]``.
+    vLLM allocates an fp8 cache as uint8: it is viewed as float8_e4m3fn."""
     if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
         raise ValueError(
             f"kv_cache: expected vLLM's [num_blocks, num_kv_heads, block_size, {2 * head_size}] view, "
             f"got shape {tuple(kv_cache.shape)}"
         )
+    if kv_cache.dtype == torch.uint8:
+        kv_cache = kv_cache.view(torch.float8_e4m3fn)
     t = kv_cache.transpose(1, 2)
     return t[..., :head_size], t[..., head_size:]
