@@ -173,3 +173,29 @@ def test_non_finite_fp8_weight_or_scale_is_named(fp8_dir, tmp_path, kernels32):
         f"tensor {w} in model-00001-of-00002.safetensors has 1 NaN values (as torch.float8_e4m3fn) in {ckpt}",
         f"tensor {s} in model-00001-of-00002.safetensors has 0 NaN and 1 Inf values (as torch.float32) in {ckpt}",
     ]
+
+
+def test_engine_serves_fp8_weights_with_an_fp8_kv_cache(fp8_dir, greedy_cases):
+    """The standalone engine on the FP8 checkpoint with an e4m3 KV cache, float32 activations: MTP k = 1
+    emits exactly the k = 0 tokens (speculation is lossless for any weights), the MTP head is accepted,
+    and the tokens mostly follow the bf16 checkpoint's float32 greedy continuation."""
+    from atom_models.engine import EngineConfig, LLMEngine, SamplingParams
+
+    cases = greedy_cases["cases"][:2]
+    prompts = [c["prompt_ids"] for c in cases]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs, rates = {}, {}
+    for k in (0, 1):
+        ec = EngineConfig(num_speculative_tokens=k, max_num_seqs=2, max_model_len=128, kv_cache_dtype="fp8")
+        eng = LLMEngine.from_pretrained(fp8_dir, ec, dtype=torch.float32)
+        assert all(kc.dtype == E4M3 for kc, _ in eng.caches.kv.values())
+        assert isinstance(eng.target.model.layers[3].mlp.experts, Fp8Experts)
+        results = eng.generate(prompts, params)
+        outs[k] = [r.output_ids for r in results]
+        drafts = sum(r.stats.num_drafts for r in results)
+        rates[k] = sum(r.stats.num_accepted_tokens for r in results) / max(drafts, 1)
+    assert outs[1] == outs[0], "k=1 must emit the k=0 tokens"
+    assert rates[1] > 0.4, f"MTP acceptance {rates[1]:.2f} on the FP8 checkpoint"
+    same = [sum(a == b for a, b in zip(o, c["greedy_ids"])) / len(o) for o, c in zip(outs[0], cases)]
+    print(f"FP8 weights + FP8 KV: acceptance {rates[1]:.2f}, tokens equal to float32 greedy {same}")
+    assert min(same) > 0.5, same
