@@ -37,7 +37,7 @@ GEMMS = {  # name -> (N, K) of the 80B-A3B's quantised dense projections
 }
 MS = [1, 8, 64, 256, 4096]
 SWEEP = {  # tile alternatives to fp8 triton.plan, timed in the same run
-    "small": [dict(BLOCK_N=64), dict(BLOCK_N=32), dict(SPLIT_K=1), dict(QUANT_A=False)],
+    "small": [dict(BLOCK_N=64), dict(BLOCK_N=32), dict(SPLIT_K=1)],
     256: [dict(BLOCK_N=128), dict(BLOCK_N=64), dict(BLOCK_M=128, num_warps=8)],
     4096: [dict(BLOCK_M=64, BLOCK_N=128, num_warps=4), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4),
            dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4)],

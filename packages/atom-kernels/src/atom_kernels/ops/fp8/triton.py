@@ -7,10 +7,9 @@ tiles on the tensor cores (``tl.dot``, float32 accumulation), each K tile scaled
 scale and the weight block's scale, so ``BLOCK_K`` divides the scale block ``bk``. Two plans:
 
 - prefill (M > 64): 64- or 128-row tiles, 128-column tiles, grouped tile order for L2 reuse;
-- decode (M <= 64): one row tile of ``16 <= BLOCK_M <= 64`` rows whose activation is quantised inside the
-  GEMM (each K tile is one group: no separate launch), narrow column tiles, and split-K over enough
-  programs to stream the weight from every SM: float32 partials ``[SPLIT_K, M, N]`` summed in a fixed
-  order by ``_splitk_reduce_kernel`` (deterministic), which also adds the bias.
+- decode (M <= 64): one row tile of ``16 <= BLOCK_M <= 64`` rows, narrow column tiles, and split-K over
+  enough programs to stream the weight from every SM: float32 partials ``[SPLIT_K, M, N]`` summed in a
+  fixed order by ``_splitk_reduce_kernel`` (deterministic), which also adds the bias.
 
 Hopper's e4m3 tensor-core instructions accumulate with less than float32 precision inside one ``tl.dot``
 (Triton's default on sm_90, as in vLLM's block-FP8 kernel); the float32 accumulator takes each K tile's
@@ -68,12 +67,9 @@ def _fp8_gemm_kernel(
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs, TILES_PER_SPLIT,
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    QUANT_A: tl.constexpr, EPS: tl.constexpr, FMAX: tl.constexpr,
 ):  # fmt: skip
     """``c[m, n] = sum_k a[m, k] b[n, k] as[m, k // BK_Q] bs[n // BN_Q, k // BK_Q]`` over this program's
-    K tiles; PARTIAL: float32 partial sums to ``c[pid_k]`` (no bias), else the output in c's dtype.
-    QUANT_A (``BLOCK_K == BK_Q``): ``a`` is the unquantised activation; each K tile is one activation
-    group, quantised here exactly as ``_act_quant_kernel`` does (``as_ptr`` unused)."""
+    K tiles; PARTIAL: float32 partial sums to ``c[pid_k]`` (no bias), else the output in c's dtype."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -102,12 +98,7 @@ def _fp8_gemm_kernel(
         a = tl.load(a_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         kb = k0 // BK_Q
-        if QUANT_A:
-            a32 = a.to(tl.float32)
-            a_s = tl.maximum(tl.max(tl.abs(a32), 1), EPS) / FMAX
-            a = tl.minimum(tl.maximum(tl.math.div_rn(a32, a_s[:, None]), -FMAX), FMAX).to(b.dtype)
-        else:
-            a_s = tl.load(as_ptrs + kb, mask=m_ok, other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=m_ok, other=0.0)
         b_s = tl.load(bs_ptrs + kb, mask=n_ok, other=0.0)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
@@ -196,9 +187,9 @@ def _num_sms(device_index: int) -> int:
 
 
 def plan(m: int, n: int, k: int, bk: int, device: torch.device, config: dict | None = None) -> dict:
-    """Tile sizes from shapes alone. Decode-sized M (<= 64): one row tile, the activation quantised inside
-    the GEMM (one launch), column tiles and split-K chosen for about two programs per SM. Larger M: whole-K
-    tiles of 64 or 128 rows, 64-column tiles where 128 would leave SMs idle."""
+    """Tile sizes from shapes alone. Decode-sized M (<= 64): one row tile, column tiles and split-K chosen
+    for about two programs per SM. Larger M: whole-K tiles of 64 or 128 rows, 64-column tiles where 128
+    would leave SMs idle."""
     block_k = min(128, bk)
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
     if m <= 64:
@@ -207,14 +198,14 @@ def plan(m: int, n: int, k: int, bk: int, device: torch.device, config: dict | N
         k_tiles = triton.cdiv(k, block_k)
         split = max(1, min(k_tiles // 2, (2 * sms) // tiles))
         cfg = dict(BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
-                   SPLIT_K=split, num_warps=4, num_stages=4, QUANT_A=block_k == bk)  # fmt: skip
+                   SPLIT_K=split, num_warps=4, num_stages=4)  # fmt: skip
     elif m <= 256:
         block_n = 64 if triton.cdiv(m, 64) * triton.cdiv(n, 128) < sms else 128
-        cfg = dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=1, num_warps=4, num_stages=3,
-                   QUANT_A=False)  # fmt: skip
+        cfg = dict(
+            BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=1, num_warps=4, num_stages=3
+        )
     else:
-        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=3,
-                   QUANT_A=False)  # fmt: skip
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=3)
     if config:
         cfg.update(config)
     return cfg
@@ -242,12 +233,12 @@ def _launch_gemm(a, a_scales, w, w_scales, block, out_dtype, bias, cfg) -> torch
     ws = torch.empty((split, m, n), dtype=torch.float32, device=a.device) if partial else out
     has_bias = bias is not None
     _fp8_gemm_kernel[grid](
-        a, a if a_scales is None else a_scales, w, w_scales, ws, bias if has_bias else out, m, n, k,
-        a.stride(0), 0 if a_scales is None else a_scales.stride(0), w.stride(0), w_scales.stride(0),
+        a, a_scales, w, w_scales, ws, bias if has_bias else out, m, n, k,
+        a.stride(0), a_scales.stride(0), w.stride(0), w_scales.stride(0),
         ws.stride(-2), ws.stride(0) if partial else 0, per,
         BN_Q=bn, BK_Q=bk, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg["GROUP_M"], PARTIAL=partial, HAS_BIAS=has_bias, QUANT_A=a_scales is None,
-        EPS=ACT_SCALE_EPS, FMAX=FP8_MAX, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        GROUP_M=cfg["GROUP_M"], PARTIAL=partial, HAS_BIAS=has_bias,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if partial:
         block_r = 1024
@@ -295,11 +286,8 @@ def fp8_linear(
         x2 = x2.contiguous()
     scales = scale_inv if scale_inv.dtype == torch.float32 else scale_inv.float()
     cfg = plan(x2.shape[0], w_fp8.shape[0], k, bk, x.device, config)
-    if cfg["QUANT_A"] and cfg["BLOCK_K"] == bk:
-        y = _launch_gemm(x2, None, w_fp8, scales, (bn, bk), x.dtype, bias, cfg)
-    else:
-        a, a_s = _act_quant_2d(x2, bk)
-        y = _launch_gemm(a, a_s, w_fp8, scales, (bn, bk), x.dtype, bias, cfg)
+    a, a_s = _act_quant_2d(x2, bk)
+    y = _launch_gemm(a, a_s, w_fp8, scales, (bn, bk), x.dtype, bias, cfg)
     return y.reshape(*lead, w_fp8.shape[0])
 
 

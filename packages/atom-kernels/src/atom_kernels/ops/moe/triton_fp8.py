@@ -3,8 +3,7 @@
 The structure of :mod:`atom_kernels.ops.moe.triton` (same align, same tile plans, same weighted sum),
 with e4m3 operands:
 
-1. ``_act_quant_kernel`` quantises x per token and group of ``bk`` channels (decode-sized row blocks of
-   16: inside the GEMMs instead, each K tile being one group; likewise for the activation in step 4);
+1. ``_act_quant_kernel`` quantises x per token and group of ``bk`` channels;
 2. ``_moe_align_kernel`` sorts the (token, expert) pairs into ``BLOCK_M``-row blocks of one expert;
 3. ``_moe_gemm1_fp8_kernel``: gate and up tiles ``x_q @ w13[e].T`` (e4m3 ``tl.dot``, float32 accumulation),
    each K tile scaled by the token's group scale and the weight block's scale; the gate's scale rows
@@ -24,8 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_kernels.ops._fp8_math import FP8_MAX
-from atom_kernels.ops.fp8.reference import ACT_SCALE_EPS
 from atom_kernels.ops.fp8.triton import _act_quant_2d
 from atom_kernels.ops.moe.checks import check_moe_experts_fp8
 from atom_kernels.ops.moe.triton import _moe_align_kernel, _moe_sum_kernel, plan
@@ -36,7 +33,7 @@ def _moe_gemm1_fp8_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, inter, nb_inter,
     stride_xt, stride_xst, stride_we, stride_wn, stride_se, stride_sn, stride_at,
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT_A: tl.constexpr, EPS: tl.constexpr, FMAX: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -65,12 +62,7 @@ def _moe_gemm1_fp8_kernel(
         a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
         wg = tl.load(g_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         wu = tl.load(u_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if QUANT_A:  # x unquantised: this K tile is one group, quantised as _act_quant_kernel does
-            a32 = a.to(tl.float32)
-            a_s = tl.maximum(tl.max(tl.abs(a32), 1), EPS) / FMAX
-            a = tl.minimum(tl.maximum(tl.math.div_rn(a32, a_s[:, None]), -FMAX), FMAX).to(wg.dtype)
-        else:
-            a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
         g_s = tl.load(gs_ptrs + kb, mask=n_ok, other=0.0)
         u_s = tl.load(us_ptrs + kb, mask=n_ok, other=0.0)
         acc_g += tl.dot(a, wg) * a_s[:, None] * g_s[None, :]
@@ -88,7 +80,7 @@ def _moe_gemm2_fp8_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, inter,
     stride_at, stride_ast, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, QUANT_A: tl.constexpr, EPS: tl.constexpr, FMAX: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -112,12 +104,7 @@ def _moe_gemm2_fp8_kernel(
         kb = k0 // BK_Q
         a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if QUANT_A:
-            a32 = a.to(tl.float32)
-            a_s = tl.maximum(tl.max(tl.abs(a32), 1), EPS) / FMAX
-            a = tl.minimum(tl.maximum(tl.math.div_rn(a32, a_s[:, None]), -FMAX), FMAX).to(w.dtype)
-        else:
-            a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
         w_s = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
         acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
     out = y_ptr + pair[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
@@ -175,24 +162,21 @@ def moe_experts_fp8(
         flat_ids, sorted_ids, block_expert, cursor, num_pairs, num_experts, max_blocks,
         E_P2=triton.next_power_of_2(num_experts), BLOCK_M=bm, CHUNK=1024, BCHUNK=16, num_warps=8,
     )  # fmt: skip
-    # Decode-sized row blocks (16 rows): activations are quantised inside the GEMMs (K tile == group),
-    # saving two launches; larger blocks quantise once per row in a separate pass.
-    fuse = bm <= 16 and k1 == bk
-    xq, xs = (x, None) if fuse else _act_quant_2d(x, bk)
+    xq, xs = _act_quant_2d(x, bk)
     act = torch.empty((max_blocks * bm, inter), dtype=x.dtype, device=dev)
     _moe_gemm1_fp8_kernel[(max_blocks, triton.cdiv(inter, cfg["N1"]))](
-        xq, xq if fuse else xs, w13, w13_scale, act, sorted_ids, block_expert, num_pairs, hidden, inter,
-        triton.cdiv(inter, bn), xq.stride(0), 0 if fuse else xs.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        xq, xs, w13, w13_scale, act, sorted_ids, block_expert, num_pairs, hidden, inter, triton.cdiv(inter, bn),
+        xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         act.stride(0), BN_Q=bn, BK_Q=bk, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=cfg["N1"], BLOCK_K=k1,
-        QUANT_A=fuse, EPS=ACT_SCALE_EPS, FMAX=FP8_MAX, num_warps=cfg["W1"], num_stages=cfg["S1"],
+        num_warps=cfg["W1"], num_stages=cfg["S1"],
     )  # fmt: skip
-    aq, a_s = (act, None) if fuse else _act_quant_2d(act, bk)
+    aq, a_s = _act_quant_2d(act, bk)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=dev)
     _moe_gemm2_fp8_kernel[(max_blocks, triton.cdiv(hidden, cfg["N2"]))](
-        aq, aq if fuse else a_s, w2, w2_scale, y, sorted_ids, block_expert, num_pairs, hidden, inter,
-        aq.stride(0), 0 if fuse else a_s.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        aq, a_s, w2, w2_scale, y, sorted_ids, block_expert, num_pairs, hidden, inter,
+        aq.stride(0), a_s.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), BN_Q=bn, BK_Q=bk, BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=k2,
-        QUANT_A=fuse, EPS=ACT_SCALE_EPS, FMAX=FP8_MAX, num_warps=cfg["W2"], num_stages=cfg["S2"],
+        num_warps=cfg["W2"], num_stages=cfg["S2"],
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
