@@ -149,18 +149,25 @@ def test_eos_inside_accepted_drafts_stops_the_request(model_dir, greedy_cases):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k", [0, 3])
-def test_greedy_lossless_cuda(model_dir, greedy_cases, k):
-    """The same lossless check on a GPU with the best kernels there (triton)."""
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_greedy_lossless_cuda(model_dir, greedy_cases, k, graphs):
+    """The same lossless check on a GPU with the best kernels there (triton), decode/verify steps replayed
+    from CUDA graphs or run eagerly; max_tokens differ per prompt so the batch shrinks through buckets."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (runs on the GPU machine)")
     cases = greedy_cases["cases"]
-    eng = LLMEngine.from_pretrained(
-        model_dir, EngineConfig(num_speculative_tokens=k, max_model_len=256, max_num_seqs=8), device="cuda"
-    )
-    res = eng.generate([c["prompt_ids"] for c in cases], SamplingParams(max_tokens=64, ignore_eos=True))
-    mismatched = [i for i, (r, c) in enumerate(zip(res, cases)) if r.output_ids != c["greedy_ids"]]
+    cfg = EngineConfig(num_speculative_tokens=k, max_model_len=256, max_num_seqs=8, cuda_graphs=graphs)
+    eng = LLMEngine.from_pretrained(model_dir, cfg, device="cuda")
+    lens = [64, 64, 64, 64, 64, 48, 30, 9]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens]
+    res = eng.generate([c["prompt_ids"] for c in cases], params)
+    mismatched = [
+        i for i, (r, c, n) in enumerate(zip(res, cases, lens)) if r.output_ids != c["greedy_ids"][:n]
+    ]
     assert not mismatched, f"k={k} on cuda: cases {mismatched} differ from the float32 reference"
+    if graphs:
+        assert eng.graphs is not None and eng.graphs.num_captured > 0
 
 
 def test_speculative_sampling_follows_the_target_distribution(engines, dense_models, greedy_cases):

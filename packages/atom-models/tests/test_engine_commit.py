@@ -39,7 +39,7 @@ def test_forced_acceptance_patterns_match_non_speculative_decoding(
     forced: list[int] = []
 
     def propose(items, tables):
-        for req, *_ in items:
+        for req in (it.request for it in items):
             m, p = len(req.output_ids), next(schedule)
             drafts = ref[m : m + p]
             if p < k:  # a wrong token at position p, then anything

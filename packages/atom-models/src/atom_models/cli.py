@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--device", default="cpu")
     p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay decode/verify steps from CUDA graphs (default: on for a CUDA device, off otherwise)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -69,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     tok = _tokenizer(model_dir)
     engine = LLMEngine.from_pretrained(
         model_dir,
-        EngineConfig(num_speculative_tokens=args.speculative_tokens, max_num_seqs=max(1, len(args.prompt))),
+        EngineConfig(
+            num_speculative_tokens=args.speculative_tokens,
+            max_num_seqs=max(1, len(args.prompt)),
+            cuda_graphs=args.cuda_graphs,
+        ),
         dtype=DTYPES[args.dtype],
         device=args.device,
     )

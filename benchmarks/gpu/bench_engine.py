@@ -1,0 +1,410 @@
+"""The standalone engine's decode / verify step at Qwen3-Next-80B-A3B width, eager and CUDA-graphed, against
+the step's bandwidth floor; plus the bundled tiny model's tokens/s.
+
+Model: hidden 2048, GDN 16/32 heads of 128, attention 16/2 heads of 256, 512 experts top-10 (moe_inter 512)
++ a 512 shared expert, vocab 151936, 8 layers (3:1 GDN:attention) + one MTP layer, bf16, random weights.
+For each k in (0, 1, 3) and B in (1, 8, 64, 256): B requests are placed in the running state at context
+``--ctx`` (random tokens, random caches) and the engine steps them (target decode / verify forward, host
+acceptance, MTP drafts). Reported per (k, B):
+
+- ``step_ms``: wall time of ``LLMEngine.step`` (host work included), eager (``cuda_graphs`` off) and
+  graphed; the median of ``--steps`` steps, each synchronised;
+- ``target_ms`` / ``propose_ms``: GPU time of the target forward / the MTP propose forward alone, eager
+  (the bucketed forward run without a graph) and graphed (graph replay), ``common.time_ms``;
+- ``floor_ms``: the bytes the step must move over this run's copy bandwidth: every non-expert weight the
+  forward reads (lm_head once per target forward and once per draft), the experts the routing actually
+  touched (counted per layer in an eager step), the GDN state (recurrent state read + written, conv
+  history, pending tokens) and the KV cache read; ``frac_floor = floor / time``.
+
+Then a torch.profiler table of one graphed step (B=64, k=1; CUDA kernel time by kernel) and the tiny model's
+tokens/s (bf16, k=1, graphs on, 128 tokens per prompt, concurrency 1 and 16). JSON + PNG to ``--out``.
+``--smoke``: tiny shapes on the CPU (the bucketed path runs eagerly there), to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+WIDE = {
+    "hidden_size": 2048,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "vocab_size": 151936,
+    "num_hidden_layers": 8,
+}
+SMOKE = {
+    **WIDE,
+    "hidden_size": 256,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "num_attention_heads": 4,
+    "head_dim": 128,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "vocab_size": 4096,
+    "num_hidden_layers": 4,
+}
+
+
+def model_config(dims: dict):
+    import json
+
+    from atom_core import Qwen3NextConfig
+
+    hf = json.loads((ROOT / "data" / "tiny-qwen3-next-mtp" / "config.json").read_text())
+    hf.update(dims)
+    n = dims["num_hidden_layers"]
+    hf["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+    hf["mtp_num_hidden_layers"] = 1
+    return Qwen3NextConfig.from_hf(hf)
+
+
+def randomize(engine, seed: int = 0) -> None:
+    """Random weights (std 0.02, norms near 1, A_log / dt_bias of the GDN's usual range) and caches."""
+    g = torch.Generator(device=engine.device).manual_seed(seed)
+    mods = [engine.target] + ([engine.mtp] if engine.mtp is not None else [])
+    with torch.no_grad():
+        for mod in mods:
+            for name, p in mod.named_parameters():
+                if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    continue
+                if name.endswith("A_log"):
+                    p.uniform_(0.0, 2.0, generator=g)
+                elif "norm" in name or name.endswith("dt_bias"):
+                    p.normal_(0.0, 0.1, generator=g)
+                else:
+                    p.normal_(0.0, 0.02, generator=g)
+        for kc, vc in engine.caches.kv.values():
+            kc.normal_(0.0, 1.0, generator=g)
+            vc.normal_(0.0, 1.0, generator=g)
+        for st in engine.caches.gdn.values():
+            st.conv.normal_(0.0, 0.1, generator=g)
+            st.ssm.normal_(0.0, 0.01, generator=g)
+            if st.pending is not None:
+                st.pending.zero_()
+
+
+def place_running(engine, batch: int, ctx: int, max_tokens: int, seed: int) -> None:
+    """``batch`` requests as if prefilled to ``ctx`` tokens and verified once (``num_accepted = 1``), each
+    holding ``k`` random drafts."""
+    from atom_models.engine.request import Request
+    from atom_models.engine.sampling import SamplingParams
+
+    sched, k, vocab = engine.scheduler, engine.engine_config.num_speculative_tokens, engine.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    for i in range(batch):
+        prompt = torch.randint(0, vocab, (ctx,), generator=g).tolist()
+        req = Request(i, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), k)
+        req.blocks = engine.caches.blocks.allocate(sched.blocks_needed(req))
+        req.slot = engine.caches.slots.allocate()
+        req.output_ids = [int(torch.randint(0, vocab, (1,), generator=g))]
+        req.num_computed, req.num_accepted = ctx, 1
+        req.drafts = torch.randint(0, vocab, (k,), generator=g).tolist()
+        sched.running.append(req)
+
+
+def clear_running(engine) -> None:
+    for req in list(engine.scheduler.running):
+        engine.scheduler.free(req)
+    engine.scheduler.running.clear()
+
+
+def count_touched_experts(engine) -> dict[str, list[int]]:
+    """One eager step with hooks on every MoE: distinct experts routed to, per layer, target and MTP."""
+    from atom_models.moe import Experts
+
+    touched: dict[str, list[int]] = {"target": [], "mtp": []}
+    hooks = []
+    for part, mod in (("target", engine.target), ("mtp", engine.mtp)):
+        if mod is None:
+            continue
+        for m in mod.modules():
+            if isinstance(m, Experts):
+
+                def hook(_m, args, part=part):
+                    touched[part].append(int(args[3].unique().numel()))
+
+                hooks.append(m.register_forward_pre_hook(hook))
+    graphs, engine.graphs = engine.graphs, None
+    try:
+        engine.step()
+    finally:
+        engine.graphs = graphs
+        for h in hooks:
+            h.remove()
+    return touched
+
+
+def floor_bytes(engine, batch: int, ctx: int, touched: dict[str, list[int]]) -> dict[str, float]:
+    """Bytes one step must move (see the module docstring), split by what."""
+    from atom_models.moe import Experts
+
+    cfg, k = engine.config, engine.engine_config.num_speculative_tokens
+    q = 1 + k
+
+    def weights(mod, skip: tuple = ()) -> tuple[float, float]:
+        dense, per_expert = 0.0, 0.0
+        for m in mod.modules():
+            if isinstance(m, Experts):
+                per_expert = sum(p[0].numel() * p.element_size() for p in (m.w13, m.w2))
+        for name, p in mod.named_parameters():
+            if "experts." in name or any(s in name for s in skip):
+                continue
+            dense += p.numel() * p.element_size()
+        return dense, per_expert
+
+    emb = engine.target.model.embed_tokens.weight
+    lm = engine.target.lm_head.weight
+    row = emb.shape[1] * emb.element_size()
+    t_dense, per_expert = weights(engine.target, skip=("embed_tokens", "lm_head"))
+    out = {
+        "target_weights": t_dense + lm.numel() * lm.element_size() + batch * q * row,
+        "target_experts": sum(touched["target"]) * per_expert,
+    }
+    gdn = engine.caches.gdn_bytes_per_seq()
+    out["gdn_state"] = batch * (2 * gdn["ssm"] + 2 * gdn["conv"] + 2 * gdn["pending"])
+    kv_tok = (
+        2 * cfg.num_key_value_heads * cfg.head_dim * next(iter(engine.caches.kv.values()))[0].element_size()
+    )
+    n_attn = len(cfg.full_attention_layers)
+    out["kv"] = batch * n_attn * (ctx + q) * kv_tok
+    if engine.mtp is not None and k > 0:
+        m_dense, _ = weights(engine.mtp, skip=("embed_tokens", "lm_head"))
+        out["mtp_weights"] = k * (m_dense + lm.numel() * lm.element_size()) + batch * (q + k) * row
+        out["mtp_experts"] = sum(touched["mtp"]) * per_expert
+        out["kv"] += batch * cfg.num_mtp_layers * k * (ctx + 2 * q) * kv_tok
+    return out
+
+
+def time_steps(engine, n: int, sync) -> float:
+    times = []
+    for _ in range(n):
+        sync()
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def gpu_ms(fn, smoke: bool) -> float:
+    if smoke:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return common.time_ms(fn, warmup_ms=10, rep_ms=60)
+
+
+def bench_k(args, cfg, k: int, device, dtype, ceil, rows: list, prof_out: Path | None) -> None:
+    from atom_models.engine import EngineConfig, LLMEngine
+
+    smoke = args.smoke
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    max_tokens = 4 * args.steps * (1 + k) + 32
+    ec = EngineConfig(
+        num_speculative_tokens=k,
+        max_num_seqs=max(args.batches),
+        max_model_len=args.ctx + max_tokens,
+        cuda_graphs=True,
+    )
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg, ec, dtype=dtype, device=device)
+    randomize(engine, seed=k)
+    print(f"k={k}: engine built and randomized in {time.perf_counter() - t0:.1f} s", flush=True)
+    for b in args.batches:
+        place_running(engine, b, args.ctx, max_tokens, seed=b)
+        touched = count_touched_experts(engine)
+        fb = floor_bytes(engine, b, args.ctx, touched)
+        nbytes = sum(fb.values())
+        floor = nbytes / (ceil["copy_gbps"] * 1e9) * 1e3
+        t_floor = (fb["target_weights"] + fb["target_experts"] + fb["gdn_state"]) / (ceil["copy_gbps"] * 1e6)
+        graphs = engine.graphs
+        engine.graphs = None
+        eager_step = time_steps(engine, args.steps, sync)
+        engine.graphs = graphs
+        time_steps(engine, 2, sync)  # capture this bucket
+        graph_step = time_steps(engine, args.steps, sync)
+        q, bucket = 1 + k, graphs.bucket(b)
+        entry = graphs._targets[(q, bucket)]
+        target_graph = gpu_ms(entry, smoke)
+        target_eager = gpu_ms(entry.body, smoke)
+        prop = graphs._proposers.get((k, bucket))
+        propose_graph = gpu_ms(prop, smoke) if prop is not None else None
+        propose_eager = gpu_ms(prop.body, smoke) if prop is not None else None
+        r = {
+            "bench": "engine_step",
+            "case": f"k={k} B={b}",
+            "k": k,
+            "B": b,
+            "ctx": args.ctx,
+            "step_ms_eager": eager_step,
+            "step_ms_graphed": graph_step,
+            "target_ms_eager": target_eager,
+            "target_ms_graphed": target_graph,
+            "propose_ms_eager": propose_eager,
+            "propose_ms_graphed": propose_graph,
+            "floor_ms": floor,
+            "target_floor_ms": t_floor,
+            "floor_bytes": fb,
+            "experts_touched": touched,
+            "frac_floor_step_graphed": floor / graph_step,
+            "frac_floor_step_eager": floor / eager_step,
+            "frac_floor_model_graphed": floor / (target_graph + (propose_graph or 0.0)),
+        }
+        rows.append(r)
+        print(
+            f"k={k} B={b}: step eager {eager_step:.2f} ms graphed {graph_step:.2f} ms | target eager "
+            f"{target_eager:.3f} graphed {target_graph:.3f} | propose {propose_graph} | floor {floor:.3f} ms "
+            f"({floor / graph_step:.0%} of the graphed step)",
+            flush=True,
+        )
+        if prof_out is not None and k == 1 and b == args.profile_batch:
+            profile_step(engine, prof_out, device)
+        clear_running(engine)
+    del engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def profile_step(engine, path: Path, device) -> None:
+    """CUDA kernel time of one graphed step (after one unprofiled step), by kernel, to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    engine.step()
+    with profile(activities=acts) as prof:
+        engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
+    path.write_text(table)
+    print(table[:6000], flush=True)
+
+
+def tiny_tokens_per_s(device, dtype, smoke: bool) -> list[dict]:
+    import json
+
+    from atom_core.paths import default_model_dir, reference_dir
+    from atom_models.engine import EngineConfig, LLMEngine, SamplingParams
+
+    prompts = [
+        p["prompt_token_ids"] for p in json.loads((reference_dir() / "prompts.json").read_text())["prompts"]
+    ]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out = []
+    for conc in (1, 16):
+        for graphs in (False, True):
+            eng = LLMEngine.from_pretrained(
+                default_model_dir(),
+                EngineConfig(
+                    num_speculative_tokens=1, max_num_seqs=16, max_model_len=512, cuda_graphs=graphs
+                ),
+                dtype=dtype,
+                device=device,
+            )
+            n_tok = 8 if smoke else 128
+            eng.generate(prompts[:conc], SamplingParams(max_tokens=n_tok, ignore_eos=True))  # warm-up
+            sync()
+            t0 = time.perf_counter()
+            res = eng.generate(prompts[:conc], SamplingParams(max_tokens=n_tok, ignore_eos=True))
+            sync()
+            wall = time.perf_counter() - t0
+            n = sum(len(r.output_ids) for r in res)
+            acc = sum(r.stats.num_accepted_tokens for r in res) / max(
+                1, sum(r.stats.num_draft_tokens for r in res)
+            )
+            out.append(
+                {
+                    "concurrency": conc,
+                    "cuda_graphs": graphs,
+                    "tokens": n,
+                    "s": wall,
+                    "tok_s": n / wall,
+                    "acceptance": acc,
+                }
+            )
+            print(
+                f"tiny model k=1 concurrency {conc} graphs {graphs}: {n / wall:.0f} tok/s (acceptance {acc:.2f})"
+            )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 3])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--ctx", type=int, default=1024, help="context tokens per sequence")
+    ap.add_argument("--steps", type=int, default=8, help="timed engine steps per case")
+    ap.add_argument("--profile-batch", type=int, default=64)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script)")
+    args = ap.parse_args()
+    out = common.out_dir(args.out)
+    if args.smoke:
+        device, dtype, cfg = torch.device("cpu"), torch.float32, model_config(SMOKE)
+        ceil = {"copy_gbps": 10.0, "matmul_tflops": 0.1}
+        args.batches, args.ctx, args.steps = [b for b in args.batches if b <= 8] or [1, 8], 32, 2
+        args.profile_batch = args.batches[-1]
+    else:
+        device, dtype, cfg = common.require_cuda(), torch.bfloat16, model_config(WIDE)
+        ceil = common.ceilings(out, device)
+    torch.manual_seed(0)
+    rows: list[dict] = []
+    with torch.no_grad():
+        for k in args.ks:
+            bench_k(args, cfg, k, device, dtype, ceil, rows, out / "engine_profile.txt")
+    by = {(r["k"], r["B"]): r for r in rows}
+    for r in rows:
+        d = by.get((0, r["B"]))
+        if d and r["k"] > 0:
+            r["target_vs_decode_graphed"] = r["target_ms_graphed"] / d["target_ms_graphed"]
+            r["step_vs_decode_graphed"] = r["step_ms_graphed"] / d["step_ms_graphed"]
+    tiny = tiny_tokens_per_s(device, torch.bfloat16 if not args.smoke else torch.float32, args.smoke)
+    payload = {
+        "env": common.environment() if not args.smoke else {},
+        "ceilings": ceil,
+        "rows": rows,
+        "tiny": tiny,
+    }
+    common.write_json(out / "engine_h200.json", payload)
+    common.print_table(
+        rows,
+        ["case", "step_ms_eager", "step_ms_graphed", "target_ms_eager", "target_ms_graphed", "propose_ms_graphed",
+         "floor_ms", "frac_floor_step_graphed", "frac_floor_model_graphed", "target_vs_decode_graphed"],
+    )  # fmt: skip
+    plot = [
+        {"case": r["case"], "impl": impl, "frac": r["floor_ms"] / r[key]}
+        for r in rows
+        for impl, key in (("eager step", "step_ms_eager"), ("graphed step", "step_ms_graphed"))
+    ]
+    common.plot_rows(
+        out / "engine_h200.png", plot, value="frac", title="engine step: floor / time (80B width, 8 layers, bf16)",
+        xlabel="fraction of the bandwidth floor",
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Bucketed decode/verify steps (engine.graphs): padding to batch-size buckets over persistent buffers.
+
+On a CPU the bucketed path runs eagerly (``EngineConfig(cuda_graphs=True)``): the same buffers, buckets
+and padding rows that a GPU captures and replays. Tokens must equal the float32 greedy reference, and
+padding rows must leave every slot and block they do not own untouched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from atom_models.engine import EngineConfig, LLMEngine, SamplingParams
+from atom_models.engine.graphs import DecodeGraphs, bucket_sizes
+
+SENTINEL = 7.0
+
+
+def _engine(model_dir, k: int, graphs: bool | None = True, **kw) -> LLMEngine:
+    cfg = EngineConfig(
+        num_speculative_tokens=k, cuda_graphs=graphs, **{"max_model_len": 256, "max_num_seqs": 8, **kw}
+    )
+    return LLMEngine.from_pretrained(model_dir, cfg, dtype=torch.float32)
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(8) == [1, 2, 4, 8]
+    assert bucket_sizes(12) == [1, 2, 4, 8, 12]
+    assert bucket_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert bucket_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+
+
+def test_config_switch(model_dir):
+    assert _engine(model_dir, 0, graphs=None).graphs is None  # default: off on a CPU
+    assert _engine(model_dir, 0, graphs=False).graphs is None
+    eng = _engine(model_dir, 0, graphs=True)
+    assert eng.graphs is not None and not eng.graphs.capture and eng.graphs.num_captured == 0
+    with pytest.raises(ValueError, match="cuda_graphs must be a bool"):
+        EngineConfig(cuda_graphs="yes")
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        DecodeGraphs(
+            eng.target, None, eng.builder, max_batch=2, num_speculative_tokens=0, max_blocks=4,
+            device=torch.device("cpu"), capture=True,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_bucketed_steps_reproduce_greedy_reference(model_dir, greedy_cases, k):
+    """5 prompts with different max_tokens: the decode/verify steps run padded to buckets 8, 4, 2 as
+    requests finish; tokens equal the float32 greedy continuations. Slots and KV blocks never handed
+    out hold a sentinel that padding rows must not touch."""
+    cases = greedy_cases["cases"][:5]
+    eng = _engine(model_dir, k)
+    caches = eng.caches
+    free_slots = list(range(5, eng.engine_config.max_num_seqs))  # slots 0..4 are handed out first
+    for st in caches.gdn.values():
+        for t in st.tensors():
+            t[free_slots] = SENTINEL
+    lens = [64, 40, 23, 10, 3]
+    bs = caches.block_size
+    used_blocks = sum(-(-(len(c["prompt_ids"]) + n + 2 * k + 1) // bs) for c, n in zip(cases, lens))
+    assert used_blocks < caches.num_blocks
+    for kc, vc in caches.kv.values():
+        kc[used_blocks:] = SENTINEL
+        vc[used_blocks:] = SENTINEL
+    res = eng.generate(
+        [c["prompt_ids"] for c in cases], [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens]
+    )
+    for i, (r, c, n) in enumerate(zip(res, cases, lens)):
+        assert r.output_ids == c["greedy_ids"][:n], f"k={k} case {i}"
+    assert eng.graphs.target_runs > 0
+    if k:
+        assert eng.graphs.propose_runs == eng.graphs.target_runs
+    for layer, st in caches.gdn.items():
+        for t in st.tensors():
+            assert (t[free_slots] == SENTINEL).all(), f"GDN layer {layer}: a padding row wrote a free slot"
+    for layer, (kc, vc) in caches.kv.items():
+        assert (kc[used_blocks:] == SENTINEL).all() and (vc[used_blocks:] == SENTINEL).all(), (
+            f"attention layer {layer}: a padding row wrote a block no request holds"
+        )
+    assert caches.slots.num_free == caches.slots.num_slots
+
+
+def test_mixed_steps_fall_back_to_eager(model_dir, greedy_cases):
+    """Requests with different draft counts (2 and 0) share steps: those run eagerly (still exact); once
+    one request is left, its steps run bucketed."""
+    cases = greedy_cases["cases"][:2]
+    eng = _engine(model_dir, 2)
+    params = [
+        SamplingParams(max_tokens=24, ignore_eos=True),
+        SamplingParams(max_tokens=6, ignore_eos=True, num_speculative_tokens=0),
+    ]
+    steps = []
+    ids = [eng.add_request(c["prompt_ids"], p) for c, p in zip(cases, params)]
+    reqs = list(eng.waiting)
+    while eng.has_unfinished():
+        before = eng.graphs.target_runs
+        info = eng.step()
+        steps.append((info.num_decodes, info.num_verifies, eng.graphs.target_runs - before))
+    assert (1, 1, 0) in steps  # mixed: eager
+    assert (0, 1, 1) in steps  # the verify request alone: bucketed
+    for r, c, p in zip(reqs, cases, params):
+        assert r.output_ids == c["greedy_ids"][: p.max_tokens]
+    assert len(ids) == 2
+
+
+def test_sampled_requests_draft_eagerly_after_a_bucketed_target(model_dir, greedy_cases):
+    """A sampled request's target forward runs bucketed; its drafts (sampled on the host) come from the
+    eager MTP; the same seed gives the same tokens with the bucketed path off."""
+    prompt = greedy_cases["cases"][3]["prompt_ids"]
+    sp = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    eng = _engine(model_dir, 2)
+    a = eng.generate([prompt], sp)[0]
+    assert eng.graphs.target_runs > 0 and eng.graphs.propose_runs == 0
+    b = _engine(model_dir, 2, graphs=False).generate([prompt], sp)[0]
+    assert a.output_ids == b.output_ids
