@@ -114,3 +114,38 @@ def test_sampled_requests_draft_eagerly_after_a_bucketed_target(model_dir, greed
     assert eng.graphs.target_runs > 0 and eng.graphs.propose_runs == 0
     b = _engine(model_dir, 2, graphs=False).generate([prompt], sp)[0]
     assert a.output_ids == b.output_ids
+
+
+@pytest.mark.gpu
+def test_graph_replays_reproduce_greedy_and_do_not_sync_on_cuda(model_dir, greedy_cases, monkeypatch):
+    """On a GPU: decode/verify steps captured (a capture fails on any host synchronisation) and replayed
+    under ``torch.cuda.set_sync_debug_mode("error")``; float32 tokens equal the greedy reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: CUDA graphs and set_sync_debug_mode are CUDA features")
+    from atom_models.engine import graphs as graphs_mod
+
+    cfg = EngineConfig(num_speculative_tokens=2, max_model_len=128, max_num_seqs=4, cuda_graphs=True)
+    eng = LLMEngine.from_pretrained(model_dir, cfg, dtype=torch.float32, device="cuda")
+    real_call = graphs_mod._Entry.__call__
+    replays = []
+
+    def call(self):
+        if self.graph is None:
+            return real_call(self)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            replays.append(1)
+            return real_call(self)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(graphs_mod._Entry, "__call__", call)
+    cases = greedy_cases["cases"][:3]
+    lens = [20, 12, 5]
+    res = eng.generate(
+        [c["prompt_ids"] for c in cases], [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens]
+    )
+    for r, c, n in zip(res, cases, lens):
+        assert r.output_ids == c["greedy_ids"][:n]
+    assert eng.graphs.num_captured >= 2 and replays

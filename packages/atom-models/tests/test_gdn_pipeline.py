@@ -260,7 +260,7 @@ def test_engine_decode_and_verify_forwards_do_not_sync_on_cuda(model_dir, greedy
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device: torch.cuda.set_sync_debug_mode only sees CUDA synchronisation")
 
-    cfg = EngineConfig(num_speculative_tokens=2, max_model_len=128, max_num_seqs=2)
+    cfg = EngineConfig(num_speculative_tokens=2, max_model_len=128, max_num_seqs=2, cuda_graphs=False)
     eng = LLMEngine.from_pretrained(model_dir, cfg, dtype=torch.float32, device="cuda")
     seen = _guard_forwards(eng, monkeypatch, CudaSyncDebug())
     cases = greedy_cases["cases"][:2]
