@@ -16,8 +16,9 @@ acceptance, MTP drafts). Reported per (k, B):
   touched (counted per layer in an eager step), the GDN state (recurrent state read + written, conv
   history, pending tokens) and the KV cache read; ``frac_floor = floor / time``.
 
-Then a torch.profiler table of one graphed step (B=64, k=1; CUDA kernel time by kernel) and the tiny model's
-tokens/s (bf16, k=1, graphs on, 128 tokens per prompt, concurrency 1 and 16). JSON + PNG to ``--out``.
+Then a torch.profiler table of one graphed step (k=1, B in ``--profile-batches``; CUDA kernel time by
+kernel) and the tiny model's tokens/s (bf16, k=1, graphs off and on, 128 tokens per prompt, concurrency
+1 and 16). JSON + PNG to ``--out``.
 ``--smoke``: tiny shapes on the CPU (the bucketed path runs eagerly there), to check the script.
 """
 
@@ -114,9 +115,10 @@ def place_running(engine, batch: int, ctx: int, max_tokens: int, seed: int) -> N
 
     sched, k, vocab = engine.scheduler, engine.engine_config.num_speculative_tokens, engine.config.vocab_size
     g = torch.Generator().manual_seed(seed)
-    for i in range(batch):
+    for _ in range(batch):
         prompt = torch.randint(0, vocab, (ctx,), generator=g).tolist()
-        req = Request(i, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), k)
+        req = Request(engine._next_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), k)
+        engine._next_id += 1
         req.blocks = engine.caches.blocks.allocate(sched.blocks_needed(req))
         req.slot = engine.caches.slots.allocate()
         req.output_ids = [int(torch.randint(0, vocab, (1,), generator=g))]
@@ -280,15 +282,15 @@ def bench_k(args, cfg, k: int, device, dtype, ceil, rows: list, prof_out: Path |
             f"({floor / graph_step:.0%} of the graphed step)",
             flush=True,
         )
-        if prof_out is not None and k == 1 and b == args.profile_batch:
-            profile_step(engine, prof_out, device)
+        if prof_out is not None and k == 1 and b in args.profile_batches:
+            r["profile"] = profile_step(engine, prof_out.with_name(f"{prof_out.stem}_k1_b{b}.txt"), device)
         clear_running(engine)
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def profile_step(engine, path: Path, device) -> None:
+def profile_step(engine, path: Path, device) -> dict:
     """CUDA kernel time of one graphed step (after one unprofiled step), by kernel, to ``path``."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -299,9 +301,15 @@ def profile_step(engine, path: Path, device) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
-    path.write_text(table)
-    print(table[:6000], flush=True)
+    avgs = prof.key_averages()
+    table = avgs.table(sort_by=sort, row_limit=40, max_name_column_width=70)
+    kernels = [e for e in avgs if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3
+    launches = sum(e.count for e in kernels)
+    summary = f"one graphed step: {launches} GPU kernels/copies, {busy:.3f} ms of GPU time\n"
+    path.write_text(summary + table)
+    print(summary + table[:3000], flush=True)
+    return {"gpu_kernels": launches, "gpu_busy_ms": busy}
 
 
 def tiny_tokens_per_s(device, dtype, smoke: bool) -> list[dict]:
@@ -359,7 +367,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--ctx", type=int, default=1024, help="context tokens per sequence")
     ap.add_argument("--steps", type=int, default=6, help="timed engine steps per case")
-    ap.add_argument("--profile-batch", type=int, default=64)
+    ap.add_argument("--profile-batches", type=int, nargs="*", default=[1, 64], help="profiled at k=1")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script)")
     args = ap.parse_args()
     out = common.out_dir(args.out)
@@ -367,7 +375,7 @@ def main() -> None:
         device, dtype, cfg = torch.device("cpu"), torch.float32, model_config(SMOKE)
         ceil = {"copy_gbps": 10.0, "matmul_tflops": 0.1}
         args.batches, args.ctx, args.steps = [b for b in args.batches if b <= 8] or [1, 8], 32, 2
-        args.profile_batch = args.batches[-1]
+        args.profile_batches = args.batches[-1:]
     else:
         device, dtype, cfg = common.require_cuda(), torch.bfloat16, model_config(WIDE)
         ceil = common.ceilings(out, device)

@@ -106,10 +106,8 @@ class BatchBuilder:
     def block_tables(self, reqs: list[Request]) -> torch.Tensor:
         """``[N, max_blocks]`` int32 on the device: built once per step (one host-to-device copy)."""
         width = max(len(r.blocks) for r in reqs)
-        tables = torch.zeros(len(reqs), width, dtype=torch.int32)
-        for i, req in enumerate(reqs):
-            tables[i, : len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
-        return tables.to(self.device)
+        rows = [r.blocks + [0] * (width - len(r.blocks)) for r in reqs]
+        return torch.tensor(rows, dtype=torch.int32).to(self.device)
 
     def attn_meta(self, tables: torch.Tensor, positions: torch.Tensor, q_lens: list[int]) -> AttentionMeta:
         """Varlen batch: sequence i (row i of ``tables``) has ``q_lens[i]`` new tokens at ``positions`` (device
@@ -190,7 +188,7 @@ class BatchBuilder:
             positions += range(n)
         num_prefill_tokens = len(ids)
         for req in step.decodes:
-            q = [req.all_ids[-1], *req.drafts]
+            q = [req.last_token, *req.drafts]
             start = req.num_computed
             spans.append(SeqSpan(req, start, len(q), False, len(ids), len(logit_rows)))
             logit_rows += range(len(ids), len(ids) + len(q))

@@ -313,7 +313,7 @@ class LLMEngine:
             emitted += self._emit(req, new)
             if not req.finished and self.mtp is not None and req.num_spec > 0:
                 # MTP rows: target hidden h_i with token t_{i+1}, for every newly accepted position i
-                next_tokens = req.all_ids[sp.start + 1 : req.num_computed + 1]
+                next_tokens = req.token_slice(sp.start + 1, req.num_computed + 1)
                 rows = hidden[sp.token_offset : sp.token_offset + accepted_inputs]
                 drafts_in.append(DraftInput(req, sp.start, next_tokens, rows, i))
             req.drafts, req.draft_probs = [], None

@@ -94,6 +94,8 @@ class DecodeGraphs:
         self.num_accepted = torch.ones(bmax, **i32)
         self.draft_input_ids = torch.zeros(tmax, **i64)
         self.last_rows = torch.zeros(bmax, **i64)
+        self._host_tables = torch.zeros(bmax, max_blocks, dtype=torch.int32)  # staging for self.tables
+        self._row_owner: list[Request | None] = [None] * bmax  # the request whose blocks a row holds
         self._targets: dict[tuple[int, int], _Entry] = {}
         self._proposers: dict[tuple[int, int], _Entry] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -136,30 +138,42 @@ class DecodeGraphs:
             self._capture_bucket(q, b)
         bs = self.builder.block_size
         ids, pos, slots = [0] * (b * q), list(range(q)) * b, [-1] * (b * q)
-        tables = torch.zeros(b, self.tables.shape[1], dtype=torch.int32)
         seq_lens, gdn_slots, accepted = [q] * b, [-1] * b, [1] * b
         spans = []
         for i, req in enumerate(decodes):
             start, r0 = req.num_computed, i * q
-            ids[r0 : r0 + q] = [req.all_ids[-1], *req.drafts]
+            ids[r0 : r0 + q] = [req.last_token, *req.drafts]
             for j in range(q):
                 p = start + j
                 pos[r0 + j] = p
                 slots[r0 + j] = req.blocks[p // bs] * bs + p % bs
-            tables[i, : len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
+            self._host_table_row(i, req)
             seq_lens[i], gdn_slots[i], accepted[i] = start + q, req.slot, max(1, req.num_accepted)
             spans.append(SeqSpan(req, start, q, False, r0, r0))
+        for i in range(len(decodes), b):
+            self._host_table_row(i, None)
         t = b * q
         self.input_ids[:t].copy_(torch.tensor(ids))
         self.positions[:t].copy_(torch.tensor(pos))
         self.slot_mapping[:t].copy_(torch.tensor(slots))
-        self.tables[:b].copy_(tables)
+        self.tables[:b].copy_(self._host_tables[:b])
         self.seq_lens[:b].copy_(torch.tensor(seq_lens))
         self.gdn_slots[:b].copy_(torch.tensor(gdn_slots))
         self.num_accepted[:b].copy_(torch.tensor(accepted))
         self._last_target = self._targets[key]()
         self.target_runs += 1
         return self._last_target, tuple(spans)
+
+    def _host_table_row(self, i: int, req: Request | None) -> None:
+        """Row ``i`` of the host block tables holds ``req``'s blocks (zeros for padding); a request's
+        blocks are fixed from admission on, so a row is rewritten only when its request changes."""
+        if self._row_owner[i] is req:
+            return
+        row = self._host_tables[i]
+        row.zero_()
+        if req is not None:
+            row[: len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
+        self._row_owner[i] = req
 
     def _attn(self, q: int, b: int) -> AttentionMeta:
         t = b * q
@@ -193,7 +207,7 @@ class DecodeGraphs:
         for i, sp in enumerate(spans):
             req, r0 = sp.request, i * q
             accepted = req.num_computed - sp.start
-            nxt = req.all_ids[sp.start + 1 : sp.start + 1 + accepted]
+            nxt = req.token_slice(sp.start + 1, sp.start + 1 + accepted)
             ids[r0 : r0 + len(nxt)] = nxt
             last[i] = r0 + accepted - 1
         self.draft_input_ids[: b * q].copy_(torch.tensor(ids))

@@ -84,5 +84,18 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """``all_ids[start:stop]`` (``0 <= start <= stop``) without concatenating the whole sequence."""
+        n = len(self.prompt_ids)
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        if start >= n:
+            return self.output_ids[start - n : stop - n]
+        return self.prompt_ids[start:] + self.output_ids[: stop - n]
+
+    @property
     def prefilled(self) -> bool:
         return self.num_computed > 0
