@@ -252,9 +252,10 @@ class LLMEngine:
             hidden = self.target(batch.input_ids, batch.positions, batch.ctx)
             logits = self.target.compute_logits(hidden[batch.logit_index], torch.float32)
             tokens = self._read_tokens(logits, spans)
-        emitted, drafts_in = self._postprocess(spans, tokens, hidden)
+        graphed_drafts = graphed and self.graphs.can_propose(sched.decodes)
+        emitted, drafts_in = self._postprocess(spans, tokens, None if graphed_drafts else hidden)
         finished = self.scheduler.finish_step(sched)
-        if graphed and self.graphs.can_propose(sched.decodes):
+        if graphed_drafts:
             for sp, drafts in zip(spans, self.graphs.run_propose(spans)):
                 req = sp.request
                 req.drafts = [] if req.finished else drafts[: req.num_spec]
@@ -283,10 +284,10 @@ class LLMEngine:
         return HostTokens(best.tolist(), tokens.probs)
 
     def _postprocess(
-        self, spans: Sequence[SeqSpan], tokens: HostTokens, hidden: torch.Tensor
+        self, spans: Sequence[SeqSpan], tokens: HostTokens, hidden: torch.Tensor | None
     ) -> tuple[int, list[DraftInput]]:
-        """Accept / emit every sequence's tokens; returns the tokens emitted and the first MTP pass's input
-        of every unfinished request with drafts."""
+        """Accept / emit every sequence's tokens; returns the tokens emitted and, given the step's target
+        ``hidden``, the first MTP pass's input of every unfinished request with drafts."""
         drafts_in: list[DraftInput] = []
         emitted = 0
         for i, sp in enumerate(spans):
@@ -311,7 +312,7 @@ class LLMEngine:
             req.num_computed = sp.start + accepted_inputs
             req.num_accepted = 0 if sp.is_prefill else accepted_inputs
             emitted += self._emit(req, new)
-            if not req.finished and self.mtp is not None and req.num_spec > 0:
+            if hidden is not None and not req.finished and self.mtp is not None and req.num_spec > 0:
                 # MTP rows: target hidden h_i with token t_{i+1}, for every newly accepted position i
                 next_tokens = req.token_slice(sp.start + 1, req.num_computed + 1)
                 rows = hidden[sp.token_offset : sp.token_offset + accepted_inputs]
