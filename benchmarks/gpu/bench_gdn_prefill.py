@@ -7,11 +7,11 @@ case after every one of them has been warmed up in that case (fla-core autotunes
 new autotune key, and its keys include the dtype of every tensor argument, ``cu_seqlens`` too):
 
 - ``triton``: our op (state pool in, state pool out), as vLLM calls it.
-- ``triton-run4``: the wrapper as it was in run 4 (``has_initial_state.to(int8)``: one more launch).
+- ``triton-run4``: an earlier form of the wrapper (``has_initial_state.to(int8)``: one more launch).
 - ``fla-i32``: fla-core alone on dense float32 states, given our very ``cu_seqlens`` (int32): the same
   kernels and autotune keys as inside ``triton``; the floor for our wrapper (no pool gather/scatter).
-- ``fla-i64``: as ``fla-i32`` with an int64 copy of ``cu_seqlens`` made once (``bench_gdn.py`` run 4's
-  baseline): other autotune keys, so fla-core may run other configurations than in ``triton``.
+- ``fla-i64``: as ``fla-i32`` with an int64 copy of ``cu_seqlens`` made once (the baseline ``bench_gdn.py``
+  used before): other autotune keys, so fla-core may run other configurations than in ``triton``.
 - ``fla+index``: what a caller of fla-core needs for a slot pool, in torch: gather with indexing, fla-core
   (int32 ``cu_seqlens``), ``index_copy_`` of the final states (same work as ``triton``).
 - ``gather`` / ``scatter``: our two pool kernels alone.

@@ -27,7 +27,7 @@ TOL = {
     ("self_exact", torch.float32): (1e-6, 1e-6),  # measured 0: varlen vs alone, verify vs single decode
     ("hf", torch.float32): (2e-5, 1e-5),  # measured 0 (chunk) and 2.4e-07 (recurrent) vs transformers
     # Triton chunked prefill wraps fla-core's chunk_gated_delta_rule, whose dots take bf16 operands
-    # (H200, benchmarks/results/gdn_run1.log): final states off by 4.7e-03..6.8e-03, chunked vs
+    # (measured on the H200): final states off by 4.7e-03..6.8e-03, chunked vs
     # recurrent outputs by 1.95e-03 (two bf16 steps). Its float32 path is not registered (tf32 dots).
     ("gdr_vs_naive", torch.bfloat16, "triton"): (1e-2, 1e-2),  # measured 6.8e-03 (H200)
     ("gdr_self", torch.bfloat16, "triton"): (4e-3, 1e-2),  # measured 1.95e-03 (H200)

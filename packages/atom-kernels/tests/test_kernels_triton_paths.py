@@ -16,10 +16,10 @@ TOL = {
     ("attn", torch.float32): (1e-5, 1e-5),
     # NOT measured by this test: bf16 runs only on a GPU (the interpreter's bf16 dots are wrong) and the
     # H200 run that passed it did not record the max. The nearest number is a different comparison
-    # (bench_attention run 3: <= 9.8e-04 against SDPA in every split-KV case); bound kept.
+    # (benchmarks/gpu/bench_attention.py on the H200: <= 9.8e-04 against SDPA in every split-KV case); bound kept.
     ("attn", torch.bfloat16): (1e-2, 1e-2),
     ("moe", torch.float32): (1e-5, 1e-5),  # measured 2.4e-07 (128-row plan, TRITON_INTERPRET=1)
-    # NOT measured by this test (GPU only, max not recorded); bench_moe run 3 measured 3.9e-03 against the
+    # NOT measured by this test (GPU only, max not recorded); benchmarks/gpu/bench_moe.py measured 3.9e-03 against the
     # reference at 4096 tokens, other shapes than this test's; bound kept.
     ("moe", torch.bfloat16): (3e-2, 2e-2),
 }
