@@ -77,10 +77,15 @@ class DraftInput:
     table_row: int
 
 
-def host_tokens(logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> HostTokens:
+def host_tokens(
+    logits: torch.Tensor, spans: list[tuple[Request, int, int]], best: torch.Tensor | None = None
+) -> HostTokens:
     """Read ``logits[R, V]`` for ``spans`` (request, first row, rows): argmax on the device when a request
-    is greedy, processed probabilities of a sampled request's rows only (moved to the CPU)."""
-    best = logits.argmax(dim=-1).tolist() if any(r.params.greedy for r, _, _ in spans) else []
+    is greedy (``best[R]``: already computed), processed probabilities of a sampled request's rows only
+    (moved to the CPU)."""
+    if best is None and any(r.params.greedy for r, _, _ in spans):
+        best = logits.argmax(dim=-1)
+    best = [] if best is None else best.tolist()
     probs = {
         r.request_id: probs_from_logits(logits[r0 : r0 + n], r.params).cpu()
         for r, r0, n in spans

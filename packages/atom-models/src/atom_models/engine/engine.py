@@ -275,13 +275,7 @@ class LLMEngine:
         self, logits: torch.Tensor, spans: Sequence[SeqSpan], best: torch.Tensor | None = None
     ) -> HostTokens:
         """The host's view of the step's logits (``best``: their argmax when already computed)."""
-        rows = [(s.request, s.logit_row, s.num_logit_rows) for s in spans]
-        if best is None:
-            return host_tokens(logits, rows)
-        if all(r.params.greedy for r, _, _ in rows):
-            return HostTokens(best.tolist(), {})
-        tokens = host_tokens(logits, rows)
-        return HostTokens(best.tolist(), tokens.probs)
+        return host_tokens(logits, [(s.request, s.logit_row, s.num_logit_rows) for s in spans], best)
 
     def _postprocess(
         self, spans: Sequence[SeqSpan], tokens: HostTokens, hidden: torch.Tensor | None
