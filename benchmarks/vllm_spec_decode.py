@@ -1,14 +1,16 @@
 """Stock vLLM vs vLLM + ATOM plugin: MTP speculative decoding on the same prompts, same process tree.
 
-For each implementation (stock: ATOM_DISABLE_VLLM_PLUGIN=1; atom: the plugin) and each k in --ks, one
-vLLM engine (a fresh child process, via tests/_harness.py) generates prompts.json's 16 prompts
-(128 greedy tokens each, ignore_eos) and reports output tokens/s (wall time of the generate call), the
-acceptance rate (accepted / drafted tokens), the mean acceptance length (1 + accepted / drafts) and the
-per-position acceptance (accepted at position i / drafts). Results go to
-benchmarks/results/vllm_spec_decode.json (+ .png when matplotlib is installed: uv sync --extra bench).
+For each mode (eager: enforce_eager; compiled: vLLM's default compilation), each k in --ks and each
+implementation (stock: ATOM_DISABLE_VLLM_PLUGIN=1; atom: the plugin), one vLLM engine (a fresh child
+process, via tests/_harness.py) runs one timed job per concurrency c in --concurrency: c requests submitted
+at once (prompts.json's 16 prompts, cycled), greedy, ignore_eos, 128 tokens each (32 at c >= 256, see
+--max-tokens-256). Reported per row: output tokens/s (wall time of the generate call), the acceptance rate
+(accepted / drafted tokens), the mean acceptance length (1 + accepted / drafts) and the per-position
+acceptance. Results go to benchmarks/results/vllm_spec_decode.json, rewritten after every engine run
+(+ .png when matplotlib is installed: uv sync --extra bench).
 
-    uv run python benchmarks/vllm_spec_decode.py                # bf16, k = 0..4, both implementations
-    uv run python benchmarks/vllm_spec_decode.py --ks 1 3 --dtype float32 --impls atom
+    uv run python benchmarks/vllm_spec_decode.py       # bf16, eager + compiled, k = 0 1 3, c = 1 16 256
+    uv run python benchmarks/vllm_spec_decode.py --modes compiled --ks 1 --concurrency 1 16 --impls atom
 """
 
 from __future__ import annotations
@@ -40,40 +42,77 @@ def _prompts() -> tuple[list[list[int]], int]:
     return [x["prompt_token_ids"] for x in raw["prompts"]], int(raw["max_tokens"])
 
 
-def run_one(impl: str, k: int, dtype: str, eager: bool, workdir: Path) -> dict[str, Any]:
+def _concurrency_prompts(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """``n`` prompts: prompts.json's, cycled (256 = 16 copies of the 16 prompts)."""
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def run_one(
+    impl: str,
+    k: int,
+    dtype: str,
+    eager: bool,
+    workdir: Path,
+    concurrency: list[int],
+    max_tokens_for: dict[int, int],
+) -> list[dict[str, Any]]:
+    """One engine (impl, k, eager/compiled); one timed job per concurrency c: c requests submitted at once
+    (c = 1: a single stream), each ``max_tokens_for[c]`` greedy tokens. One row per c."""
     from _harness import run
 
-    prompts, max_tokens = _prompts()
+    prompts, _ = _prompts()
+    mode = "eager" if eager else "compiled"
     spec = {
         "model": str(_model_dir()),
         "plugin": impl == "atom",
         "dtype": dtype,
         "num_speculative_tokens": k,
         "enforce_eager": eager,
+        "llm_kwargs": {"max_num_seqs": max(256, max(concurrency))},
         "jobs": [
-            # a short warm-up job first, so the timed job does not pay one-off first-step costs
+            # a short warm-up job first, so the timed jobs do not pay one-off first-step costs
             {"name": "warmup", "prompt_token_ids": prompts[:2], "max_tokens": 8},
-            {"name": "timed", "prompt_token_ids": prompts, "max_tokens": max_tokens},
+        ]
+        + [
+            {
+                "name": f"c{c}",
+                "prompt_token_ids": _concurrency_prompts(prompts, c),
+                "max_tokens": max_tokens_for[c],
+            }
+            for c in concurrency
         ],
     }
-    r = run(spec, str(workdir), timeout=1800, log_name=f"{impl}_k{k}_{dtype}")
-    row: dict[str, Any] = {"impl": impl, "k": k, "dtype": dtype, "enforce_eager": eager, "log": r.get("log")}
-    if "error" in r:
-        row["error"] = r["error"]
-        return row
-    job = r["jobs"]["timed"]
-    row.update(
-        startup_s=r["startup_s"],
-        wall_s=job["wall_s"],
-        output_tokens=job["output_tokens"],
-        output_tokens_per_s=job["output_tokens_per_s"],
-        acceptance_rate=job["acceptance_rate"],
-        mean_acceptance_length=job["mean_acceptance_length"],
-        per_position_rate=job["per_position_rate"],
-        spec_counters=job["spec"],
-        token_ids=job["token_ids"],
-    )
-    return row
+    r = run(spec, str(workdir), timeout=3600, log_name=f"{impl}_k{k}_{dtype}_{mode}")
+    rows = []
+    for c in concurrency:
+        row: dict[str, Any] = {
+            "impl": impl,
+            "k": k,
+            "dtype": dtype,
+            "mode": mode,
+            "enforce_eager": eager,
+            "concurrency": c,
+            "max_tokens": max_tokens_for[c],
+            "log": r.get("log"),
+        }
+        if "error" in r:
+            row["error"] = r["error"]
+            rows.append(row)
+            continue
+        job = r["jobs"][f"c{c}"]
+        row.update(
+            startup_s=r["startup_s"],
+            wall_s=job["wall_s"],
+            output_tokens=job["output_tokens"],
+            output_tokens_per_s=job["output_tokens_per_s"],
+            acceptance_rate=job["acceptance_rate"],
+            mean_acceptance_length=job["mean_acceptance_length"],
+            per_position_rate=job["per_position_rate"],
+            spec_counters=job["spec"],
+            token_ids=job["token_ids"],
+        )
+        rows.append(row)
+    return rows
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> bool:
@@ -88,42 +127,32 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
         )
         return False
     ok = [r for r in rows if "error" not in r]
-    impls = list(dict.fromkeys(r["impl"] for r in ok))
+    if not ok:
+        return False
+    modes = list(dict.fromkeys(r["mode"] for r in ok))
+    cs = sorted({r["concurrency"] for r in ok})
     ks = sorted({r["k"] for r in ok})
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    impls = list(dict.fromkeys(r["impl"] for r in ok))
+    fig, axes = plt.subplots(len(modes), len(cs), figsize=(4.2 * len(cs), 3.6 * len(modes)), squeeze=False)
     width = 0.8 / max(len(impls), 1)
-    for j, impl in enumerate(impls):
-        by_k = {r["k"]: r for r in ok if r["impl"] == impl}
-        xs = [i + j * width for i in range(len(ks))]
-        axes[0].bar(xs, [by_k[k]["output_tokens_per_s"] if k in by_k else 0 for k in ks], width, label=impl)
-        spec_ks = [k for k in ks if k > 0 and k in by_k]
-        axes[1].plot(
-            spec_ks, [by_k[k]["acceptance_rate"] for k in spec_ks], "o-", label=f"{impl} acceptance rate"
-        )
-        axes[1].plot(
-            spec_ks,
-            [by_k[k]["mean_acceptance_length"] - 1 for k in spec_ks],
-            "s--",
-            label=f"{impl} mean len - 1",
-        )
-        for k in spec_ks:
-            pos = by_k[k]["per_position_rate"]
-            axes[2].plot(
-                range(1, len(pos) + 1), pos, "o-" if impl == "atom" else "x--", label=f"{impl} k={k}"
-            )
-    axes[0].set_xticks([i + 0.4 - width / 2 for i in range(len(ks))], [f"k={k}" for k in ks])
-    axes[0].set_ylabel("output tokens/s")
-    axes[0].set_title("throughput (16 prompts x 128 tokens)")
-    axes[1].set_xlabel("num_speculative_tokens")
-    axes[1].set_title("acceptance")
-    axes[2].set_xlabel("draft position")
-    axes[2].set_ylabel("accepted / drafts")
-    axes[2].set_title("per-position acceptance")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    for mi, mode in enumerate(modes):
+        for ci, c in enumerate(cs):
+            ax = axes[mi][ci]
+            for j, impl in enumerate(impls):
+                by_k = {
+                    r["k"]: r for r in ok if r["impl"] == impl and r["mode"] == mode and r["concurrency"] == c
+                }
+                xs = [i + j * width for i in range(len(ks))]
+                ax.bar(
+                    xs, [by_k[k]["output_tokens_per_s"] if k in by_k else 0 for k in ks], width, label=impl
+                )
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(ks))], [f"k={k}" for k in ks])
+            ax.set_title(f"{mode}, concurrency {c}", fontsize=9)
+            ax.set_ylabel("output tokens/s")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
     fig.suptitle(
-        f"vLLM 0.32 CPU, tiny Qwen3-Next MTP, {ok[0]['dtype'] if ok else ''}: stock vs ATOM plugin",
+        f"vLLM 0.32 CPU, tiny Qwen3-Next MTP, {ok[0]['dtype']}: stock vs ATOM plugin, eager vs compiled",
         fontsize=10,
     )
     fig.tight_layout()
@@ -134,54 +163,94 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 3])
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (stock vLLM CPU GDN needs it) or float32")
     ap.add_argument("--impls", nargs="+", default=["stock", "atom"], choices=["stock", "atom"])
     ap.add_argument(
-        "--compiled", action="store_true", help="vLLM's default compilation instead of enforce_eager"
+        "--modes",
+        nargs="+",
+        default=["eager", "compiled"],
+        choices=["eager", "compiled"],
+        help="enforce_eager, and/or vLLM's default compilation",
+    )
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 256])
+    ap.add_argument(
+        "--max-tokens", type=int, default=None, help="tokens per request (default: prompts.json's)"
+    )
+    ap.add_argument(
+        "--max-tokens-256", type=int, default=32, help="tokens per request at concurrency >= 256 (CPU time)"
     )
     ap.add_argument("--out", default=str(RESULTS / "vllm_spec_decode.json"))
     args = ap.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="vllm_spec_decode_"))  # engine logs (paths in the JSON rows)
-    rows = []
+    _, default_tokens = _prompts()
+    base_tokens = args.max_tokens or default_tokens
+    max_tokens_for = {c: (args.max_tokens_256 if c >= 256 else base_tokens) for c in args.concurrency}
+    rows: list[dict[str, Any]] = []
     t0 = time.time()
-    for k in args.ks:
-        for impl in args.impls:
-            row = run_one(impl, k, args.dtype, not args.compiled, workdir)
-            rows.append(row)
-            if "error" in row:
-                print(f"{impl:5s} k={k}: ERROR {row['error']} (log {row['log']})", flush=True)
-                continue
-            print(
-                f"{impl:5s} k={k}: {row['output_tokens_per_s']:7.1f} tok/s  acceptance "
-                f"{row['acceptance_rate'] if row['acceptance_rate'] is not None else float('nan'):.3f}  mean len "
-                f"{row['mean_acceptance_length'] or 1.0:.3f}  per pos {[round(x, 3) for x in row['per_position_rate']]}",
-                flush=True,
-            )
-    ratios = {}
-    for k in args.ks:
-        s = next((r for r in rows if r["impl"] == "stock" and r["k"] == k and "error" not in r), None)
-        a = next((r for r in rows if r["impl"] == "atom" and r["k"] == k and "error" not in r), None)
-        if s and a:
-            ratios[f"k={k}"] = {
-                "tokens_per_s_atom_over_stock": a["output_tokens_per_s"] / s["output_tokens_per_s"],
-                "acceptance_atom_minus_stock": None
-                if k == 0
-                else a["acceptance_rate"] - s["acceptance_rate"],
-                "same_outputs": a["token_ids"] == s["token_ids"],
-            }
-    payload = {
-        "benchmark": "vllm_spec_decode",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
-        "args": vars(args),
-        "total_s": time.time() - t0,
-        "rows": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows],
-        "atom_vs_stock": ratios,
-    }
-    out.write_text(json.dumps(payload, indent=1))
+
+    def save() -> None:  # after every engine run, so that a partial matrix survives an interruption
+        ratios = {}
+        for mode in args.modes:
+            for k in args.ks:
+                for c in args.concurrency:
+
+                    def pick(impl: str, mode=mode, k=k, c=c):
+                        return next(
+                            (
+                                r
+                                for r in rows
+                                if r["impl"] == impl
+                                and r["mode"] == mode
+                                and r["k"] == k
+                                and r["concurrency"] == c
+                                and "error" not in r
+                            ),
+                            None,
+                        )
+
+                    st, at = pick("stock"), pick("atom")
+                    if st and at:
+                        ratios[f"{mode} k={k} c={c}"] = {
+                            "tokens_per_s_atom_over_stock": at["output_tokens_per_s"]
+                            / st["output_tokens_per_s"],
+                            "acceptance_atom_minus_stock": None
+                            if k == 0
+                            else at["acceptance_rate"] - st["acceptance_rate"],
+                            "same_outputs": at["token_ids"] == st["token_ids"],
+                        }
+        payload = {
+            "benchmark": "vllm_spec_decode",
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"platform": platform.platform(), "python": platform.python_version()},
+            "args": vars(args),
+            "total_s": time.time() - t0,
+            "rows": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows],
+            "atom_vs_stock": ratios,
+        }
+        out.write_text(json.dumps(payload, indent=1))
+        return ratios
+
+    for mode in args.modes:
+        for k in args.ks:
+            for impl in args.impls:
+                new = run_one(impl, k, args.dtype, mode == "eager", workdir, args.concurrency, max_tokens_for)
+                rows.extend(new)
+                for row in new:
+                    tag = f"{impl:5s} {mode:8s} k={k} c={row['concurrency']:3d}"
+                    if "error" in row:
+                        print(f"{tag}: ERROR {row['error']} (log {row['log']})", flush=True)
+                        continue
+                    rate = row["acceptance_rate"]
+                    print(
+                        f"{tag}: {row['output_tokens_per_s']:7.1f} tok/s  acceptance "
+                        f"{rate if rate is not None else float('nan'):.3f}  startup {row['startup_s']:.0f} s",
+                        flush=True,
+                    )
+                save()
+    ratios = save()
     print(json.dumps(ratios, indent=1))
     print(f"wrote {out}")
     plot(rows, out.with_suffix(".png"))

@@ -23,6 +23,7 @@ from atom_vllm_plugin.layers.attention_backend import (
     AtomAttentionMetadata,
     split_kv_cache,
 )
+from atom_vllm_plugin.layers.custom_ops import register_ops
 from atom_vllm_plugin.layers.forward_context import layer_metadata
 
 
@@ -48,6 +49,7 @@ class AtomAttentionCore(nn.Module, AttentionLayerBase):
         is_draft: bool = False,
     ) -> None:
         super().__init__()
+        register_ops()
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"{prefix}: num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}"
@@ -80,18 +82,34 @@ class AtomAttentionCore(nn.Module, AttentionLayerBase):
 
     # ---- the core ----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx=None) -> torch.Tensor:
-        return self.run(layer_metadata(self.layer_name), q, k, v)
+        # Through the opaque op vllm::atom_attention_with_output (a splitting op of vLLM's compiled graph),
+        # which calls run_into with this step's metadata.
+        out = torch.empty_like(q)
+        torch.ops.vllm.atom_attention_with_output(q, k, v, out, self.layer_name)
+        return out
+
+    def run_into(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The op's body: ``out`` = the core with this step's metadata."""
+        self.run(layer_metadata(self.layer_name), q, k, v, out=out)
 
     def run(
-        self, md: AtomAttentionMetadata | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        md: AtomAttentionMetadata | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The core for explicit metadata (``None``: profiling run, zeros out)."""
-        out = torch.zeros_like(q)
+        """The core for explicit metadata (``None``: profiling run, zeros out); ``out`` (like ``q``) receives
+        the attention of the ``n`` real tokens and zeros in the padding rows after them."""
+        if out is None:
+            out = torch.empty_like(q)
         if md is None:  # profiling / dummy run: no cache bound yet
-            return out
+            return out.zero_()
         if not isinstance(md, AtomAttentionMetadata):
             raise TypeError(f"{self.layer_name}: expected AtomAttentionMetadata, got {type(md).__name__}")
         n = md.num_actual_tokens
+        out[n:].zero_()
         if n == 0:
             return out
         key_cache, value_cache = split_kv_cache(self.kv_cache, self.head_size)

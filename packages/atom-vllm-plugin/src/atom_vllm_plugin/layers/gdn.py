@@ -30,6 +30,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from atom_vllm_plugin.layers.custom_ops import register_ops
 from atom_vllm_plugin.layers.forward_context import layer_metadata
 from atom_vllm_plugin.layers.gdn_backend import AtomGDNAttentionBackend, AtomGDNAttentionMetadata
 from atom_vllm_plugin.layers.gdn_state import GDNStateSpec
@@ -40,6 +41,7 @@ class AtomGDNCore(nn.Module, MambaBase):
 
     def __init__(self, prefix: str, state: GDNStateSpec, kernels) -> None:
         super().__init__()
+        register_ops()
         self.layer_name = prefix
         self.prefix = prefix
         self.state = state
@@ -87,7 +89,26 @@ class AtomGDNCore(nn.Module, MambaBase):
     def forward(
         self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, weights: GDNWeights, ctx=None
     ):
-        return self.run(layer_metadata(self.layer_name), mixed_qkv, b, a, weights)
+        # Through the opaque op vllm::atom_gdn_core (a splitting op of vLLM's compiled graph), which calls
+        # run_into with this step's metadata; the weights travel as the op's tensor arguments.
+        geo = self.state.geometry
+        out = mixed_qkv.new_empty(mixed_qkv.shape[0], geo.num_v_heads, geo.head_v_dim)
+        w = weights
+        torch.ops.vllm.atom_gdn_core(
+            mixed_qkv, b, a, w.conv_weight, w.conv_bias, w.A_log, w.dt_bias, out, self.layer_name
+        )
+        return out
+
+    def run_into(
+        self,
+        out: torch.Tensor,
+        mixed_qkv: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        weights: GDNWeights,
+    ) -> None:
+        """The op's body: ``out`` = the core with this step's metadata."""
+        out.copy_(self.run(layer_metadata(self.layer_name), mixed_qkv, b, a, weights))
 
     def run(
         self,

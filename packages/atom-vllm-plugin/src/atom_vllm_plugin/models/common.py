@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -11,11 +12,62 @@ from atom_kernels import select_kernels
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, is_conv_state_dim_first
 
 from atom_vllm_plugin.config import AtomVllmConfig, from_vllm
+from atom_vllm_plugin.layers.custom_ops import SPLITTING_OPS, compilable_kernels
 from atom_vllm_plugin.layers.gdn_state import GDNStateSpec
+
+logger = logging.getLogger("vllm.atom_vllm_plugin")
+
+
+# vLLM's support_torch_compile: the token dimension of every per-token input is dynamic (positions: its
+# last dim, as in vLLM's own models, where M-RoPE positions are [3, T]).
+TARGET_DYNAMIC_ARG_DIMS = {"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0}
+DRAFT_DYNAMIC_ARG_DIMS = {**TARGET_DYNAMIC_ARG_DIMS, "hidden_states": 0}
+
+
+def add_splitting_ops(vllm_config: Any) -> list[str]:
+    """Make the plugin's layer ops split vLLM's compiled graph wherever vLLM splits at its own attention.
+
+    vLLM resolves ``compilation_config.splitting_ops`` in ``VllmConfig.__post_init__``
+    (``set_splitting_ops_for_v1``: ``None`` -> its ``_attention_ops``, plus the KV-cache update ops) and reads
+    it when its compile backend is created, which ``support_torch_compile`` does right after the model's
+    ``__init__``. Appending ours here, from the model constructor, needs no hook into vLLM's config code and
+    keeps vLLM's resolution as it is: the ops are added only where vLLM split at its attention ops (mode
+    VLLM_COMPILE with piecewise splitting); an empty list (one full graph, or fused attention) is left alone.
+    Returns the ops added.
+    """
+    cc = vllm_config.compilation_config
+    ops = cc.splitting_ops
+    if not ops or not cc.splitting_ops_contain_attention():
+        return []
+    added = [op for op in SPLITTING_OPS if op not in ops]
+    ops.extend(added)
+    return added
+
+
+def log_compilation(what: str, vllm_config: Any) -> None:
+    """Say in vLLM's log whether vLLM's torch.compile compiles this model, and how."""
+    add_splitting_ops(vllm_config)
+    cc = vllm_config.compilation_config
+    mode = getattr(cc, "mode", None)
+    if mode is None or int(mode) in (0, 1):  # NONE, STOCK_TORCH_COMPILE (compiled by the runner, if at all)
+        logger.info("%s runs eagerly (vLLM compilation mode %s)", what, mode)
+        return
+    split = [op for op in SPLITTING_OPS if op in (cc.splitting_ops or [])]
+    logger.info(
+        "%s is compiled by vLLM's torch.compile (mode %s, backend %r); its attention and GDN layers are "
+        "opaque custom ops%s",
+        what,
+        getattr(mode, "name", mode),
+        cc.backend or "inductor",
+        f" splitting the graph ({', '.join(split)})" if split else " inside one graph (no splitting ops)",
+    )
 
 
 def kernels_for(vllm_config: Any, dtype: torch.dtype):
-    return select_kernels(device=torch.device(vllm_config.device_config.device), dtype=dtype)
+    """The kernels for vLLM's device, the routed experts behind an opaque op that vLLM's torch.compile
+    leaves uncompiled (see :mod:`atom_vllm_plugin.layers.custom_ops`)."""
+    kernels = select_kernels(device=torch.device(vllm_config.device_config.device), dtype=dtype)
+    return compilable_kernels(kernels)
 
 
 def gdn_state_spec(vllm_config: Any, cfg: AtomVllmConfig | None = None) -> GDNStateSpec:

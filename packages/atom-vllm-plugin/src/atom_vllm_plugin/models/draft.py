@@ -19,13 +19,16 @@ from atom_core import ConfigError
 from atom_models import CheckpointError, Qwen3NextMTP, checkpoint_files, load_mtp
 from atom_models.weight_map import sources_for
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 
 from atom_vllm_plugin.config import DRAFT_ARCH, DRAFT_MODEL_TAG, from_vllm, model_tag
 from atom_vllm_plugin.cores import VllmCoreFactory
 from atom_vllm_plugin.models.common import (
+    DRAFT_DYNAMIC_ARG_DIMS,
     all_parameter_names,
     checkpoint_dir,
     kernels_for,
+    log_compilation,
     start_vllm_load_clock,
 )
 
@@ -46,8 +49,14 @@ class AwaitingTarget(nn.Module):
         )
 
 
+@support_torch_compile(dynamic_arg_dims=DRAFT_DYNAMIC_ARG_DIMS)
 class AtomQwen3NextMTP(nn.Module):
-    """The MTP draft: ``.model`` is the atom ``Qwen3NextMTP`` (vLLM replaces ``.model.embed_tokens``)."""
+    """The MTP draft: ``.model`` is the atom ``Qwen3NextMTP`` (vLLM replaces ``.model.embed_tokens``).
+
+    Compiled by vLLM like its ``Qwen3NextMultiTokenPredictor`` (``support_torch_compile``, under the model
+    tag ``eagle_head``). ``spec_step_idx`` picks the MTP layer (``spec_step % num_mtp_layers``): vLLM's trace
+    drops guards, so with more than one MTP layer the traced choice would stick; Qwen3-Next has one.
+    """
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__()
@@ -76,6 +85,7 @@ class AtomQwen3NextMTP(nn.Module):
         self.model = mtp
         self.lm_head = mtp.lm_head
         self._sharing_checked = False
+        log_compilation("ATOM Qwen3-Next MTP draft", vllm_config)
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -123,11 +133,15 @@ class AtomQwen3NextMTP(nn.Module):
     ) -> torch.Tensor:
         if inputs_embeds is not None or input_ids is None:
             raise NotImplementedError("ATOM Qwen3-Next MTP: inputs_embeds are not supported; pass token ids")
-        if not self._sharing_checked:
+        # Checked here in eager mode; under vLLM's compilation the first (traced) call skips it and
+        # compute_logits, which is never compiled, checks before any draft token is produced.
+        if not self._sharing_checked and not torch.compiler.is_compiling():
             self._check_sharing()
         return self.model(input_ids, positions, hidden_states, spec_step=spec_step_idx)
 
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+        if not self._sharing_checked:
+            self._check_sharing()
         return self.model.compute_logits(hidden_states)
 
     def expected_checkpoint_names(self) -> list[str]:

@@ -10,24 +10,32 @@ import torch
 from atom_models import Qwen3NextForCausalLM, load_target
 from atom_models.loader import check_files
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 
 from atom_vllm_plugin.config import from_vllm
 from atom_vllm_plugin.cores import VllmCoreFactory
 from atom_vllm_plugin.models.common import (
+    TARGET_DYNAMIC_ARG_DIMS,
     all_parameter_names,
     checkpoint_dir,
     gdn_state_spec,
     kernels_for,
+    log_compilation,
     start_vllm_load_clock,
 )
 
 logger = logging.getLogger("vllm.atom_vllm_plugin")
 
 
+@support_torch_compile(dynamic_arg_dims=TARGET_DYNAMIC_ARG_DIMS)
 class AtomQwen3NextForCausalLM(nn.Module):
     """The target. vLLM sees ``.model.embed_tokens`` and ``.lm_head`` (the MTP proposer shares both with
     the draft), the hybrid-model classmethods, ``forward`` -> hidden states and ``compute_logits``.
+
+    Compiled by vLLM like its own ``Qwen3NextModel`` (``support_torch_compile``; the token dimension is
+    dynamic): everything between the attention / GDN layers, which are opaque splitting ops
+    (:mod:`atom_vllm_plugin.layers.custom_ops`), is traced into vLLM's graph. ``compute_logits`` stays eager.
     """
 
     # vLLM's IsHybrid / HasInnerState interfaces (checked by attribute, see vllm.model_executor.models.interfaces)
@@ -44,12 +52,7 @@ class AtomQwen3NextForCausalLM(nn.Module):
         self.atom = Qwen3NextForCausalLM(
             self.atom_config.model, self.cores, kernels, dtype=self.atom_config.dtype
         )
-        mode = getattr(vllm_config.compilation_config, "mode", None)
-        if mode is not None and int(mode) != 0:
-            # vLLM compiles only models decorated with its support_torch_compile; ours is not (yet).
-            logger.info(
-                "ATOM Qwen3-Next runs eagerly: vLLM compilation mode %s is not applied to plugin models", mode
-            )
+        log_compilation("ATOM Qwen3-Next", vllm_config)
 
     # vLLM's proposer reads target.model.embed_tokens and target.lm_head (see _maybe_share_embeddings)
     @property

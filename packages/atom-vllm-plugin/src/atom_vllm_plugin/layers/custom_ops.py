@@ -1,0 +1,196 @@
+"""The plugin's layers as vLLM custom ops, so that vLLM's torch.compile treats them as opaque calls.
+
+vLLM compiles a model decorated with ``support_torch_compile`` in one Dynamo trace (``fullgraph=True``, guards
+dropped). What happens between the token mixers (norms, projections, RoPE, MoE routing, residuals) is traced
+and compiled; the token mixers are not traceable (they read vLLM's per-step metadata from the forward context
+and branch on it on the host) and are registered here, like vLLM's own ``unified_attention_with_output`` and
+``qwen_gdn_attention_core``, with :func:`vllm.utils.torch_utils.direct_register_custom_op`:
+
+- ``vllm::atom_attention_with_output(q, k, v, output, layer_name)``: KV write + paged attention of one layer;
+- ``vllm::atom_gdn_core(mixed_qkv, b, a, conv_weight, conv_bias, A_log, dt_bias, output, layer_name)``: the
+  GDN pipeline of one layer (conv, gating, prefill / decode / verify delta rule, state updates);
+- ``vllm::atom_moe_experts(x, weights, ids, w13, w2)`` / ``vllm::atom_moe_experts_fp8(...)``: the routed
+  experts (the reference backend groups tokens by expert on the host, which Dynamo cannot trace; the
+  router before it is traced).
+
+The two layer ops write into an ``output`` allocated by the compiled graph (the "with output" convention of
+vLLM's attention op), so with piecewise CUDA graphs the next piece reads a buffer of the graph's memory pool.
+They are the plugin's splitting ops (:data:`SPLITTING_OPS`, added to ``compilation_config.splitting_ops``
+by :mod:`atom_vllm_plugin.patches.compile_splitting_ops`); the MoE op stays inside the compiled pieces.
+The layer ops find their layer in vLLM's forward context (``no_compile_layers``, filled from the static
+forward context the layers register in), as vLLM's ops do.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.utils.torch_utils import direct_register_custom_op
+
+SPLITTING_OPS = ("vllm::atom_attention_with_output", "vllm::atom_gdn_core")
+"""The plugin's ops that split vLLM's compiled graph (attention-like: per-step metadata, caches)."""
+
+
+def _layer(layer_name: str):
+    """The layer registered as ``layer_name``, or None outside a forward context (no metadata: zeros out)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    return get_forward_context().no_compile_layers[layer_name]
+
+
+# ---- full attention ---------------------------------------------------------------------------------
+def atom_attention_with_output(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_name: str
+) -> None:
+    layer = _layer(layer_name)
+    if layer is None:
+        output.zero_()
+        return
+    layer.run_into(output, q, k, v)
+
+
+def _atom_attention_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_name: str
+) -> None:
+    return None
+
+
+# ---- Gated DeltaNet ---------------------------------------------------------------------------------
+def atom_gdn_core(
+    mixed_qkv: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    output: torch.Tensor,
+    layer_name: str,
+) -> None:
+    from atom_models.gdn_meta import GDNWeights
+
+    layer = _layer(layer_name)
+    if layer is None:
+        output.zero_()
+        return
+    weights = GDNWeights(conv_weight=conv_weight, conv_bias=conv_bias, A_log=A_log, dt_bias=dt_bias)
+    layer.run_into(output, mixed_qkv, b, a, weights)
+
+
+def _atom_gdn_core_fake(
+    mixed_qkv: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    output: torch.Tensor,
+    layer_name: str,
+) -> None:
+    return None
+
+
+# ---- routed experts ---------------------------------------------------------------------------------
+_EXPERTS: dict[tuple[str, torch.dtype], object] = {}
+"""The backend kernels (``atom_kernels.Kernels``) the expert ops call, per (device type, dtype)."""
+
+
+def _kernels(x: torch.Tensor):
+    try:
+        return _EXPERTS[(x.device.type, x.dtype)]
+    except KeyError:
+        raise RuntimeError(
+            f"atom_moe_experts: no kernels bound for {x.device.type}/{x.dtype} (see compilable_kernels)"
+        ) from None
+
+
+def atom_moe_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    return _kernels(x).moe_experts(x, weights, ids, w13, w2)
+
+
+def _atom_moe_experts_fake(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def atom_moe_experts_fp8(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    block: list[int],
+) -> torch.Tensor:
+    return _kernels(x).moe_experts_fp8(x, weights, ids, w13, w13_scale_inv, w2, w2_scale_inv, tuple(block))
+
+
+def _atom_moe_experts_fp8_fake(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    block: list[int],
+) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _experts_op(x, weights, ids, w13, w2):
+    return torch.ops.vllm.atom_moe_experts(x, weights, ids, w13, w2)
+
+
+def _experts_fp8_op(x, weights, ids, w13, w13_scale_inv, w2, w2_scale_inv, block):
+    return torch.ops.vllm.atom_moe_experts_fp8(
+        x, weights, ids, w13, w13_scale_inv, w2, w2_scale_inv, [int(block[0]), int(block[1])]
+    )
+
+
+def compilable_kernels(kernels):
+    """``kernels`` with the routed experts going through the opaque ops above (same backend underneath)."""
+    import dataclasses
+
+    register_ops()
+    _EXPERTS[(kernels.device.type, kernels.dtype)] = kernels
+    return dataclasses.replace(kernels, moe_experts=_experts_op, moe_experts_fp8=_experts_fp8_op)
+
+
+_registered = False
+
+
+def register_ops() -> None:
+    """Register the ops once per process (``vllm::`` namespace, the platform's dispatch key)."""
+    global _registered
+    if _registered:
+        return
+    direct_register_custom_op(
+        op_name="atom_attention_with_output",
+        op_func=atom_attention_with_output,
+        mutates_args=["output"],
+        fake_impl=_atom_attention_fake,
+    )
+    direct_register_custom_op(
+        op_name="atom_gdn_core",
+        op_func=atom_gdn_core,
+        mutates_args=["output"],
+        fake_impl=_atom_gdn_core_fake,
+    )
+    direct_register_custom_op(
+        op_name="atom_moe_experts",
+        op_func=atom_moe_experts,
+        fake_impl=_atom_moe_experts_fake,
+    )
+    direct_register_custom_op(
+        op_name="atom_moe_experts_fp8",
+        op_func=atom_moe_experts_fp8,
+        fake_impl=_atom_moe_experts_fp8_fake,
+    )
+    _registered = True
