@@ -84,7 +84,10 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--startup-timeout", type=float, default=900, help="includes vLLM's torch.compile")
+    ap.add_argument(
+        "--enforce-eager", action="store_true", help="skip vLLM's compilation (default: compiled, as served)"
+    )
     args = ap.parse_args()
     if args.model is None:
         from atom_core.paths import default_model_dir
@@ -97,9 +100,9 @@ def main() -> int:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", args.model, "--served-model-name", "tiny-qwen3-next",
         "--port", str(args.port), "--dtype", args.dtype, "--max-model-len", "2048",
-        "--no-enable-prefix-caching", "--enforce-eager", "--shutdown-timeout", "10",
+        "--no-enable-prefix-caching", "--shutdown-timeout", "10",
         "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": args.k}),
-    ]  # fmt: skip
+    ] + (["--enforce-eager"] if args.enforce_eager else [])  # fmt: skip
     print("[main] starting:", " ".join(cmd), flush=True)
     server = subprocess.Popen(
         cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
