@@ -41,6 +41,18 @@ class AtomAttentionMetadata:
 
 
 class AtomAttentionMetadataBuilder(AttentionMetadataBuilder[AtomAttentionMetadata]):
+    """Per-step metadata of the plugin's attention layers, built once per step per KV cache group.
+
+    No per-step allocation: every tensor is a view of the model runner's persistent buffers (vLLM's
+    ``query_start_loc`` / ``seq_lens`` / block table / ``slot_mapping``; the dtype conversions are no-ops
+    for vLLM 0.32's int32 / int64 buffers). The real token count is read from vLLM's host copy of
+    ``query_start_loc``; the op writes zeros into the padding rows after it on the device.
+
+    CUDA graphs: NEVER. The op slices the real tokens with that host count, so a full graph captured at one
+    batch would replay the captured count; vLLM's VLLM_COMPILE mode then captures piecewise graphs around
+    the ``vllm::atom_attention_with_output`` splitting op (it downgrades FULL_AND_PIECEWISE to PIECEWISE).
+    """
+
     # Verification batches of 1 + k tokens per request are "decodes" for our op (it handles any q_len),
     # so vLLM may keep them at the front of the batch like plain decodes: threshold 1 + k.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER

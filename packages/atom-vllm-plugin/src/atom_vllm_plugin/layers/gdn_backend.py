@@ -13,10 +13,12 @@ no speculative state blocks, so column 0 of vLLM's spec state indices is the slo
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import numpy as np
 import torch
 from atom_models.gdn_meta import GDNDecodeMeta, GDNPrefillMeta, GDNStepMeta, GDNVerifyMeta
+from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionBackend,
     GDNAttentionMetadata,
@@ -119,7 +121,16 @@ def gdn_step_from_vllm(
 
 class AtomGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
     """vLLM's GDN metadata (the reorder threshold is 1 + k: a verification batch counts as a decode) and
-    the GDN pipeline's record of the same step."""
+    the GDN pipeline's record of the same step.
+
+    CUDA graphs: NEVER (vLLM's builder says UNIFORM_BATCH). The record's decode / verify parts are
+    capturable (device tensors in ``StepBuffers``, ints fixed by the batch shape), but this builder has not
+    been run through vLLM's padded full-graph capture (``build_for_cudagraph_capture``, PAD_SLOT_ID rows),
+    and the plugin's attention builder is NEVER anyway; with NEVER, vLLM's VLLM_COMPILE mode captures
+    piecewise graphs around the ``vllm::atom_gdn_core`` splitting op instead.
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
