@@ -1,7 +1,9 @@
 """Soak test of vLLM's OpenAI server with MTP: the plugin and stock vLLM side by side, under hostile traffic.
 
 For each implementation (atom: the plugin, float32; stock: ``ATOM_DISABLE_VLLM_PLUGIN=1``, bfloat16, which
-stock's CPU GDN needs) one server is started with vLLM's default prefix-caching setting. A set of greedy
+stock's CPU GDN needs) one server is started with vLLM's default prefix-caching setting (and
+``stock-no-prefix-caching``: stock with ``--no-enable-prefix-caching``, which stock vLLM-CPU needs to serve
+at all). A set of greedy
 requests is first sent one at a time (their single-request outputs). Then ``--concurrency`` clients keep
 the server busy for ``--duration`` seconds with a random mix: greedy requests from that set (streamed or
 not; each output is compared with its single-request output), sampled ones (temperature, top_p, top_k,
@@ -12,6 +14,7 @@ and running requests after the load, ERROR lines in the server log. Results go t
 ``benchmarks/results/soak.json``.
 
     uv run python benchmarks/soak.py                         # 600 s each, 256 clients, k = 3
+    uv run python benchmarks/soak.py --impls stock-no-prefix-caching --append   # add one run to soak.json
     uv run python benchmarks/soak.py --impls atom --duration 60 --concurrency 32
 """
 
@@ -35,7 +38,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-DTYPE = {"atom": "float32", "stock": "bfloat16"}
+DTYPE = {"atom": "float32", "stock": "bfloat16", "stock-no-prefix-caching": "bfloat16"}
 
 
 def _free_port() -> int:
@@ -69,7 +72,7 @@ def start_server(impl: str, model: str, k: int, log_path: Path) -> tuple[subproc
         "tiny", "--port", str(port), "--dtype", DTYPE[impl], "--enforce-eager", "--max-model-len", "512",
         "--max-num-seqs", "256", "--shutdown-timeout", "10",
         "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k}),
-    ]  # fmt: skip
+    ] + (["--no-enable-prefix-caching"] if impl == "stock-no-prefix-caching" else [])  # fmt: skip
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
@@ -173,6 +176,9 @@ async def load(base: str, args, greedy: list[tuple[list[int], int]], refs: list[
                 except Exception as e:  # every failure is counted and kept
                     stats["errors"] += 1
                     errors.append(f"{type(e).__name__}: {e}"[:300])
+                    if not await _healthy(client, base):
+                        stats["server_died_after_s"] = round(time.time() - (stop - args.duration), 1)
+                        return  # the server is gone: every client stops
                     await asyncio.sleep(1)
 
     await asyncio.gather(*(client_loop(1000 + c) for c in range(args.concurrency)))
@@ -193,15 +199,21 @@ def soak(impl: str, args, prompts: list[list[int]], workdir: Path) -> dict[str, 
         result = asyncio.run(load(base, args, greedy, refs, prompts))
         wall = time.time() - t0
         deadline = time.time() + 120
-        while _metric(base, "vllm:num_requests_running") > 0 and time.time() < deadline:
+        while "server_died_after_s" not in result and time.time() < deadline:
+            if _metric(base, "vllm:num_requests_running") == 0:
+                break
             time.sleep(1)
-        healthy = httpx.get(f"{base}/health", timeout=10).status_code == 200
+        healthy = asyncio.run(_health_once(base))
         result.update(
             impl=impl, dtype=DTYPE[impl], k=args.k, concurrency=args.concurrency, duration_s=round(wall, 1),
-            healthy_at_end=healthy, rss_mib_start=round(rss_start, 1), rss_mib_end=round(_rss_mib(proc.pid), 1),
-            running_at_end=_metric(base, "vllm:num_requests_running"),
-            kv_cache_usage_at_end=_metric(base, "vllm:kv_cache_usage_perc"),
+            healthy_at_end=healthy, rss_mib_start=round(rss_start, 1),
         )  # fmt: skip
+        if healthy:
+            result.update(
+                rss_mib_end=round(_rss_mib(proc.pid), 1),
+                running_at_end=_metric(base, "vllm:num_requests_running"),
+                kv_cache_usage_at_end=_metric(base, "vllm:kv_cache_usage_perc"),
+            )
     except Exception as e:
         result = {"impl": impl, "fatal": f"{type(e).__name__}: {e}"[:2000]}
     finally:
@@ -210,10 +222,33 @@ def soak(impl: str, args, prompts: list[list[int]], workdir: Path) -> dict[str, 
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    lines = log_path.read_text(errors="replace").splitlines()
-    err = [ln for ln in lines if re.search(r"\bERROR\b", ln)]
-    result.update(error_log_lines=len(err), first_error_log_lines=err[:10], log=str(log_path))
+    result.update(log_summary(log_path))
     return result
+
+
+def log_summary(log_path: Path) -> dict[str, Any]:
+    """ERROR lines of a server log, split at vLLM's first "[shutdown]" line: vLLM 0.32's API server logs
+    an ``EngineDeadError`` traceback while it shuts down after SIGTERM, which is not a serving error."""
+    lines = log_path.read_text(errors="replace").splitlines()
+    cut = next((i for i, ln in enumerate(lines) if "[shutdown]" in ln), len(lines))
+    err = [ln for ln in lines[:cut] if re.search(r"\bERROR\b", ln)]
+    at_shutdown = [ln for ln in lines[cut:] if re.search(r"\bERROR\b", ln)]
+    return {
+        "error_log_lines": len(err), "error_log_lines_at_shutdown": len(at_shutdown),
+        "first_error_log_lines": err[:10], "log": str(log_path),
+    }  # fmt: skip
+
+
+async def _healthy(client: httpx.AsyncClient, base: str) -> bool:
+    try:
+        return (await client.get(f"{base}/health", timeout=30)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def _health_once(base: str) -> bool:
+    async with httpx.AsyncClient() as client:
+        return await _healthy(client, base)
 
 
 async def _one(base: str, prompt: list[int], n: int) -> list[int]:
@@ -224,13 +259,16 @@ async def _one(base: str, prompt: list[int], n: int) -> list[int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the bundled tiny model)")
-    ap.add_argument("--impls", nargs="+", default=["atom", "stock"], choices=["atom", "stock"])
+    ap.add_argument(
+        "--impls", nargs="+", default=["atom", "stock", "stock-no-prefix-caching"], choices=list(DTYPE)
+    )
     ap.add_argument("--duration", type=float, default=600, help="seconds of load per implementation")
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--abort", type=float, default=0.2, help="fraction of requests the client drops")
     ap.add_argument("--greedy-set", type=int, default=32, help="distinct greedy requests checked")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--out", default=str(RESULTS / "soak.json"))
+    ap.add_argument("--append", action="store_true", help="keep the other implementations' runs in --out")
     args = ap.parse_args()
     if args.model is None:
         from atom_core.paths import default_model_dir
@@ -242,15 +280,18 @@ def main() -> int:
     prompts = [p["prompt_token_ids"] for p in raw["prompts"]]
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / "atom-soak"
     workdir.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    kept = json.loads(out.read_text())["runs"] if args.append and out.is_file() else []
     runs = []
     for impl in args.impls:
         print(f"[soak] {impl}: {args.duration:.0f} s, {args.concurrency} clients, k={args.k}", flush=True)
-        runs.append(soak(impl, args, prompts, workdir))
+        runs.append({**soak(impl, args, prompts, workdir), "command": " ".join(sys.argv)})
         print(
             json.dumps({k: v for k, v in runs[-1].items() if not k.startswith("first_")}, indent=1),
             flush=True,
         )
-    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "runs": runs}, indent=1) + "\n")
+    runs = [r for r in kept if r["impl"] not in args.impls] + runs
+    out.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
     print(f"[soak] wrote {args.out}")
     bad = [
         r
