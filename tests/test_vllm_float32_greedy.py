@@ -8,6 +8,7 @@ rollback, KV slot or verification mask shows up as a diverging token. Nonzero ac
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -49,8 +50,9 @@ def test_float32_mtp_reproduces_greedy(k: int) -> None:
 
 # The plugin's model under vLLM's default compilation (no enforce_eager; on vLLM-CPU: one Dynamo trace,
 # inductor, the plugin's attention / GDN / MoE-expert ops opaque inside it). One k in CI (each compiled
-# engine start costs minutes on 2 cores); k = 0, 1, 3 compiled are run by benchmarks/vllm_spec_decode.py.
-COMPILED_KS = [2]
+# engine start costs 3-4 minutes on 2 cores); ATOM_VLLM_COMPILED_KS="0 1 2 3" runs the others (measured
+# exact for k = 0..3, acceptance 0.758 / 0.590 / 0.494 for k = 1 / 2 / 3).
+COMPILED_KS = [int(k) for k in os.environ.get("ATOM_VLLM_COMPILED_KS", "2").split()]
 
 
 @pytest.mark.parametrize("k", COMPILED_KS)
@@ -59,9 +61,12 @@ def test_float32_compiled_mtp_reproduces_greedy(k: int) -> None:
     r = engine_run(s, f"f32_plugin_k{k}_compiled")
     job = r["jobs"]["greedy"]
     bad = _diverging(job["token_ids"])
-    assert not bad, "float32 + MTP output (compiled) differs from greedy.json:\n" + "\n".join(bad)
+    assert not bad, f"float32 k={k} output (compiled) differs from greedy.json:\n" + "\n".join(bad)
     rate = job["acceptance_rate"]
-    assert rate is not None and rate >= MIN_ACCEPTANCE[k], f"k={k}: acceptance {rate} ({job['spec']})"
+    if k == 0:
+        assert job["spec"]["num_drafts"] == 0
+    else:
+        assert rate is not None and rate >= MIN_ACCEPTANCE[k], f"k={k}: acceptance {rate} ({job['spec']})"
     log = Path(r["log"]).read_text()
     # both models went through vLLM's support_torch_compile, not the eager fallback
     assert "ATOM Qwen3-Next is compiled by vLLM's torch.compile" in log
