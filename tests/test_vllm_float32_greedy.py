@@ -9,6 +9,7 @@ rollback, KV slot or verification mask shows up as a diverging token. Nonzero ac
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,9 @@ def test_float32_compiled_mtp_reproduces_greedy(k: int) -> None:
     assert "ATOM Qwen3-Next is compiled by vLLM's torch.compile" in log
     assert "ATOM Qwen3-Next MTP draft is compiled by vLLM's torch.compile" in log
     assert "runs eagerly" not in log
+    # and vLLM really compiled them (vLLM 0.32 on CPU AOT-compiles, saving or loading one artifact per model)
+    for tag in ["backbone"] + (["eagle_head"] if k > 0 else []):
+        assert re.search(rf"\[{tag}\] (saved AOT compiled function|Directly load AOT compilation)", log), tag
 
 
 def test_float32_without_mtp_reproduces_greedy() -> None:
