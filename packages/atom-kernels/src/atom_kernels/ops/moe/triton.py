@@ -239,6 +239,16 @@ def moe_router(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
     return weights, ids
 
 
+def check_ids_on_cpu(op: str, ids: torch.Tensor, num_experts: int) -> None:
+    """Expert ids must lie in ``[0, E)``; checked only on CPU (Triton's interpreter), where reading the
+    values costs no device synchronisation."""
+    if ids.device.type != "cpu":
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= num_experts:
+        raise ValueError(f"{op}: ids must lie in [0, E={num_experts}), got values in [{lo}, {hi}]")
+
+
 def plan(num_tokens: int, top_k: int, num_experts: int, config: dict | None = None) -> dict:
     """Tile sizes from shapes alone. Few rows per expert (decode): 16-row blocks and narrow column
     tiles for enough programs to stream the weights; many rows (prefill): 128-row blocks."""
@@ -279,10 +289,7 @@ def moe_experts(
         x = x.contiguous()
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("moe_experts (triton): w13 and w2 need a unit last-dim stride")
-    if x.device.type == "cpu":  # Triton's interpreter: checking values costs no device sync here
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"moe_experts: ids must lie in [0, E={num_experts}), got values in [{lo}, {hi}]")
+    check_ids_on_cpu("moe_experts", ids, num_experts)
     cfg = plan(num_tokens, top_k, num_experts, config)
     bm = cfg["BLOCK_M"]
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 inputs: exact products, no TF32
