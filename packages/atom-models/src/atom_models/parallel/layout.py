@@ -1,0 +1,91 @@
+"""Per-rank sizes of a Qwen3-Next model under tensor parallelism, checked once against the config.
+
+Sharding (the scheme of vLLM's ``qwen3_next.py``, the anchor):
+- attention: query heads split across ranks; KV heads split when there are at least as many as ranks,
+  otherwise each KV head is replicated on ``world_size / num_key_value_heads`` consecutive ranks (rank r
+  holds KV head ``r // kv_head_replicas``), keeping GQA groups whole on every rank;
+- Gated DeltaNet: key heads split across ranks, each with its ``num_v_heads / num_k_heads`` value heads
+  (the checkpoint's per-key-head-group layout makes a rank's rows of ``in_proj_qkvz`` / ``in_proj_ba``
+  contiguous; the conv channels of q, k and v are three slices);
+- MoE: every rank holds every expert, sharded over the expert intermediate dimension (as the shared expert
+  and dense MLPs are): one all-reduce per MoE block, every rank routes every token, no token shuffling;
+- vocabulary: ``embed_tokens`` and ``lm_head`` rows split in contiguous ranges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from atom_core import ConfigError, Qwen3NextConfig
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """Sizes one rank holds (``world_size == 1``: the whole model)."""
+
+    rank: int
+    world_size: int
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank
+    kv_head_replicas: int  # ranks that hold the same KV head (1 when KV heads are split)
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    intermediate_size: int  # dense MLP layers
+    vocab_size: int  # rows of embed_tokens / lm_head on this rank
+
+    @classmethod
+    def from_config(cls, config: Qwen3NextConfig, rank: int = 0, world_size: int = 1) -> TPLayout:
+        """Raise :class:`~atom_core.ConfigError` naming the field that ``world_size`` does not divide."""
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"tensor parallel rank {rank} of world size {world_size} is not a valid rank")
+        tp = world_size
+
+        def split(name: str, value: int) -> int:
+            if value % tp:
+                raise ConfigError(
+                    name, value, config.source, f"must be divisible by the tensor parallel size {tp}"
+                )
+            return value // tp
+
+        kv = config.num_key_value_heads
+        if kv >= tp:
+            kv_local, replicas = split("num_key_value_heads", kv), 1
+        elif tp % kv:
+            raise ConfigError(
+                "num_key_value_heads", kv, config.source,
+                f"must divide the tensor parallel size {tp} (KV heads are replicated when fewer than ranks)",
+            )  # fmt: skip
+        else:
+            kv_local, replicas = 1, tp // kv
+        dense = any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+        return cls(
+            rank=rank,
+            world_size=tp,
+            num_heads=split("num_attention_heads", config.num_attention_heads),
+            num_kv_heads=kv_local,
+            kv_head_replicas=replicas,
+            linear_num_key_heads=split("linear_num_key_heads", config.linear_num_key_heads),
+            linear_num_value_heads=config.linear_num_value_heads // tp,
+            moe_intermediate_size=split("moe_intermediate_size", config.moe_intermediate_size)
+            if config.num_experts
+            else 0,
+            shared_expert_intermediate_size=split(
+                "shared_expert_intermediate_size", config.shared_expert_intermediate_size
+            ),
+            intermediate_size=split("intermediate_size", config.intermediate_size)
+            if dense
+            else config.intermediate_size // tp,
+            vocab_size=split("vocab_size", config.vocab_size),
+        )
+
+    @property
+    def kv_head_start(self) -> int:
+        """The first KV head (of the checkpoint's) this rank holds."""
+        return (self.rank // self.kv_head_replicas) * self.num_kv_heads
+
+    def row_range(self, total: int) -> tuple[int, int]:
+        """This rank's ``[start, end)`` of ``total`` rows split evenly (``total`` divisible by the world size)."""
+        n = total // self.world_size
+        return self.rank * n, (self.rank + 1) * n
