@@ -19,8 +19,9 @@ class ParallelContext(Protocol):
 
     ``all_reduce(x)`` returns the element-wise sum of ``x`` over the ranks (same shape and dtype; the result
     may be ``x`` itself, written in place, or a new tensor: use the return value). ``all_gather(x, dim)``
-    returns the ranks' tensors concatenated along ``dim`` in rank order. Both are collective: every rank calls
-    them in the same order with tensors of the same shape.
+    returns the ranks' tensors concatenated along ``dim`` in rank order. ``broadcast(x, src)`` returns rank
+    ``src``'s ``x`` on every rank (in place). All three are collective: every rank calls them in the same
+    order with tensors of the same shape.
     """
 
     @property
@@ -32,6 +33,8 @@ class ParallelContext(Protocol):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ class SingleProcess:
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return x
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         return x
 
 
@@ -89,6 +95,14 @@ class TorchDistributed:
         parts = [torch.empty_like(x) for _ in range(self._world_size)]
         self._dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self._world_size == 1:
+            return x
+        self._dist.broadcast(
+            x, src=self._dist.get_global_rank(self.group, src) if self.group else src, group=self.group
+        )
+        return x
 
     def __repr__(self) -> str:
         return f"TorchDistributed(rank={self._rank}, world_size={self._world_size}, backend={self._dist.get_backend(self.group)})"
