@@ -6,7 +6,8 @@ import torch
 from atom_core import Qwen3NextConfig
 from torch import nn
 
-from atom_models.modules import Linear, RMSNorm
+from atom_models.modules import RMSNorm, column_parallel_linear, row_parallel_linear
+from atom_models.parallel import SINGLE_PROCESS, ParallelContext, TPLayout
 
 
 class Qwen3NextAttention(nn.Module):
@@ -14,23 +15,42 @@ class Qwen3NextAttention(nn.Module):
 
     ``q_proj`` packs query and gate *per head*: its output viewed as ``[T, Hq, 2 * D]`` is
     ``[query_h | gate_h]`` for each head h (HF ``torch.chunk(q_proj(x).view(..., Hq, 2D), 2, -1)``).
+
+    Tensor parallel (``layout``): a head's q_proj rows are contiguous, so ``q_proj`` is column-parallel by
+    query heads; ``k_proj`` / ``v_proj`` hold this rank's KV heads (``layout.kv_head_start``; the same head
+    on ``kv_head_replicas`` ranks when there are fewer KV heads than ranks); ``o_proj`` is row-parallel
+    (its all-reduce is the block's one collective). The core sees this rank's heads only.
     """
 
-    def __init__(self, config: Qwen3NextConfig, layer_idx: int, core: nn.Module, kernels, dtype=None):
+    def __init__(
+        self,
+        config: Qwen3NextConfig,
+        layer_idx: int,
+        core: nn.Module,
+        kernels,
+        dtype=None,
+        layout: TPLayout | None = None,
+        parallel: ParallelContext = SINGLE_PROCESS,
+    ):
         super().__init__()
+        layout = (
+            TPLayout.from_config(config, parallel.rank, parallel.world_size) if layout is None else layout
+        )
         self.kernels = kernels
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = config.head_dim
         self.rotary_dim = config.rotary_dim
         self.rope_theta = config.rope_theta
         self.eps = config.rms_norm_eps
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.q_proj = Linear(h, self.num_heads * d * 2, bias=bias, dtype=dtype)
-        self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias, dtype=dtype)
-        self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias, dtype=dtype)
-        self.o_proj = Linear(self.num_heads * d, h, bias=bias, dtype=dtype)
+        hq, hkv = config.num_attention_heads, config.num_key_value_heads
+        kv_rows = ((layout.kv_head_start * d, (layout.kv_head_start + layout.num_kv_heads) * d),)
+        self.q_proj = column_parallel_linear(h, hq * d * 2, parallel, bias=bias, dtype=dtype)
+        self.k_proj = column_parallel_linear(h, hkv * d, parallel, ranges=kv_rows, bias=bias, dtype=dtype)
+        self.v_proj = column_parallel_linear(h, hkv * d, parallel, ranges=kv_rows, bias=bias, dtype=dtype)
+        self.o_proj = row_parallel_linear(hq * d, h, parallel, bias=bias, dtype=dtype)
         self.q_norm = RMSNorm(d, config.rms_norm_eps, kernels, dtype=dtype)
         self.k_norm = RMSNorm(d, config.rms_norm_eps, kernels, dtype=dtype)
         self.core = core

@@ -17,6 +17,7 @@ from torch import nn
 from atom_models.gdn_meta import GDNPrefillMeta, GDNWeights
 from atom_models.gdn_pipeline import gdn_prefill
 from atom_models.gdn_state import GDNGeometry, GDNLayerState
+from atom_models.parallel import TPLayout
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,13 @@ class DenseAttentionCore(nn.Module):
 
 
 class DenseGDNCore(nn.Module):
-    """The GDN pipeline's prefill over each whole sequence, from a zero state made for the call."""
+    """The GDN pipeline's prefill over each whole sequence, from a zero state made for the call (this
+    tensor-parallel rank's heads when ``layout`` is given)."""
 
-    def __init__(self, config: Qwen3NextConfig, kernels):
+    def __init__(self, config: Qwen3NextConfig, kernels, layout: TPLayout | None = None):
         super().__init__()
         self.kernels = kernels
-        self.geometry = GDNGeometry.from_config(config)
+        self.geometry = GDNGeometry.from_config(config, layout=layout)
 
     def forward(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, weights: GDNWeights, ctx):
         lens = _seq_lens(ctx, mixed_qkv.shape[0])
@@ -103,8 +105,8 @@ class DenseCoreFactory:
     def __init__(self, kernels):
         self.kernels = kernels
 
-    def attention(self, prefix: str, layer_idx: int, config: Qwen3NextConfig) -> nn.Module:
+    def attention(self, prefix: str, layer_idx: int, config: Qwen3NextConfig, layout: TPLayout) -> nn.Module:
         return DenseAttentionCore(config, self.kernels)
 
-    def gdn(self, prefix: str, layer_idx: int, config: Qwen3NextConfig) -> nn.Module:
-        return DenseGDNCore(config, self.kernels)
+    def gdn(self, prefix: str, layer_idx: int, config: Qwen3NextConfig, layout: TPLayout) -> nn.Module:
+        return DenseGDNCore(config, self.kernels, layout)

@@ -8,7 +8,9 @@ from atom_core import Qwen3NextConfig
 from torch import nn
 
 from atom_models.gdn_meta import GDNWeights
-from atom_models.modules import Linear
+from atom_models.gdn_state import GDNGeometry
+from atom_models.modules import column_parallel_linear, row_parallel_linear
+from atom_models.parallel import SINGLE_PROCESS, ParallelContext, TPLayout
 
 
 class DepthwiseConv1dWeights(nn.Module):
@@ -37,29 +39,51 @@ class GatedDeltaNet(nn.Module):
     ``[b_g (r) | a_g (r)]`` per key head (HF ``fix_query_key_value_ordering``). The core receives the
     pre-conv ``mixed_qkv = [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]``, ``b``, ``a`` as ``[T, Hv]``, the
     :class:`GDNWeights` it needs (:meth:`gdn_weights`) and ``ctx``; it returns ``o[T, Hv, Dv]``.
+
+    Tensor parallel (``layout``): a rank holds ``Hk / tp`` key-head groups with their value heads. The
+    per-group layout makes its rows of ``in_proj_qkvz`` and ``in_proj_ba`` one contiguous range each
+    (column-parallel); ``conv1d`` holds its q, k and v channels (three ranges of the checkpoint's),
+    ``A_log`` / ``dt_bias`` its value heads; the norm weight (per channel of one head) is replicated and
+    ``out_proj`` is row-parallel (its all-reduce is the block's one collective). Head counts and dims
+    below are this rank's; the core gets this rank's ``mixed_qkv`` / ``b`` / ``a``.
     """
 
-    def __init__(self, config: Qwen3NextConfig, layer_idx: int, core: nn.Module, kernels, dtype=None):
+    def __init__(
+        self,
+        config: Qwen3NextConfig,
+        layer_idx: int,
+        core: nn.Module,
+        kernels,
+        dtype=None,
+        layout: TPLayout | None = None,
+        parallel: ParallelContext = SINGLE_PROCESS,
+    ):
         super().__init__()
+        layout = (
+            TPLayout.from_config(config, parallel.rank, parallel.world_size) if layout is None else layout
+        )
+        geo = GDNGeometry.from_config(config, layout=layout)
         self.kernels = kernels
         self.layer_idx = layer_idx
-        self.num_k_heads = config.linear_num_key_heads
-        self.num_v_heads = config.linear_num_value_heads
-        self.head_k_dim = config.linear_key_head_dim
-        self.head_v_dim = config.linear_value_head_dim
-        self.key_dim = config.linear_key_dim
-        self.value_dim = config.linear_value_dim
-        self.conv_dim = config.linear_conv_dim
-        self.conv_kernel_size = config.linear_conv_kernel_dim
+        self.num_k_heads = geo.num_k_heads
+        self.num_v_heads = geo.num_v_heads
+        self.head_k_dim = geo.head_k_dim
+        self.head_v_dim = geo.head_v_dim
+        self.key_dim = geo.key_dim
+        self.value_dim = geo.value_dim
+        self.conv_dim = geo.conv_dim
+        self.conv_kernel_size = geo.conv_kernel
         self.heads_per_group = self.num_v_heads // self.num_k_heads
         h = config.hidden_size
-        self.in_proj_qkvz = Linear(h, 2 * self.key_dim + 2 * self.value_dim, dtype=dtype)
-        self.in_proj_ba = Linear(h, 2 * self.num_v_heads, dtype=dtype)
+        self.in_proj_qkvz = column_parallel_linear(
+            h, 2 * config.linear_key_dim + 2 * config.linear_value_dim, parallel, dtype=dtype
+        )
+        self.in_proj_ba = column_parallel_linear(h, 2 * config.linear_num_value_heads, parallel, dtype=dtype)
         self.conv1d = DepthwiseConv1dWeights(self.conv_dim, self.conv_kernel_size, dtype=dtype)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=dtype), requires_grad=False)
         self.norm = GatedRMSNormWeights(self.head_v_dim, config.rms_norm_eps, dtype=dtype)
-        self.out_proj = Linear(self.value_dim, h, dtype=dtype)
+        self.out_proj = row_parallel_linear(config.linear_value_dim, h, parallel, dtype=dtype)
         self.core = core
 
     def split_projections(self, qkvz: torch.Tensor, ba: torch.Tensor):

@@ -20,6 +20,8 @@ import torch
 from atom_core import Qwen3NextConfig
 from atom_kernels.ops.gated_delta_rule import pending_width
 
+from atom_models.parallel.layout import TPLayout
+
 
 @dataclass(frozen=True)
 class GDNGeometry:
@@ -33,10 +35,14 @@ class GDNGeometry:
     num_speculative_tokens: int = 0
 
     @classmethod
-    def from_config(cls, config: Qwen3NextConfig, num_speculative_tokens: int = 0) -> GDNGeometry:
+    def from_config(
+        cls, config: Qwen3NextConfig, num_speculative_tokens: int = 0, layout: TPLayout | None = None
+    ) -> GDNGeometry:
+        """The whole layer's geometry, or with ``layout`` one tensor-parallel rank's (its key heads and
+        their value heads: every state shape is ``1 / world_size`` of the whole layer's)."""
         return cls(
-            num_k_heads=config.linear_num_key_heads,
-            num_v_heads=config.linear_num_value_heads,
+            num_k_heads=config.linear_num_key_heads if layout is None else layout.linear_num_key_heads,
+            num_v_heads=config.linear_num_value_heads if layout is None else layout.linear_num_value_heads,
             head_k_dim=config.linear_key_head_dim,
             head_v_dim=config.linear_value_head_dim,
             conv_kernel=config.linear_conv_kernel_dim,

@@ -36,6 +36,7 @@ from torch import nn
 
 from atom_models.modules import Fp8Linear, Linear
 from atom_models.moe import Experts, Fp8Experts
+from atom_models.parallel.shard import check_fp8_shard
 from atom_models.weight_map import Target, map_name, sources_for
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -191,9 +192,20 @@ def convert_fp8_modules(module: nn.Module, scope: _Scope, quant, kernels) -> lis
             )
         dev = mod.w13.device if isinstance(mod, Experts) else mod.weight.device
         if isinstance(mod, Experts):
-            new: nn.Module = Fp8Experts(mod.num_experts, mod.w13.shape[2], mod.w2.shape[2], block, device=dev)
+            new: nn.Module = Fp8Experts(
+                mod.num_experts,
+                mod.w13.shape[2],
+                mod.w2.shape[2],
+                block,
+                device=dev,
+                intermediate_range=mod.intermediate_range,
+                full_intermediate_size=mod.full_intermediate_size,
+                name=name,
+            )
         else:
-            new = Fp8Linear(mod.in_features, mod.out_features, block, kernels, device=dev)
+            if mod.shard is not None:
+                check_fp8_shard(name, mod.shard, block)
+            new = Fp8Linear(mod.in_features, mod.out_features, block, kernels, device=dev, shard=mod.shard)
         parent_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent_name) if parent_name else module, attr, new)
         converted.append(name)

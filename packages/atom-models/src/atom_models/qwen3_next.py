@@ -10,16 +10,27 @@ from torch import nn
 
 from atom_models.attention import Qwen3NextAttention
 from atom_models.gdn import GatedDeltaNet
-from atom_models.modules import Embedding, GatedMLP, Linear, RMSNorm
+from atom_models.modules import GatedMLP, RMSNorm
 from atom_models.moe import SparseMoeBlock
+from atom_models.parallel import (
+    SINGLE_PROCESS,
+    ParallelContext,
+    TPLayout,
+    VocabParallelEmbedding,
+    parallel_lm_head,
+)
 
 
 class CoreFactory(Protocol):
-    """Supplies the cache-touching part of each token mixer (see docs/model-api.md)."""
+    """Supplies the cache-touching part of each token mixer (see docs/model-api.md). ``layout`` is this
+    tensor-parallel rank's: a core works on ``layout.num_heads`` / ``num_kv_heads`` attention heads and
+    the GDN heads of ``GDNGeometry.from_config(config, k, layout)``."""
 
-    def attention(self, prefix: str, layer_idx: int, config: Qwen3NextConfig) -> nn.Module: ...
+    def attention(
+        self, prefix: str, layer_idx: int, config: Qwen3NextConfig, layout: TPLayout
+    ) -> nn.Module: ...
 
-    def gdn(self, prefix: str, layer_idx: int, config: Qwen3NextConfig) -> nn.Module: ...
+    def gdn(self, prefix: str, layer_idx: int, config: Qwen3NextConfig, layout: TPLayout) -> nn.Module: ...
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -34,22 +45,27 @@ class Qwen3NextDecoderLayer(nn.Module):
         cores: CoreFactory,
         kernels,
         dtype,
+        layout: TPLayout,
+        parallel: ParallelContext,
     ):
         super().__init__()
         self.layer_idx = layer_idx
         self.layer_type = layer_type
+        tp = {"layout": layout, "parallel": parallel}
         if layer_type == LINEAR_ATTENTION:
-            core = cores.gdn(f"{prefix}.linear_attn", layer_idx, config)
-            self.linear_attn = GatedDeltaNet(config, layer_idx, core, kernels, dtype=dtype)
+            core = cores.gdn(f"{prefix}.linear_attn", layer_idx, config, layout)
+            self.linear_attn = GatedDeltaNet(config, layer_idx, core, kernels, dtype=dtype, **tp)
         elif layer_type == FULL_ATTENTION:
-            core = cores.attention(f"{prefix}.self_attn", layer_idx, config)
-            self.self_attn = Qwen3NextAttention(config, layer_idx, core, kernels, dtype=dtype)
+            core = cores.attention(f"{prefix}.self_attn", layer_idx, config, layout)
+            self.self_attn = Qwen3NextAttention(config, layer_idx, core, kernels, dtype=dtype, **tp)
         else:
             raise ValueError(f"layer {layer_idx}: unknown layer type {layer_type!r}")
         if config.is_moe_layer(layer_idx):
-            self.mlp = SparseMoeBlock(config, kernels, dtype=dtype)
+            self.mlp = SparseMoeBlock(config, kernels, dtype=dtype, **tp)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, kernels, dtype=dtype)
+            self.mlp = GatedMLP(
+                config.hidden_size, config.intermediate_size, kernels, dtype=dtype, parallel=parallel
+            )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, dtype=dtype)
 
@@ -71,14 +87,34 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 class Qwen3NextModel(nn.Module):
     def __init__(
-        self, config: Qwen3NextConfig, cores: CoreFactory, kernels, dtype=None, prefix: str = "model"
+        self,
+        config: Qwen3NextConfig,
+        cores: CoreFactory,
+        kernels,
+        dtype=None,
+        prefix: str = "model",
+        layout: TPLayout | None = None,
+        parallel: ParallelContext = SINGLE_PROCESS,
     ):
         super().__init__()
+        layout = (
+            TPLayout.from_config(config, parallel.rank, parallel.world_size) if layout is None else layout
+        )
         self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, parallel, dtype=dtype
+        )
         self.layers = nn.ModuleList(
             Qwen3NextDecoderLayer(
-                config, i, config.layer_types[i], f"{prefix}.layers.{i}", cores, kernels, dtype
+                config,
+                i,
+                config.layer_types[i],
+                f"{prefix}.layers.{i}",
+                cores,
+                kernels,
+                dtype,
+                layout,
+                parallel,
             )
             for i in range(config.num_hidden_layers)
         )
@@ -111,17 +147,32 @@ class Qwen3NextForCausalLM(nn.Module):
     ``cores`` supplies the attention / GDN cores; ``kernels`` (atom_kernels ``Kernels``) the numeric ops;
     ``dtype`` the parameter dtype (default: ``kernels.dtype``); tensors are created on the current
     default device (use ``with torch.device(...)`` to build elsewhere).
+
+    ``parallel``: the tensor-parallel group (default :class:`SingleProcess`, TP = 1). Every rank builds
+    this with its own ``parallel``; ``self.layout`` (:class:`TPLayout`) holds the rank's sizes, checked
+    against the config (``ConfigError`` naming the field the world size does not divide). Every rank
+    runs ``forward`` on the same inputs and gets the same (replicated) hidden states; ``compute_logits``
+    all-gathers the vocabulary shards, so every rank gets the full ``[T, V]``.
     """
 
     def __init__(
-        self, config: Qwen3NextConfig, cores: CoreFactory, kernels, dtype: torch.dtype | None = None
+        self,
+        config: Qwen3NextConfig,
+        cores: CoreFactory,
+        kernels,
+        dtype: torch.dtype | None = None,
+        parallel: ParallelContext = SINGLE_PROCESS,
     ):
         super().__init__()
         dtype = kernels.dtype if dtype is None else dtype
         self.config = config
         self.kernels = kernels
-        self.model = Qwen3NextModel(config, cores, kernels, dtype=dtype, prefix="model")
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype)
+        self.parallel = parallel
+        self.layout = TPLayout.from_config(config, parallel.rank, parallel.world_size)
+        self.model = Qwen3NextModel(
+            config, cores, kernels, dtype=dtype, prefix="model", layout=self.layout, parallel=parallel
+        )
+        self.lm_head = parallel_lm_head(config.hidden_size, config.vocab_size, parallel, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -133,5 +184,10 @@ class Qwen3NextForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden_states: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        logits = self.lm_head(hidden_states)
-        return logits if dtype is None else logits.to(dtype)
+        return gather_logits(self.lm_head, self.parallel, hidden_states, dtype)
+
+
+def gather_logits(lm_head: nn.Module, parallel: ParallelContext, hidden: torch.Tensor, dtype) -> torch.Tensor:
+    """Full-vocabulary logits on every rank: this rank's ``lm_head`` rows, all-gathered in rank order."""
+    logits = parallel.all_gather(lm_head(hidden), -1)
+    return logits if dtype is None else logits.to(dtype)

@@ -6,8 +6,9 @@ import torch
 from atom_core import FULL_ATTENTION, Qwen3NextConfig
 from torch import nn
 
-from atom_models.modules import Embedding, Linear, RMSNorm
-from atom_models.qwen3_next import CoreFactory, Qwen3NextDecoderLayer, _check_inputs
+from atom_models.modules import Linear, RMSNorm
+from atom_models.parallel import SINGLE_PROCESS, ParallelContext, TPLayout, VocabParallelEmbedding
+from atom_models.qwen3_next import CoreFactory, Qwen3NextDecoderLayer, _check_inputs, gather_logits
 
 
 class Qwen3NextMTP(nn.Module):
@@ -18,6 +19,13 @@ class Qwen3NextMTP(nn.Module):
     stored as ``layers[str(num_hidden_layers + j)]`` (checkpoint ``mtp.layers.j``); step ``spec_step``
     runs layer ``spec_step % num_mtp_layers``; for k > 1 a step's input hidden state is the previous
     step's output.
+
+    Tensor parallel (``parallel``, the target's group): the layers are sharded as the target's; the
+    vocabulary-parallel ``embed_tokens`` / ``lm_head`` are the target's modules; ``compute_logits``
+    all-gathers the full vocabulary. ``fc`` (``[H, 2H]``) is replicated, not column-parallel with a
+    gather as in vLLM: it is ``2 H^2`` parameters (8 MiB in bf16 at H = 2048, kept bf16 by the published
+    FP8 checkpoint), and replicating it spares the draft step one all-gather on its critical path, for
+    ``(tp - 1) / tp`` of that memory per rank.
     """
 
     def __init__(
@@ -25,9 +33,10 @@ class Qwen3NextMTP(nn.Module):
         config: Qwen3NextConfig,
         cores: CoreFactory,
         kernels,
-        embed_tokens: Embedding,
+        embed_tokens: VocabParallelEmbedding,
         lm_head: Linear,
         dtype: torch.dtype | None = None,
+        parallel: ParallelContext = SINGLE_PROCESS,
     ):
         super().__init__()
         if config.num_mtp_layers < 1:
@@ -37,6 +46,13 @@ class Qwen3NextMTP(nn.Module):
         dtype = kernels.dtype if dtype is None else dtype
         self.config = config
         self.kernels = kernels
+        self.parallel = parallel
+        self.layout = TPLayout.from_config(config, parallel.rank, parallel.world_size)
+        if getattr(embed_tokens, "parallel", parallel).world_size != parallel.world_size:
+            raise ValueError(
+                f"Qwen3NextMTP: the shared embed_tokens is split over {embed_tokens.parallel.world_size} ranks, "
+                f"but parallel has world size {parallel.world_size} (pass the target's parallel)"
+            )
         h, eps = config.hidden_size, config.rms_norm_eps
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
@@ -47,7 +63,7 @@ class Qwen3NextMTP(nn.Module):
         for j in range(config.num_mtp_layers):
             idx = config.mtp_layer_index(j)
             self.layers[str(idx)] = Qwen3NextDecoderLayer(
-                config, idx, FULL_ATTENTION, f"mtp.layers.{idx}", cores, kernels, dtype
+                config, idx, FULL_ATTENTION, f"mtp.layers.{idx}", cores, kernels, dtype, self.layout, parallel
             )
         self.norm = RMSNorm(h, eps, kernels, dtype=dtype)
 
@@ -81,5 +97,4 @@ class Qwen3NextMTP(nn.Module):
         return x
 
     def compute_logits(self, hidden_states: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        logits = self.lm_head(hidden_states)
-        return logits if dtype is None else logits.to(dtype)
+        return gather_logits(self.lm_head, self.parallel, hidden_states, dtype)

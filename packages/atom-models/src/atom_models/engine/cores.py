@@ -10,6 +10,7 @@ from atom_models.engine.cache import EngineCaches
 from atom_models.engine.context import StepContext
 from atom_models.gdn_meta import GDNWeights
 from atom_models.gdn_pipeline import gdn_forward
+from atom_models.parallel import TPLayout
 
 
 class PagedAttentionCore(nn.Module):
@@ -52,12 +53,25 @@ class EngineCoreFactory:
         self.caches = caches
         self.kernels = kernels
 
-    def attention(self, prefix: str, layer_idx: int, config: Qwen3NextConfig) -> nn.Module:
+    def attention(self, prefix: str, layer_idx: int, config: Qwen3NextConfig, layout: TPLayout) -> nn.Module:
         if layer_idx not in self.caches.kv:
             raise KeyError(f"{prefix}: no KV cache allocated for attention layer {layer_idx}")
+        heads = self.caches.kv[layer_idx][0].shape[-2]
+        if heads != layout.num_kv_heads:
+            raise ValueError(
+                f"{prefix}: the KV cache holds {heads} KV heads per block row, but this tensor-parallel rank "
+                f"({layout.rank} of {layout.world_size}) has {layout.num_kv_heads}"
+            )
         return PagedAttentionCore(layer_idx, config, self.caches, self.kernels)
 
-    def gdn(self, prefix: str, layer_idx: int, config: Qwen3NextConfig) -> nn.Module:
+    def gdn(self, prefix: str, layer_idx: int, config: Qwen3NextConfig, layout: TPLayout) -> nn.Module:
         if layer_idx not in self.caches.gdn:
             raise KeyError(f"{prefix}: no GDN state allocated for layer {layer_idx}")
+        geo = self.caches.gdn_geometry
+        if (geo.num_k_heads, geo.num_v_heads) != (layout.linear_num_key_heads, layout.linear_num_value_heads):
+            raise ValueError(
+                f"{prefix}: the GDN state holds {geo.num_k_heads} key / {geo.num_v_heads} value heads, but this "
+                f"tensor-parallel rank ({layout.rank} of {layout.world_size}) has "
+                f"{layout.linear_num_key_heads} / {layout.linear_num_value_heads}"
+            )
         return SlotGDNCore(layer_idx, config, self.caches, self.kernels)

@@ -106,3 +106,6 @@ class TorchDistributed:
 
     def __repr__(self) -> str:
         return f"TorchDistributed(rank={self._rank}, world_size={self._world_size}, backend={self._dist.get_backend(self.group)})"
+
+
+SINGLE_PROCESS = SingleProcess()  # the default ``parallel`` of every model and layer (TP = 1; immutable)

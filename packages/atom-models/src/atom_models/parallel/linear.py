@@ -1,0 +1,113 @@
+"""Linear layers of a tensor-parallel model: column-parallel and row-parallel (built by
+:func:`column_parallel_linear` / :func:`row_parallel_linear`).
+
+Both are a :class:`Linear` (``weight[out_local, in_local]`` as in HF checkpoints) with a
+:class:`~atom_models.parallel.shard.LinearShard` saying which rows or columns of the full weight this rank
+holds and which collective finishes the output:
+
+- column-parallel: ``y_local = x @ W[rows].T``, the rank's output features (optionally all-gathered);
+- row-parallel: ``y = all_reduce(x_local @ W[:, cols].T)``, the input features split, the partial sums
+  added over the ranks (``reduce_results=False`` leaves the partial sum to the caller, e.g. the MoE block
+  which reduces routed + shared experts once). A bias is added on rank 0 only, so the sum has it once.
+
+With ``world_size == 1`` both are a plain linear and the collectives are the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom_models.parallel.context import ParallelContext
+from atom_models.parallel.shard import COLUMN, ROW, LinearShard
+
+
+def local_bias(bias: torch.Tensor | None, shard: LinearShard | None) -> torch.Tensor | None:
+    """The bias this rank adds: a row-parallel layer's on rank 0 only (the reduce sums it once)."""
+    if bias is None or shard is None or shard.kind != ROW or shard.parallel.rank == 0:
+        return bias
+    return None
+
+
+def finish(y: torch.Tensor, shard: LinearShard | None) -> torch.Tensor:
+    """The collective a sharded linear's output needs (none for a column-parallel one without gather)."""
+    if shard is None:
+        return y
+    if shard.kind == ROW and shard.reduce:
+        return shard.parallel.all_reduce(y)
+    if shard.kind == COLUMN and shard.gather:
+        return shard.parallel.all_gather(y, -1)
+    return y
+
+
+class Linear(nn.Module):
+    """``y = x @ weight.T (+ bias)``; ``weight`` is ``[out_features, in_features]`` (this rank's sizes).
+
+    ``shard``: this rank's part of a sharded linear (None: the whole weight on every rank).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        shard: LinearShard | None = None,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.shard = shard
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return finish(F.linear(x, self.weight, local_bias(self.bias, self.shard)), self.shard)
+
+    def extra_repr(self) -> str:
+        s = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        if self.shard is not None and self.shard.is_sharded:
+            s += f", {self.shard.kind}-parallel {list(self.shard.ranges)} of {list(self.shard.parts)}"
+        return s
+
+
+def column_parallel_linear(
+    in_features: int,
+    out_features: int,
+    parallel: ParallelContext,
+    *,
+    parts: tuple[int, ...] | None = None,
+    ranges: tuple[tuple[int, int], ...] | None = None,
+    gather_output: bool = False,
+    bias: bool = False,
+    dtype: torch.dtype | None = None,
+) -> Linear:
+    """A :class:`Linear` holding this rank's output rows: ``parts`` (default ``(out_features,)``, the fused
+    checkpoint tensors' row counts) each split evenly, or the explicit ``ranges`` of each part this rank
+    holds (KV heads). ``gather_output``: all-gather the local outputs into the full ``out_features``."""
+    parts = (out_features,) if parts is None else tuple(parts)
+    if sum(parts) != out_features:
+        raise ValueError(f"column-parallel linear: parts {parts} do not add up to {out_features} rows")
+    if ranges is None:
+        shard = LinearShard.even(COLUMN, parallel, parts, gather=gather_output)
+    else:
+        shard = LinearShard(COLUMN, parallel, parts, tuple(ranges), gather=gather_output)
+    return Linear(in_features, shard.local_size, bias=bias, dtype=dtype, shard=shard)
+
+
+def row_parallel_linear(
+    in_features: int,
+    out_features: int,
+    parallel: ParallelContext,
+    *,
+    reduce_results: bool = True,
+    bias: bool = False,
+    dtype: torch.dtype | None = None,
+) -> Linear:
+    """A :class:`Linear` holding this rank's input columns (split evenly); its output is all-reduced unless
+    ``reduce_results=False``."""
+    shard = LinearShard.even(ROW, parallel, (in_features,), reduce=reduce_results)
+    return Linear(shard.local_size, out_features, bias=bias, dtype=dtype, shard=shard)
