@@ -146,6 +146,9 @@ class GatedDeltaRuleRecurrent(Protocol):
         state_indices: Tensor,
         scale: float,
         use_qk_l2norm: bool = True,
+        *,
+        A_log: Tensor | None = None,
+        dt_bias: Tensor | None = None,
     ) -> Tensor: ...
 
 
@@ -165,6 +168,9 @@ class GatedDeltaRuleVerify(Protocol):
         num_commit: Tensor,
         scale: float,
         use_qk_l2norm: bool = True,
+        *,
+        A_log: Tensor | None = None,
+        dt_bias: Tensor | None = None,
     ) -> Tensor: ...
 
 

@@ -7,6 +7,24 @@ from atom_kernels.ops._checks import FLOAT_DTYPES, Checker
 INDEX_DTYPES = (torch.int32,)
 
 
+def _gates(
+    c: Checker, g: torch.Tensor, beta: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None
+) -> None:
+    """``g``/``beta`` ``[N, Q, Hv]``; with fused gating (``A_log`` and ``dt_bias`` ``[Hv]`` given, both or
+    neither) they are the raw gate inputs ``a``/``b`` and are named so in the errors."""
+    c.require(
+        (A_log is None) == (dt_bias is None),
+        "fused gating needs both A_log and dt_bias (or neither), got "
+        f"A_log={'None' if A_log is None else 'a tensor'}, dt_bias={'None' if dt_bias is None else 'a tensor'}",
+    )
+    fused = A_log is not None
+    c.tensor("a (passed as g)" if fused else "g", g, ("N", "Q", "Hv"), FLOAT_DTYPES)
+    c.tensor("b (passed as beta)" if fused else "beta", beta, ("N", "Q", "Hv"), FLOAT_DTYPES)
+    if fused:
+        c.tensor("A_log", A_log, ("Hv",), FLOAT_DTYPES)
+        c.tensor("dt_bias", dt_bias, ("Hv",), FLOAT_DTYPES)
+
+
 def _common(c: Checker, ssm_state: torch.Tensor, scale: float, use_qk_l2norm: bool) -> None:
     c.tensor("ssm_state", ssm_state, ("S", "Hv", "Dv", "Dk"), FLOAT_DTYPES)
     hk, hv = c.dim("Hk"), c.dim("Hv")
@@ -53,13 +71,14 @@ def check_gated_delta_rule_recurrent(
     state_indices: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> None:
     c = Checker("gated_delta_rule_recurrent")
     c.tensor("q", q, ("N", "Q", "Hk", "Dk"), FLOAT_DTYPES)
     c.tensor("k", k, ("N", "Q", "Hk", "Dk"), (q.dtype,))
     c.tensor("v", v, ("N", "Q", "Hv", "Dv"), FLOAT_DTYPES)
-    c.tensor("g", g, ("N", "Q", "Hv"), FLOAT_DTYPES)
-    c.tensor("beta", beta, ("N", "Q", "Hv"), FLOAT_DTYPES)
+    _gates(c, g, beta, A_log, dt_bias)
     c.tensor("state_indices", state_indices, ("N",), INDEX_DTYPES)
     _common(c, ssm_state, scale, use_qk_l2norm)
 
@@ -81,13 +100,14 @@ def check_gated_delta_rule_verify(
     num_commit: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> None:
     c = Checker("gated_delta_rule_verify")
     c.tensor("q", q, ("N", "Q", "Hk", "Dk"), FLOAT_DTYPES)
     c.tensor("k", k, ("N", "Q", "Hk", "Dk"), (q.dtype,))
     c.tensor("v", v, ("N", "Q", "Hv", "Dv"), FLOAT_DTYPES)
-    c.tensor("g", g, ("N", "Q", "Hv"), FLOAT_DTYPES)
-    c.tensor("beta", beta, ("N", "Q", "Hv"), FLOAT_DTYPES)
+    _gates(c, g, beta, A_log, dt_bias)
     c.tensor("state_indices", state_indices, ("N",), INDEX_DTYPES)
     c.tensor("num_commit", num_commit, ("N",), INDEX_DTYPES)
     _common(c, ssm_state, scale, use_qk_l2norm)

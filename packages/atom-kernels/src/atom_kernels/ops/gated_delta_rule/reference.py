@@ -6,7 +6,9 @@ Per token and value head (key head ``h // (Hv // Hk)``)::
     S_t = S_t + beta_t * (v_t - S_t k_t) k_t^T      # S: [Dv, Dk], k: [Dk], v: [Dv]
     o_t = S_t q_t * scale
 
-with q, k L2-normalised first when ``use_qk_l2norm``. The chunked form computes the same thing for
+with q, k L2-normalised first when ``use_qk_l2norm``. The recurrent and verify ops can fuse the gating: given
+``A_log`` and ``dt_bias``, their ``g`` and ``beta`` arguments are the raw gate inputs ``a`` and ``b`` and the
+op applies :func:`~atom_kernels.ops.gdn_gating.reference.gdn_gating` first (bit for bit the unfused pair). The chunked form computes the same thing for
 chunks of ``chunk_size`` tokens with the WY/UT transform (as fla's ``chunk_gated_delta_rule`` and
 transformers' ``torch_chunk_gated_delta_rule``).
 """
@@ -21,7 +23,20 @@ from atom_kernels.ops.gated_delta_rule.checks import (
     check_gated_delta_rule_recurrent,
     check_gated_delta_rule_verify,
 )
+from atom_kernels.ops.gdn_gating.reference import gdn_gating
 from atom_kernels.ops.l2norm.reference import l2norm_f32
+
+
+def _gate_values(
+    g: torch.Tensor, beta: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``(g, beta)`` ``[N, Q, Hv]``: the given ones, or (fused gating) ``gdn_gating`` of the raw
+    ``a = g``, ``b = beta``."""
+    if A_log is None:
+        return g.float(), beta.float()
+    shape = g.shape
+    g32, b32 = gdn_gating(A_log, g.reshape(-1, shape[-1]), dt_bias, beta.reshape(-1, shape[-1]))
+    return g32.view(shape), b32.view(shape)
 
 
 def _prepare_qk(
@@ -155,20 +170,28 @@ def gated_delta_rule_recurrent(
     state_indices: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool = True,
+    *,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode: Q tokens per sequence from its slot's state, the final state written back to the slot.
 
     Args:
-        q, k: ``[N, Q, Hk, Dk]``; v: ``[N, Q, Hv, Dv]``; g, beta: ``[N, Q, Hv]``.
+        q, k: ``[N, Q, Hk, Dk]``; v: ``[N, Q, Hv, Dv]``; g, beta: ``[N, Q, Hv]`` (log decay, write
+            strength; with fused gating the raw gate inputs ``a``, ``b``).
         ssm_state: ``[S, Hv, Dv, Dk]`` float32/bf16, updated in place.
         state_indices: ``[N]`` int32 slots (< 0: padding row, zero state, nothing written).
         scale: query scale; use_qk_l2norm: L2-normalise q and k first.
+        A_log, dt_bias: ``[Hv]``, both or neither. Given: fused gating, ``g, beta = gdn_gating(A_log, g,
+            dt_bias, beta)`` (float32) before the rule.
 
     Returns:
         ``o [N, Q, Hv, Dv]`` in q.dtype. The state is carried in float32 between the tokens of a call
         and rounded once, when stored.
     """
-    check_gated_delta_rule_recurrent(q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm)
+    check_gated_delta_rule_recurrent(
+        q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm, A_log, dt_bias
+    )
     op = "gated_delta_rule_recurrent"
     q_len, num_v_heads = v.shape[1], v.shape[2]
     check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
@@ -176,7 +199,8 @@ def gated_delta_rule_recurrent(
     valid = slots >= 0
     state = _read_states(ssm_state, slots, valid)  # [N, Hv, Dv, Dk]
     q32, k32 = _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm)
-    v32, g32, b32 = v.float(), g.float(), beta.float()
+    v32 = v.float()
+    g32, b32 = _gate_values(g, beta, A_log, dt_bias)
     out = torch.empty(v.shape, dtype=torch.float32, device=q.device)
     for j in range(q_len):
         state, _ = _delta_step(state, k32[:, j], v32[:, j], g32[:, j], b32[:, j])
@@ -210,11 +234,15 @@ def gated_delta_rule_verify(
     num_commit: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool = True,
+    *,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MTP verify with deferred commit: commit the accepted pending tokens, verify Q new ones, stash them.
 
     Args:
-        q, k: ``[N, Q, Hk, Dk]``; v: ``[N, Q, Hv, Dv]``; g, beta: ``[N, Q, Hv]``.
+        q, k: ``[N, Q, Hk, Dk]``; v: ``[N, Q, Hv, Dv]``; g, beta: ``[N, Q, Hv]`` (log decay, write
+            strength; with fused gating the raw gate inputs ``a``, ``b``).
         ssm_state: ``[S, Hv, Dv, Dk]`` float32/bf16: the committed state of each slot, updated in place.
         pending: ``[S, R, P]`` float32, ``P = Hk*Dk + Hv*Dv + Hv``: per slot the previous verify step's
             tokens ``[k (raw) | u | g]``, ``u = beta (v - (S exp(g)) k)`` the token's update
@@ -223,6 +251,8 @@ def gated_delta_rule_verify(
         num_commit: ``[N]`` int32 in ``[0, R]``: how many pending tokens to commit first (the tokens of
             the previous step that were accepted; 0 commits nothing).
         scale: query scale; use_qk_l2norm: L2-normalise q and k (also the pending k on replay).
+        A_log, dt_bias: ``[Hv]``, both or neither. Given: fused gating, ``g, beta = gdn_gating(A_log, g,
+            dt_bias, beta)`` (float32) before the rule; the stashed ``g`` is the computed one.
 
     Returns:
         ``o [N, Q, Hv, Dv]`` in q.dtype. No per-token state is stored: the committed state is written
@@ -230,7 +260,7 @@ def gated_delta_rule_verify(
         token is ``S = S exp(g) + u k^T``: no reduction over the state, so committing is cheap.
     """
     check_gated_delta_rule_verify(
-        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm
+        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log, dt_bias
     )
     op = "gated_delta_rule_verify"
     num_seqs, q_len, num_k_heads, dk = k.shape
@@ -261,7 +291,8 @@ def gated_delta_rule_verify(
 
     # 2. verify the Q new tokens; no state is stored, only each token's u.
     q32, k32 = _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm)
-    v32, g32, b32 = v.float(), g.float(), beta.float()
+    v32 = v.float()
+    g32, b32 = _gate_values(g, beta, A_log, dt_bias)
     out = torch.empty(v.shape, dtype=torch.float32, device=q.device)
     us = torch.empty(v.shape, dtype=torch.float32, device=q.device)
     for j in range(q_len):
@@ -269,6 +300,6 @@ def gated_delta_rule_verify(
         out[:, j] = (state @ q32[:, j, :, :, None]).squeeze(-1)
 
     # 3. stash this step's tokens for the next step's commit.
-    new = torch.cat([k.float().flatten(2), us.flatten(2), g.float()], dim=-1)  # [N, Q, P]
+    new = torch.cat([k.float().flatten(2), us.flatten(2), g32], dim=-1)  # [N, Q, P]
     pending[slots[keep], :q_len] = new[keep]
     return out.to(q.dtype)

@@ -2,7 +2,10 @@
 
 ``gated_delta_rule_recurrent`` (decode) is our own kernel. One program per (sequence, value head, block of
 ``BV`` value rows) loads its ``[BV, Dk]`` float32 state tile from the sequence's slot, loops over the Q
-tokens (q/k L2-normalised in the kernel) and stores the tile back once, rounded to the pool dtype. fla-core's
+tokens (q/k L2-normalised in the kernel) and stores the tile back once, rounded to the pool dtype. With
+``A_log``/``dt_bias`` (fused gating) it reads the raw gate inputs ``a``/``b`` where it would read g/beta and
+computes them with :func:`~atom_kernels.ops.gdn_gating.triton.gdn_gate` (the gating op's expression): one
+launch instead of two, which is what a small decode batch pays for. fla-core's
 ``fused_recurrent_gated_delta_rule`` reads a dense ``initial_state[N]`` instead of a slot pool.
 
 ``gated_delta_rule_chunked`` (varlen prefill) wraps fla-core's ``chunk_gated_delta_rule``: its math is
@@ -33,9 +36,20 @@ from atom_kernels.ops.gated_delta_rule.checks import (
     check_gated_delta_rule_chunked,
     check_gated_delta_rule_recurrent,
 )
+from atom_kernels.ops.gdn_gating.triton import gdn_gate
 from atom_kernels.ops.l2norm.checks import DEFAULT_EPS as L2NORM_EPS
 
 FLA_CHUNK_SIZES = (16, 32, 64)
+
+
+def strides(name: str, t: torch.Tensor | None, axes: str) -> dict[str, int]:
+    """Keyword arguments ``s_<name><axis>`` = ``t.stride()`` (one letter per axis of ``t``) for a kernel
+    launch; zeros when ``t`` is None (an input the kernel does not read)."""
+    if t is None:
+        return {f"s_{name}{a}": 0 for a in axes}
+    if t.dim() != len(axes):
+        raise ValueError(f"strides: {name} has {t.dim()} dims, the kernel names {len(axes)} ({axes!r})")
+    return {f"s_{name}{a}": st for a, st in zip(axes, t.stride())}
 
 
 @triton.jit
@@ -48,6 +62,8 @@ def _recurrent_kernel(
     o_ptr,
     state_ptr,
     idx_ptr,
+    A_ptr,
+    dt_ptr,
     scale,
     eps,
     s_qn,
@@ -77,6 +93,8 @@ def _recurrent_kernel(
     s_sv,
     s_sk,
     s_in,
+    s_Ah,
+    s_dth,
     Q: tl.constexpr,
     HV: tl.constexpr,
     GROUP: tl.constexpr,
@@ -85,6 +103,7 @@ def _recurrent_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     L2NORM: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -102,6 +121,9 @@ def _recurrent_kernel(
     # tensor & scalar-bool mask); empty on padding rows.
     m_h = (o_v < tl.where(slot >= 0, DV, 0))[:, None] & m_k[None, :]
     h = tl.load(p_h, mask=m_h, other=0.0).to(tl.float32)
+    if GATED:  # fused gating: g_ptr / beta_ptr hold the raw a / b
+        A_log = tl.load(A_ptr + i_hv * s_Ah).to(tl.float32)
+        dt_bias = tl.load(dt_ptr + i_hv * s_dth).to(tl.float32)
 
     for j in tl.static_range(Q):
         b_q = tl.load(q_ptr + i_n * s_qn + j * s_qt + i_hk * s_qh + o_k * s_qd, mask=m_k, other=0.0).to(
@@ -115,6 +137,8 @@ def _recurrent_kernel(
         )
         b_g = tl.load(g_ptr + i_n * s_gn + j * s_gt + i_hv * s_gh).to(tl.float32)
         b_b = tl.load(beta_ptr + i_n * s_bn + j * s_bt + i_hv * s_bh).to(tl.float32)
+        if GATED:
+            b_g, b_b = gdn_gate(b_g, b_b, A_log, dt_bias)
         if L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + eps)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + eps)
@@ -147,10 +171,18 @@ def gated_delta_rule_recurrent(
     state_indices: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool = True,
+    *,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_recurrent`."""
-    check_gated_delta_rule_recurrent(q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm)
-    return _launch_recurrent(q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm)
+    """See :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_recurrent` (with
+    ``A_log``/``dt_bias``: the gating fused into the kernel)."""
+    check_gated_delta_rule_recurrent(
+        q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm, A_log, dt_bias
+    )
+    return _launch_recurrent(
+        q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm, A_log=A_log, dt_bias=dt_bias
+    )
 
 
 def _launch_recurrent(
@@ -165,9 +197,12 @@ def _launch_recurrent(
     use_qk_l2norm: bool = True,
     block_v: int | None = None,
     num_warps: int | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The recurrent kernel's launch; ``block_v`` / ``num_warps`` override :func:`recurrent_launch_config`
-    (benchmarks compare launch settings through this; no input checks)."""
+    (benchmarks compare launch settings through this; no input checks). ``A_log``/``dt_bias`` given: fused
+    gating (``g``/``beta`` are the raw ``a``/``b``)."""
     N, Q, HK, DK = q.shape
     HV, DV = v.shape[2], v.shape[3]
     o = torch.empty((N, Q, HV, DV), dtype=q.dtype, device=q.device)
@@ -176,12 +211,14 @@ def _launch_recurrent(
     bv, nw = recurrent_launch_config(N, HV, DV)
     bv, nw = block_v or bv, num_warps or nw
     _recurrent_kernel[(triton.cdiv(DV, bv), N * HV)](
-        q, k, v, g, beta, o, ssm_state, state_indices,
-        float(scale), L2NORM_EPS,
-        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *o.stride(),
-        *ssm_state.stride(), state_indices.stride(0),
+        q_ptr=q, k_ptr=k, v_ptr=v, g_ptr=g, beta_ptr=beta, o_ptr=o, state_ptr=ssm_state,
+        idx_ptr=state_indices, A_ptr=A_log, dt_ptr=dt_bias, scale=float(scale), eps=L2NORM_EPS,
+        **strides("q", q, "nthd"), **strides("k", k, "nthd"), **strides("v", v, "nthd"),
+        **strides("g", g, "nth"), **strides("b", beta, "nth"), **strides("o", o, "nthd"),
+        **strides("s", ssm_state, "shvk"), **strides("i", state_indices, "n"),
+        **strides("A", A_log, "h"), **strides("dt", dt_bias, "h"),
         Q=Q, HV=HV, GROUP=HV // HK, DK=DK, DV=DV, BK=triton.next_power_of_2(DK), BV=bv,
-        L2NORM=use_qk_l2norm, num_warps=nw,
+        L2NORM=use_qk_l2norm, GATED=A_log is not None, num_warps=nw,
     )  # fmt: skip
     return o
 
@@ -255,8 +292,9 @@ def gated_delta_rule_chunked(
     h0 = torch.empty((N, HV, DV, DK), dtype=torch.float32, device=q.device)
     init = has_initial_state.view(torch.int8)  # reinterpret the bools: no conversion kernel per call
     _gather_states_kernel[grid](
-        ssm_state, state_indices, init, h0, ssm_state.stride(0), h0.stride(0), numel, BLOCK=BLOCK
-    )
+        state_ptr=ssm_state, idx_ptr=state_indices, init_ptr=init, out_ptr=h0,
+        s_ss=ssm_state.stride(0), s_on=h0.stride(0), NUMEL=numel, BLOCK=BLOCK,
+    )  # fmt: skip
     o, final = chunk_gated_delta_rule(
         q.unsqueeze(0),
         k.unsqueeze(0),
@@ -273,6 +311,7 @@ def gated_delta_rule_chunked(
     )
     final = final.contiguous()
     _scatter_states_kernel[grid](
-        final, state_indices, ssm_state, final.stride(0), ssm_state.stride(0), numel, BLOCK=BLOCK
-    )
+        src_ptr=final, idx_ptr=state_indices, state_ptr=ssm_state,
+        s_sn=final.stride(0), s_ss=ssm_state.stride(0), NUMEL=numel, BLOCK=BLOCK,
+    )  # fmt: skip
     return o.squeeze(0).to(q.dtype)

@@ -19,6 +19,10 @@ Two launches, in stream order:
    the key head's group) and ``g`` (read by every value-row block of the head), after all programs of
    launch 1 have read the old ones.
 
+With ``A_log``/``dt_bias`` (fused gating) both launches read the raw gate inputs ``a``/``b`` where they would
+read g/beta and compute them with :func:`~atom_kernels.ops.gdn_gating.triton.gdn_gate` (the gating op's
+expression): the gating op's launch is gone, which is what a small batch pays for.
+
 Instruction count is what bounds this kernel at large batch, so:
 - L2 norms are per-row scalars: ``h (k r) = (h k) r`` and ``u (k r)^T = (u r) k^T`` with ``r = 1/|k|``;
   no per-element division of q and k.
@@ -47,7 +51,8 @@ import triton.language as tl
 
 from atom_kernels.ops._checks import check_num_accepted_values, check_slot_values
 from atom_kernels.ops.gated_delta_rule.checks import check_gated_delta_rule_verify
-from atom_kernels.ops.gated_delta_rule.triton import recurrent_launch_config
+from atom_kernels.ops.gated_delta_rule.triton import recurrent_launch_config, strides
+from atom_kernels.ops.gdn_gating.triton import gdn_gate
 from atom_kernels.ops.l2norm.checks import DEFAULT_EPS as L2NORM_EPS
 
 VERIFY_BLOCK_K = 32  # KC: Dk chunk of the state tile (8 lanes x 4 float32, 16-byte loads)
@@ -83,17 +88,20 @@ def _rsum(x):
 
 @triton.jit
 def _token(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_n, i_hk, i_hv, t, d2, m_d2, o_v, m_v, scale, eps,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_n, i_hk, i_hv, t, d2, m_d2, o_v, m_v, scale, eps, A_log, dt_bias,
     s_qn, s_qt, s_qh, s_qd, s_kn, s_kt, s_kh, s_kd, s_vn, s_vt, s_vh, s_vd, s_gn, s_gt, s_gh,
-    s_bn, s_bt, s_bh, L2NORM: tl.constexpr,
+    s_bn, s_bt, s_bh, L2NORM: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     """Token ``t`` of sequence ``i_n``: q and k as ``[NC, KC]`` float32, v as ``[BV]`` (its dtype: converted
-    where used), g, beta, and the L2 norms as scalars, ``r_q`` (times the scale) and ``r_k``."""
+    where used), g, beta, and the L2 norms as scalars, ``r_q`` (times the scale) and ``r_k``. ``GATED``:
+    g_ptr / beta_ptr hold the raw a / b, gated here with the head's float32 ``A_log`` and ``dt_bias``."""
     t_q = tl.load(q_ptr + i_n * s_qn + t * s_qt + i_hk * s_qh + d2 * s_qd, mask=m_d2, other=0.0)
     t_k = tl.load(k_ptr + i_n * s_kn + t * s_kt + i_hk * s_kh + d2 * s_kd, mask=m_d2, other=0.0)
     t_v = tl.load(v_ptr + i_n * s_vn + t * s_vt + i_hv * s_vh + o_v * s_vd, mask=m_v, other=0.0)
     t_g = tl.load(g_ptr + i_n * s_gn + t * s_gt + i_hv * s_gh).to(tl.float32)
     t_b = tl.load(beta_ptr + i_n * s_bn + t * s_bt + i_hv * s_bh).to(tl.float32)
+    if GATED:
+        t_g, t_b = gdn_gate(t_g, t_b, A_log, dt_bias)
     t_q = t_q.to(tl.float32)
     t_k = t_k.to(tl.float32)
     r_q = scale
@@ -116,6 +124,8 @@ def _verify_kernel(
     pend_ptr,
     idx_ptr,
     commit_ptr,
+    A_ptr,
+    dt_ptr,
     scale,
     eps,
     s_qn,
@@ -148,6 +158,8 @@ def _verify_kernel(
     s_pr,
     s_pp,
     s_in,
+    s_Ah,
+    s_dth,
     Q: tl.constexpr,
     R: tl.constexpr,
     QP: tl.constexpr,
@@ -161,6 +173,7 @@ def _verify_kernel(
     BV: tl.constexpr,
     L2NORM: tl.constexpr,
     WY: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -174,6 +187,11 @@ def _verify_kernel(
 
     slot = tl.load(idx_ptr + i_n * s_in).to(tl.int64)
     valid = slot >= 0
+    A_log = 0.0  # fused gating only (GATED): the head's gate parameters, float32
+    dt_bias = 0.0
+    if GATED:
+        A_log = tl.load(A_ptr + i_hv * s_Ah).to(tl.float32)
+        dt_bias = tl.load(dt_ptr + i_hv * s_dth).to(tl.float32)
     n_commit = tl.where(valid, tl.minimum(tl.load(commit_ptr + i_n), R), 0)
     # Scalar conditions enter masks as bounds, not `mask & cond`: the interpreter turns a tensor &
     # scalar bool into int32, which tl.load rejects. Empty on padding rows; for the state store also
@@ -229,8 +247,8 @@ def _verify_kernel(
         for t in tl.static_range(Q):
             t_q, t_k, t_v, t_g, t_b, r_q, r_k = _token(
                 q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_n, i_hk, i_hv, t, d2, m_d2, o_v, m_v, scale, eps,
-                s_qn, s_qt, s_qh, s_qd, s_kn, s_kt, s_kh, s_kd, s_vn, s_vt, s_vh, s_vd, s_gn, s_gt, s_gh,
-                s_bn, s_bt, s_bh, L2NORM,
+                A_log, dt_bias, s_qn, s_qt, s_qh, s_qd, s_kn, s_kt, s_kh, s_kd, s_vn, s_vt, s_vh, s_vd,
+                s_gn, s_gt, s_gh, s_bn, s_bt, s_bh, L2NORM, GATED,
             )  # fmt: skip
             gcum = gcum + t_g
             b_gc = tl.where(o_q == t, gcum, b_gc)
@@ -248,8 +266,8 @@ def _verify_kernel(
         for j in tl.static_range(Q):
             t_q, t_k, t_v, t_g, t_b, r_q, r_k = _token(
                 q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_n, i_hk, i_hv, j, d2, m_d2, o_v, m_v, scale, eps,
-                s_qn, s_qt, s_qh, s_qd, s_kn, s_kt, s_kh, s_kd, s_vn, s_vt, s_vh, s_vd, s_gn, s_gt, s_gh,
-                s_bn, s_bt, s_bh, L2NORM,
+                A_log, dt_bias, s_qn, s_qt, s_qh, s_qd, s_kn, s_kt, s_kh, s_kd, s_vn, s_vt, s_vh, s_vd,
+                s_gn, s_gt, s_gh, s_bn, s_bt, s_bh, L2NORM, GATED,
             )  # fmt: skip
             h = h * tl.exp(t_g)
             t_u = t_b * (t_v.to(tl.float32) - _rsum(h * t_k[None, :, :]) * r_k)  # beta (v - h k): stashed
@@ -275,6 +293,8 @@ def _stash_kernel(
     g_ptr,
     pend_ptr,
     idx_ptr,
+    A_ptr,
+    dt_ptr,
     s_kn,
     s_kt,
     s_kh,
@@ -286,14 +306,18 @@ def _stash_kernel(
     s_pr,
     s_pp,
     s_in,
+    s_Ah,
+    s_dth,
     HK: tl.constexpr,
     HV: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BLOCK: tl.constexpr,
     BH: tl.constexpr,
+    GATED: tl.constexpr,
 ):
-    """pending[slot, j] k and g parts = this step's token j (float32); slot < 0 skipped."""
+    """pending[slot, j] k and g parts = this step's token j (float32); slot < 0 skipped. ``GATED``: g_ptr
+    holds the raw a, gated here (as the verify kernel does)."""
     i_n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     slot = tl.load(idx_ptr + i_n * s_in).to(tl.int64)
@@ -306,23 +330,34 @@ def _stash_kernel(
             tl.store(p_row + o * s_pp, x.to(tl.float32), mask=m)
         o_h = tl.arange(0, BH)
         m_h = o_h < HV
-        b_g = tl.load(g_ptr + i_n * s_gn + j * s_gt + o_h * s_gh, mask=m_h)
-        tl.store(p_row + (HK * DK + HV * DV + o_h) * s_pp, b_g.to(tl.float32), mask=m_h)
+        b_g = tl.load(g_ptr + i_n * s_gn + j * s_gt + o_h * s_gh, mask=m_h).to(tl.float32)
+        if GATED:
+            A_log = tl.load(A_ptr + o_h * s_Ah, mask=m_h, other=0.0).to(tl.float32)
+            dt_bias = tl.load(dt_ptr + o_h * s_dth, mask=m_h, other=0.0).to(tl.float32)
+            b_g, _ = gdn_gate(b_g, b_g, A_log, dt_bias)
+        tl.store(p_row + (HK * DK + HV * DV + o_h) * s_pp, b_g, mask=m_h)
 
 
 def stash_shared(
-    k: torch.Tensor, g: torch.Tensor, pending: torch.Tensor, state_indices: torch.Tensor
+    k: torch.Tensor,
+    g: torch.Tensor,
+    pending: torch.Tensor,
+    state_indices: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> None:
-    """Launch 2 of the verify op: ``pending[slot, j]``'s k and g parts = this step's token j. Must follow
-    every read of the old pending tokens (stream order after the verify kernel)."""
+    """Launch 2 of the verify op: ``pending[slot, j]``'s k and g parts = this step's token j (``g`` is the
+    raw ``a`` when ``A_log``/``dt_bias`` are given). Must follow every read of the old pending tokens
+    (stream order after the verify kernel)."""
     N, Q, HK, DK = k.shape
     HV = g.shape[2]
     DV = (pending.shape[2] - HK * DK - HV) // HV
     _stash_kernel[(N, Q)](
-        k, g, pending, state_indices,
-        *k.stride(), *g.stride(), *pending.stride(), state_indices.stride(0),
+        k_ptr=k, g_ptr=g, pend_ptr=pending, idx_ptr=state_indices, A_ptr=A_log, dt_ptr=dt_bias,
+        **strides("k", k, "nthd"), **strides("g", g, "nth"), **strides("p", pending, "srp"),
+        **strides("i", state_indices, "n"), **strides("A", A_log, "h"), **strides("dt", dt_bias, "h"),
         HK=HK, HV=HV, DK=DK, DV=DV, BLOCK=min(2048, triton.next_power_of_2(HK * DK)),
-        BH=triton.next_power_of_2(HV), num_warps=4,
+        BH=triton.next_power_of_2(HV), GATED=A_log is not None, num_warps=4,
     )  # fmt: skip
 
 
@@ -338,18 +373,23 @@ def gated_delta_rule_verify(
     num_commit: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool = True,
+    *,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_verify`."""
+    """See :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_verify` (with
+    ``A_log``/``dt_bias``: the gating fused into both launches)."""
     check_gated_delta_rule_verify(
-        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm
+        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log, dt_bias
     )
     if q.device.type == "cpu":  # reads values: only under the interpreter (no device sync on a GPU)
         op, r = "gated_delta_rule_verify", pending.shape[1]
         check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
         check_num_accepted_values(op, num_commit, r, f"R={r}", low=0, name="num_commit")
     return _launch_verify(
-        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm
-    )
+        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm,
+        A_log=A_log, dt_bias=dt_bias,
+    )  # fmt: skip
 
 
 def _launch_verify(
@@ -365,9 +405,12 @@ def _launch_verify(
     scale: float,
     use_qk_l2norm: bool = True,
     launch: VerifyLaunch | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The two launches of the verify op with ``launch`` (None: :func:`verify_launch_config`); no input
-    checks. Benchmarks and tests compare launch settings through this."""
+    checks. Benchmarks and tests compare launch settings through this. ``A_log``/``dt_bias`` given: fused
+    gating (``g``/``beta`` are the raw ``a``/``b``)."""
     N, Q, HK, DK = q.shape
     HV, DV = v.shape[2], v.shape[3]
     R = pending.shape[1]
@@ -380,13 +423,16 @@ def _launch_verify(
     extra = {"maxnreg": regs} if regs and q.is_cuda and torch.version.hip is None else {}
     kc = min(VERIFY_BLOCK_K, triton.next_power_of_2(DK))
     _verify_kernel[(triton.cdiv(DV, cfg.block_v), N * HV)](
-        q, k, v, g, beta, o, ssm_state, pending, state_indices, num_commit,
-        float(scale), L2NORM_EPS,
-        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *o.stride(),
-        *ssm_state.stride(), *pending.stride(), state_indices.stride(0),
+        q_ptr=q, k_ptr=k, v_ptr=v, g_ptr=g, beta_ptr=beta, o_ptr=o, state_ptr=ssm_state, pend_ptr=pending,
+        idx_ptr=state_indices, commit_ptr=num_commit, A_ptr=A_log, dt_ptr=dt_bias,
+        scale=float(scale), eps=L2NORM_EPS,
+        **strides("q", q, "nthd"), **strides("k", k, "nthd"), **strides("v", v, "nthd"),
+        **strides("g", g, "nth"), **strides("b", beta, "nth"), **strides("o", o, "nthd"),
+        **strides("s", ssm_state, "shvk"), **strides("p", pending, "srp"),
+        **strides("i", state_indices, "n"), **strides("A", A_log, "h"), **strides("dt", dt_bias, "h"),
         Q=Q, R=R, QP=triton.next_power_of_2(Q), HK=HK, HV=HV, GROUP=HV // HK, DK=DK, DV=DV,
         NC=triton.next_power_of_2(DK) // kc, KC=kc, BV=cfg.block_v,
-        L2NORM=use_qk_l2norm, WY=cfg.wy, num_warps=cfg.num_warps, **extra,
+        L2NORM=use_qk_l2norm, WY=cfg.wy, GATED=A_log is not None, num_warps=cfg.num_warps, **extra,
     )  # fmt: skip
-    stash_shared(k, g, pending, state_indices)
+    stash_shared(k, g, pending, state_indices, A_log, dt_bias)
     return o

@@ -1,8 +1,10 @@
 """Triton GDN gating: ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` in one pass.
 
 One launch produces both float32 outputs (the reference needs six elementwise kernels). Softplus uses
-torch's threshold (``x > 20 -> x``) and the overflow-free ``max(x, 0) + log(1 + exp(-|x|))``. Only
-``tl`` primitives: also compiles for ROCm.
+torch's threshold (``x > 20 -> x``) and the overflow-free ``max(x, 0) + log(1 + exp(-|x|))``. The math is
+:func:`gdn_gate`, which the gated delta rule's decode and verify kernels also call when they fuse the
+gating in (so fused and unfused compute the same expression). Only ``tl`` primitives: also compiles for
+ROCm.
 """
 
 from __future__ import annotations
@@ -12,6 +14,15 @@ import triton
 import triton.language as tl
 
 from atom_kernels.ops.gdn_gating.checks import check_gdn_gating
+
+
+@triton.jit
+def gdn_gate(a, b, A_log, dt_bias):
+    """float32 ``(g, beta)`` from float32 values of the raw gate inputs (any broadcastable shapes):
+    ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``."""
+    x = a + dt_bias
+    sp = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
+    return -tl.exp(A_log) * sp, tl.sigmoid(b)
 
 
 @triton.jit
@@ -38,12 +49,11 @@ def _gdn_gating_kernel(
     t64 = o_t.to(tl.int64)[:, None]
     A = tl.load(A_ptr + o_h, mask=m_h, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + o_h, mask=m_h, other=0.0).to(tl.float32)
-    x = tl.load(a_ptr + t64 * s_at + o_h[None, :] * s_ah, mask=m, other=0.0).to(tl.float32) + dt[None, :]
-    sp = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
-    g = -tl.exp(A)[None, :] * sp
+    a = tl.load(a_ptr + t64 * s_at + o_h[None, :] * s_ah, mask=m, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + t64 * s_bt + o_h[None, :] * s_bh, mask=m, other=0.0).to(tl.float32)
+    g, beta = gdn_gate(a, b, A[None, :], dt[None, :])
     tl.store(g_ptr + t64 * HV + o_h[None, :], g, mask=m)
-    tl.store(beta_ptr + t64 * HV + o_h[None, :], tl.sigmoid(b), mask=m)
+    tl.store(beta_ptr + t64 * HV + o_h[None, :], beta, mask=m)
 
 
 def gdn_gating(
@@ -60,18 +70,18 @@ def gdn_gating(
     BH = triton.next_power_of_2(HV)
     BT = max(1, 2048 // BH)
     _gdn_gating_kernel[(triton.cdiv(T, BT),)](
-        A_log,
-        a,
-        dt_bias,
-        b,
-        g,
-        beta,
-        T,
-        HV,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
+        A_ptr=A_log,
+        a_ptr=a,
+        dt_ptr=dt_bias,
+        b_ptr=b,
+        g_ptr=g,
+        beta_ptr=beta,
+        T=T,
+        HV=HV,
+        s_at=a.stride(0),
+        s_ah=a.stride(1),
+        s_bt=b.stride(0),
+        s_bh=b.stride(1),
         BT=BT,
         BH=BH,
         num_warps=4,
