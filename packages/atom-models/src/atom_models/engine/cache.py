@@ -6,6 +6,7 @@ import torch
 from atom_core import Qwen3NextConfig
 
 from atom_models.gdn_state import GDNGeometry, GDNLayerState
+from atom_models.parallel import TPLayout
 
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 KV_CACHE_DTYPES.update(dict.fromkeys(("fp8", "fp8_e4m3"), torch.float8_e4m3fn))
@@ -79,12 +80,14 @@ class SlotAllocator:
 
 
 class EngineCaches:
-    """Per-layer tensors, for ``S = max_num_seqs`` sequences (one GDN slot each):
+    """Per-layer tensors of one tensor-parallel rank (``layout``; default: the whole model), for
+    ``S = max_num_seqs`` sequences (one GDN slot each):
 
-    - ``kv[layer] = (key_cache, value_cache)`` ``[num_blocks, block_size, Hkv, D]`` in ``kv_dtype`` (default:
+    - ``kv[layer] = (key_cache, value_cache)`` ``[num_blocks, block_size, Hkv, D]`` (``Hkv``: the rank's
+      KV heads) in ``kv_dtype`` (default:
       ``dtype``; float8_e4m3fn for an FP8 cache) for every full-attention layer (target and MTP);
     - ``gdn[layer]``: a :class:`~atom_models.gdn_state.GDNLayerState` for every GDN layer, shaped by
-      ``gdn_geometry`` (conv ``[S, C, K - 1 + k]``, ONE committed recurrent state ``[S, Hv, Dv, Dk]`` per
+      ``gdn_geometry`` (the rank's key / value heads; conv ``[S, C, K - 1 + k]``, ONE committed recurrent state ``[S, Hv, Dv, Dk]`` per
       sequence, and with MTP (k > 0) the float32 pending tokens ``[S, 1 + k, P]`` of the sequence's last
       verify step).
     """
@@ -102,10 +105,13 @@ class EngineCaches:
         ssm_dtype: torch.dtype = torch.float32,
         with_mtp: bool = True,
         kv_dtype: torch.dtype | None = None,
+        layout: TPLayout | None = None,
     ):
+        layout = TPLayout.from_config(config) if layout is None else layout
+        self.layout = layout
         self.block_size = block_size
         self.num_blocks = num_blocks
-        kv_shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        kv_shape = (num_blocks, block_size, layout.num_kv_heads, config.head_dim)
         attn_layers = list(config.full_attention_layers)
         if with_mtp:
             attn_layers += [config.mtp_layer_index(j) for j in range(config.num_mtp_layers)]
@@ -116,7 +122,7 @@ class EngineCaches:
             )
             for i in attn_layers
         }
-        self.gdn_geometry = GDNGeometry.from_config(config, num_speculative_tokens)
+        self.gdn_geometry = GDNGeometry.from_config(config, num_speculative_tokens, layout=layout)
         self.gdn = {
             i: GDNLayerState.allocate(
                 self.gdn_geometry, max_num_seqs, conv_dtype=dtype, ssm_dtype=ssm_dtype, device=device

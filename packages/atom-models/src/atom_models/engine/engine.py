@@ -11,6 +11,13 @@ state slot; a verification runs ``gated_delta_rule_verify`` (docs/kernel-api.md,
 commits the tokens the previous step accepted (their raw inputs wait in the pending pool), verifies the new
 ones without storing their states and stashes them, so rejected drafts are never recomputed. The conv state
 resumes at ``num_accepted`` in its rolled window.
+
+Tensor parallelism (``parallel``): every rank holds its shards of the models and caches sized for them,
+runs the same scheduler over the same requests (deterministic, so every rank builds the same batches and
+runs the same forwards and collectives, CUDA graphs included), and gets the same all-gathered logits. A
+step with a sampled request is decided on rank 0 (its request generators) and the tokens broadcast.
+Models are built on the meta device and allocated once on the engine's device: an FP8 checkpoint's
+quantised modules directly in FP8.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from atom_core import Qwen3NextConfig
 from atom_kernels import select_kernels
+from torch import nn
 
 from atom_models.engine.batch import BatchBuilder, DraftInput, HostTokens, SeqSpan, host_tokens
 from atom_models.engine.cache import EngineCaches, kv_cache_dtype
@@ -34,7 +42,8 @@ from atom_models.engine.request import Request, SpecStats
 from atom_models.engine.sampling import SamplingParams, sample, verify_greedy, verify_probs
 from atom_models.engine.scheduler import Scheduler
 from atom_models.generation_config import with_generation_eos
-from atom_models.loader import load_mtp, load_target
+from atom_models.loader import _Scope, convert_fp8_modules, load_mtp, load_target
+from atom_models.parallel import SINGLE_PROCESS, ParallelContext, TPLayout
 from atom_models.qwen3_next import Qwen3NextForCausalLM
 from atom_models.qwen3_next_mtp import Qwen3NextMTP
 
@@ -96,6 +105,32 @@ class GenerationResult:
     num_steps: int
 
 
+def materialize(modules: Sequence[nn.Module | None], device: torch.device) -> None:
+    """Allocate every meta-device parameter and buffer of ``modules`` on ``device`` (uninitialised memory).
+
+    A tensor held by several modules (the MTP draft holds the target's ``embed_tokens`` and ``lm_head``;
+    tied embeddings make ``lm_head.weight`` the embedding's) becomes ONE tensor held by all of them.
+    """
+    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor) -> (it, its allocation)
+
+    def allocate(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in done:
+            new = torch.empty_like(t, device=device)
+            if isinstance(t, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=t.requires_grad)
+            done[id(t)] = (t, new)
+        return done[id(t)][1]
+
+    for root in modules:
+        if root is None:
+            continue
+        for mod in root.modules():
+            for store in (mod._parameters, mod._buffers):
+                for name, t in store.items():
+                    if t is not None and t.is_meta:
+                        store[name] = allocate(t)
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -105,7 +140,13 @@ class LLMEngine:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         kernels=None,
+        parallel: ParallelContext = SINGLE_PROCESS,
+        dequantize_fp8: bool = False,
     ):
+        """``parallel``: this process's tensor-parallel group (every rank builds its shards, sizes its caches
+        from :class:`~atom_models.parallel.TPLayout` and runs the same schedule; rank 0 decides sampled
+        tokens). With ``config.quantization`` the quantised modules are built in FP8 directly (no copy in
+        ``dtype``) unless ``dequantize_fp8``, which keeps every weight in ``dtype``."""
         k = engine_config.num_speculative_tokens
         if k > 0 and config.num_mtp_layers < 1:
             raise ValueError(f"num_speculative_tokens={k} needs an MTP head, but {config.source} has none")
@@ -113,6 +154,9 @@ class LLMEngine:
         self.engine_config = engine_config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.parallel = parallel
+        self.layout = TPLayout.from_config(config, parallel.rank, parallel.world_size)
+        self.dequantize_fp8 = dequantize_fp8
         if kernels is not None:
             kd = torch.device(kernels.device)
             same_device = kd.type == self.device.type and (
@@ -139,22 +183,9 @@ class LLMEngine:
             device=self.device,
             with_mtp=k > 0,
             kv_dtype=kv_cache_dtype(ec.kv_cache_dtype, dtype),
+            layout=self.layout,
         )
-        cores = EngineCoreFactory(self.caches, self.kernels)
-        with torch.device(self.device):
-            self.target = Qwen3NextForCausalLM(config, cores, self.kernels, dtype=dtype)
-            self.mtp = (
-                Qwen3NextMTP(
-                    config,
-                    cores,
-                    self.kernels,
-                    self.target.model.embed_tokens,
-                    self.target.lm_head,
-                    dtype=dtype,
-                )
-                if k > 0
-                else None
-            )
+        self.target, self.mtp = self._build_models(k)
         self.scheduler = Scheduler(
             self.caches,
             max_num_seqs=ec.max_num_seqs,
@@ -179,6 +210,27 @@ class LLMEngine:
         )
         self._next_id = 0
 
+    def _build_models(self, k: int):
+        """Target and (k > 0) MTP draft built on the meta device, FP8 modules converted, then allocated on
+        the engine's device (uninitialised: the loader or the caller fills them)."""
+        config, kernels, dtype = self.config, self.kernels, self.dtype
+        cores = EngineCoreFactory(self.caches, kernels)
+        with torch.device("meta"):
+            target = Qwen3NextForCausalLM(config, cores, kernels, dtype=dtype)
+            mtp = (
+                Qwen3NextMTP(config, cores, kernels, target.model.embed_tokens, target.lm_head, dtype=dtype)
+                if k > 0
+                else None
+            )
+        if config.quantization is not None and not self.dequantize_fp8:
+            # the loader's own conversion (load_target / load_mtp) then finds these already FP8
+            quant = config.quantization
+            convert_fp8_modules(target, _Scope("model.", "model.", 0), quant, kernels)
+            if mtp is not None:
+                convert_fp8_modules(mtp, _Scope("", "mtp.", config.num_hidden_layers), quant, kernels)
+        materialize([target, mtp], self.device)
+        return target, mtp
+
     @property
     def waiting(self):
         """Requests not admitted yet (FIFO)."""
@@ -196,9 +248,9 @@ class LLMEngine:
         """Build from ``<dir>/config.json`` (stopping also on generation_config.json's eos ids) and load."""
         config = with_generation_eos(Qwen3NextConfig.from_hf(ckpt_dir), ckpt_dir)
         engine = cls(config, engine_config, **kwargs)
-        load_target(engine.target, ckpt_dir)
+        load_target(engine.target, ckpt_dir, dequantize_fp8=engine.dequantize_fp8)
         if engine.mtp is not None:
-            load_mtp(engine.mtp, ckpt_dir)
+            load_mtp(engine.mtp, ckpt_dir, dequantize_fp8=engine.dequantize_fp8)
         return engine
 
     # ---- requests ------------------------------------------------------------------------------------
@@ -244,16 +296,16 @@ class LLMEngine:
         graphed = self.graphs is not None and self.graphs.supports(sched)
         if graphed:
             out, spans = self.graphs.run_target(sched.decodes)
-            hidden = out.hidden
-            tokens = self._read_tokens(out.logits, spans, out.best)
+            hidden, logits, best = out.hidden, out.logits, out.best
         else:
             batch = self.builder.build(sched)
             spans = batch.spans
             hidden = self.target(batch.input_ids, batch.positions, batch.ctx)
             logits = self.target.compute_logits(hidden[batch.logit_index], torch.float32)
-            tokens = self._read_tokens(logits, spans)
+            best = None
+        new_tokens = self._decide(spans, lambda: self._read_tokens(logits, spans, best))
         graphed_drafts = graphed and self.graphs.can_propose(sched.decodes)
-        emitted, drafts_in = self._postprocess(spans, tokens, None if graphed_drafts else hidden)
+        emitted, drafts_in = self._postprocess(spans, new_tokens, None if graphed_drafts else hidden)
         finished = self.scheduler.finish_step(sched)
         if graphed_drafts:
             for sp, drafts in zip(spans, self.graphs.run_propose(spans)):
@@ -277,28 +329,61 @@ class LLMEngine:
         """The host's view of the step's logits (``best``: their argmax when already computed)."""
         return host_tokens(logits, [(s.request, s.logit_row, s.num_logit_rows) for s in spans], best)
 
-    def _postprocess(
-        self, spans: Sequence[SeqSpan], tokens: HostTokens, hidden: torch.Tensor | None
-    ) -> tuple[int, list[DraftInput]]:
-        """Accept / emit every sequence's tokens; returns the tokens emitted and, given the step's target
-        ``hidden``, the first MTP pass's input of every unfinished request with drafts."""
-        drafts_in: list[DraftInput] = []
-        emitted = 0
-        for i, sp in enumerate(spans):
+    def _rank0_decides(self, reqs: Sequence[Request]) -> bool:
+        """Under tensor parallelism a step with a sampled request is decided on rank 0 alone (its request
+        generators) and broadcast, so that the ranks cannot diverge; greedy steps are decided on every rank
+        from the same (all-gathered) logits."""
+        return self.parallel.world_size > 1 and any(not r.params.greedy for r in reqs)
+
+    def _broadcast_tokens(self, tokens: list[list[int]] | None, widths: Sequence[int]) -> list[list[int]]:
+        """Rank 0's token lists (``len(tokens[i]) <= widths[i]``) on every rank (``tokens``: None off rank
+        0): one broadcast of an int64 ``[n, 1 + max(widths)]`` tensor of lengths and ids."""
+        buf = torch.zeros(len(widths), 1 + max(widths), dtype=torch.int64)
+        if tokens is not None:
+            for row, t in zip(buf, tokens):
+                row[0] = len(t)
+                row[1 : 1 + len(t)] = torch.tensor(t, dtype=torch.int64)
+        rows = self.parallel.broadcast(buf.to(self.device), src=0).tolist()
+        return [r[1 : 1 + r[0]] for r in rows]
+
+    def _decide(self, spans: Sequence[SeqSpan], read: Callable[[], HostTokens]) -> list[list[int]]:
+        """Each sequence's new tokens: a prompt's first token; a decode / verification's accepted drafts and
+        one corrected or bonus token (``read``: the host's view of the step's logits, called only where the
+        tokens are decided)."""
+        shared = self._rank0_decides([sp.request for sp in spans])
+        widths = [sp.num_logit_rows for sp in spans]
+        if shared and self.parallel.rank != 0:
+            return self._broadcast_tokens(None, widths)
+        tokens = read()
+        out: list[list[int]] = []
+        for sp in spans:
             req, r0, m = sp.request, sp.logit_row, sp.num_logit_rows
             if sp.is_prefill:
                 if req.params.greedy:
-                    token = tokens.best[r0]
+                    out.append([tokens.best[r0]])
                 else:
-                    token = sample(tokens.probs[req.request_id][-1], req.generator)
-                accepted_inputs, new = sp.num_tokens, [token]  # the whole prompt, then the first token
+                    out.append([sample(tokens.probs[req.request_id][-1], req.generator)])
+            elif req.params.greedy:
+                out.append(verify_greedy(tokens.best[r0 : r0 + m], req.drafts)[1])
             else:
-                if req.params.greedy:
-                    a, new = verify_greedy(tokens.best[r0 : r0 + m], req.drafts)
-                else:
-                    a, new = verify_probs(
-                        tokens.probs[req.request_id], req.drafts, req.draft_probs, req.generator
-                    )
+                probs = tokens.probs[req.request_id]
+                out.append(verify_probs(probs, req.drafts, req.draft_probs, req.generator)[1])
+        return self._broadcast_tokens(out, widths) if shared else out
+
+    def _postprocess(
+        self, spans: Sequence[SeqSpan], new_tokens: Sequence[list[int]], hidden: torch.Tensor | None
+    ) -> tuple[int, list[DraftInput]]:
+        """Accept / emit every sequence's ``new_tokens`` (:meth:`_decide`); returns the tokens emitted and,
+        given the step's target ``hidden``, the first MTP pass's input of every unfinished request with
+        drafts."""
+        drafts_in: list[DraftInput] = []
+        emitted = 0
+        for i, (sp, new) in enumerate(zip(spans, new_tokens)):
+            req = sp.request
+            if sp.is_prefill:
+                accepted_inputs = sp.num_tokens  # the whole prompt, then the first token
+            else:
+                a = len(new) - 1  # accepted drafts
                 if req.drafts:
                     req.stats.record(len(req.drafts), a)
                 accepted_inputs = a + 1  # the pending token and the accepted drafts
@@ -349,15 +434,24 @@ class LLMEngine:
             req.drafts, req.draft_probs = [], None if req.params.greedy else []
         step = 0
         while True:
-            logits = mtp.compute_logits(h, torch.float32)
-            tokens = host_tokens(logits, [(r, i, 1) for i, r in enumerate(reqs)])
-            for i, req in enumerate(reqs):
-                if req.params.greedy:
-                    req.drafts.append(tokens.best[i])
-                else:
-                    p = tokens.probs[req.request_id][0]
-                    req.drafts.append(sample(p, req.generator))
-                    req.draft_probs.append(p)
+            logits = mtp.compute_logits(h, torch.float32)  # collective under tensor parallelism: every rank
+            shared = self._rank0_decides(reqs)
+            if shared and self.parallel.rank != 0:
+                drafts = [t[0] for t in self._broadcast_tokens(None, [1] * len(reqs))]
+            else:
+                tokens = host_tokens(logits, [(r, i, 1) for i, r in enumerate(reqs)])
+                drafts = []
+                for i, req in enumerate(reqs):
+                    if req.params.greedy:
+                        drafts.append(tokens.best[i])
+                    else:
+                        p = tokens.probs[req.request_id][0]
+                        drafts.append(sample(p, req.generator))
+                        req.draft_probs.append(p)
+                if shared:
+                    drafts = [t[0] for t in self._broadcast_tokens([[d] for d in drafts], [1] * len(reqs))]
+            for req, d in zip(reqs, drafts):
+                req.drafts.append(d)
             step += 1
             keep = [i for i, r in enumerate(reqs) if r.num_spec > step]
             if not keep:

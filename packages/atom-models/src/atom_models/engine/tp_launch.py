@@ -1,0 +1,174 @@
+"""Run a function on ``N`` tensor-parallel ranks: one spawned process per rank with ``torch.distributed``
+initialised (gloo on the CPU, NCCL with ``cuda:<rank>`` on GPUs), the results returned in rank order.
+
+``launch(fn, N, device_type=..., args=...)`` calls ``fn(parallel, device, *args)`` in every rank, where
+``parallel`` is a :class:`~atom_models.parallel.TorchDistributed` over the world group and ``device`` the
+rank's device. ``fn`` and ``args`` are pickled into the ranks (``fn`` must be importable: a module-level
+function). The rendezvous is ``127.0.0.1`` on a free port. When a rank raises (or dies), the other ranks
+are terminated and :class:`RankFailed` is raised in the caller naming the rank, with its traceback;
+every process is joined before ``launch`` returns or raises.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+class RankFailed(RuntimeError):
+    """A tensor-parallel rank raised (``cause``: its exception type and message) or exited abnormally."""
+
+    def __init__(self, rank: int, world_size: int, what: str, rank_traceback: str = ""):
+        self.rank = rank
+        self.world_size = world_size
+        self.rank_traceback = rank_traceback
+        text = f"tensor-parallel rank {rank} of {world_size} failed: {what}"
+        if rank_traceback:
+            text += f"\n--- traceback of rank {rank} ---\n{rank_traceback.rstrip()}"
+        super().__init__(text)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, device_type, timeout_s, fn, args, results) -> None:
+    import torch.distributed as dist
+
+    from atom_models.parallel import TorchDistributed
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    try:
+        if device_type == "cuda":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            device = torch.device("cpu")
+        dist.init_process_group(
+            BACKENDS[device_type],
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device_type == "cuda" else None,
+        )
+        out = fn(TorchDistributed(), device, *args)
+        results.put((rank, "ok", out))
+    except BaseException as e:  # noqa: BLE001 - every failure goes to the parent, named by rank
+        try:
+            exc = pickle.dumps(e)
+        except Exception:  # an exception that does not pickle: its text is still sent
+            exc = None
+        results.put((rank, "error", (f"{type(e).__name__}: {e}", traceback.format_exc(), exc)))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _stop(procs: Sequence[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    device_type: str = "cpu",
+    args: Sequence[Any] = (),
+    timeout_s: float = 600.0,
+) -> list[Any]:
+    """``[fn(parallel, device, *args) of rank r for r in range(world_size)]``, each run in its own process.
+
+    ``device_type``: ``cpu`` (gloo) or ``cuda`` (NCCL, rank r on ``cuda:r``; needs ``world_size`` GPUs).
+    ``timeout_s``: the process group's collective timeout and the longest the caller waits for all ranks.
+    """
+    if device_type not in BACKENDS:
+        raise ValueError(f"device_type must be one of {sorted(BACKENDS)}, got {device_type!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if device_type == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(
+            f"tensor parallel size {world_size} needs {world_size} GPUs, {torch.cuda.device_count()} visible"
+        )
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, device_type, timeout_s, fn, tuple(args), results),
+            name=f"tp-rank-{r}",
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    done: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(done) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=0.2)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
+                if dead:  # exited without a result (killed, os._exit, a crash in native code)
+                    r = dead[0]
+                    try:  # its result may still be in flight
+                        rank, status, payload = results.get(timeout=2.0)
+                    except queue_mod.Empty:
+                        raise RankFailed(
+                            r, world_size, f"exited with code {procs[r].exitcode} without a result"
+                        ) from None
+                elif time.monotonic() > deadline:
+                    missing = [r for r in range(world_size) if r not in done]
+                    raise RankFailed(
+                        missing[0], world_size, f"no result within {timeout_s:.0f} s (ranks {missing})"
+                    ) from None
+                else:
+                    continue
+            if status == "error":
+                what, tb, exc = payload
+                err = RankFailed(rank, world_size, what, tb)
+                cause = None
+                if exc is not None:
+                    try:
+                        cause = pickle.loads(exc)
+                    except Exception:
+                        cause = None
+                raise err from cause
+            done[rank] = payload
+    finally:
+        if len(done) == world_size:
+            for p in procs:
+                p.join(timeout_s)
+        _stop(procs)
+        results.close()
+    return [done[r] for r in range(world_size)]
