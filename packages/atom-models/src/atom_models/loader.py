@@ -36,8 +36,10 @@ from torch import nn
 
 from atom_models.modules import Fp8Linear, Linear
 from atom_models.moe import Experts, Fp8Experts
+from atom_models.parallel import slices
+from atom_models.parallel.layout import TPLayout
 from atom_models.parallel.shard import check_fp8_shard
-from atom_models.weight_map import Target, map_name, sources_for
+from atom_models.weight_map import LM_HEAD, Target, map_name, sources_for
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -144,6 +146,8 @@ class _Copy:
     view: torch.Tensor  # destination (a slice of a parameter)
     scale: str | None = None  # its FP8 block scales in the checkpoint, if any
     scale_view: torch.Tensor | None = None  # where they go (FP8 parameters); None: dequantise into ``view``
+    pieces: slices.Pieces | None = None  # the part this tensor-parallel rank reads (None: all of it)
+    scale_pieces: slices.Pieces | None = None  # the block scales that part uses
 
 
 @dataclass
@@ -232,9 +236,12 @@ def _plan(
     skip_params: set[str],
     ignore: tuple[str, ...],
     what: str,
+    layout: TPLayout,
     fp8_block: tuple[int, int] | None = None,
 ) -> _Plan:
-    """Map every checkpoint tensor in scope to a parameter slice; collect every problem."""
+    """Map every checkpoint tensor in scope to a parameter slice and this rank's part of the tensor
+    (``weight_map`` ``tp`` column, ``layout``); collect every problem."""
+    config = module.config
     all_params = dict(module.named_parameters())
     params = {n: p for n, p in all_params.items() if n not in skip_params and not n.endswith(SCALE_SUFFIX)}
     problems: list[str] = []
@@ -264,8 +271,8 @@ def _plan(
         )
     used_scales: set[str] = set()
     scale_shapes: dict[str, tuple[int, ...]] = {}  # from the headers, while each file is open anyway
-    scale_checks: list[tuple[str, tuple[int, ...], tuple[int, ...] | None, str]] = []
-    # (scale name, weight shape, shape of the scale parameter's slice or None, its parameter)
+    scale_checks: list[tuple[str, tuple[int, ...], tuple[int, ...] | None, str, slices.Pieces | None]] = []
+    # (scale name, weight shape, shape of the scale parameter's slice or None, its parameter, rank's part)
     for fname in sorted(set(by_file) | set(scales.values())):
         with _open(ckpt_dir, fname) as f:
             scale_shapes.update(
@@ -275,7 +282,8 @@ def _plan(
                 if name.startswith(ignore):
                     continue
                 if name in extra:
-                    target: Target | None = Target(extra[name], None, None)
+                    tp = LM_HEAD.tp if extra[name] == LM_HEAD.dst else None
+                    target: Target | None = Target(extra[name], None, None, tp)
                 else:
                     scope = next((s for s in scopes if s.from_ckpt(name) is not None), None)
                     if scope is None:
@@ -283,7 +291,9 @@ def _plan(
                         continue
                     target = map_name(scope.from_ckpt(name))
                     if target is not None:
-                        target = Target(scope.param_prefix + target.param, target.expert, target.shard)
+                        target = Target(
+                            scope.param_prefix + target.param, target.expert, target.shard, target.tp
+                        )
                 if target is None or target.param not in params or name not in expected:
                     problems.append(
                         f"unexpected tensor {name} in {fname} (no parameter of the {what} takes it)"
@@ -291,15 +301,16 @@ def _plan(
                     continue
                 view = _dest_view(params[target.param], target)
                 shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(view.shape):
+                full = slices.full_shape(target.tp, tuple(view.shape), layout, config)
+                if shape != full:
                     problems.append(
-                        f"tensor {name} in {fname} has shape {list(shape)}, expected {list(view.shape)} "
-                        f"(for {target.param})"
+                        f"tensor {name} in {fname} has shape {list(shape)}, expected {list(full)} "
+                        f"(for {target.param}{_rank_note(layout, target.tp, view)})"
                     )
                     continue
                 fp8_dest = params[target.param].dtype in FP8_DTYPES
                 is_fp8 = f.get_slice(name).get_dtype() in ("F8_E4M3", "F8_E5M2")
-                copy = _Copy(name, view)
+                copy = _Copy(name, view, pieces=slices.rank_pieces(target.tp, shape, layout, config))
                 if name + SCALE_SUFFIX in scales and fp8_block is not None:
                     copy.scale = name + SCALE_SUFFIX
                     used_scales.add(copy.scale)
@@ -307,7 +318,10 @@ def _plan(
                     if fp8_dest:
                         copy.scale_view = _dest_view(all_params[sparam], target)
                     want = tuple(copy.scale_view.shape) if fp8_dest else None
-                    scale_checks.append((copy.scale, shape, want, sparam))
+                    copy.scale_pieces = slices.scale_pieces(
+                        target.param.rsplit(".", 1)[0], copy.pieces, fp8_block, layout.world_size
+                    )
+                    scale_checks.append((copy.scale, shape, want, sparam, copy.scale_pieces))
                 elif is_fp8:
                     problems.append(f"tensor {name} in {fname} is FP8 but {name + SCALE_SUFFIX} is missing")
                     continue
@@ -318,11 +332,13 @@ def _plan(
                     )
                     continue
                 copies[fname].append(copy)
-    for sname, wshape, want, sparam in scale_checks:
+    for sname, wshape, want, sparam, spieces in scale_checks:
         why = _check_scale(scales[sname], sname, scale_shapes[sname], wshape, fp8_block)
-        if why is None and want is not None and tuple(scale_shapes[sname]) != want:
+        got = tuple(scale_shapes[sname]) if spieces is None else spieces.shape(tuple(scale_shapes[sname]))
+        if why is None and want is not None and got != want:
+            part = "" if spieces is None else f" (this rank's part: {list(got)})"
             why = (
-                f"tensor {sname} in {scales[sname]} has shape {list(scale_shapes[sname])}, expected "
+                f"tensor {sname} in {scales[sname]} has shape {list(scale_shapes[sname])}{part}, expected "
                 f"{list(want)} (for {sparam})"
             )
         if why:
@@ -340,6 +356,12 @@ def _plan(
     return _Plan(dict(copies), {n: scales[n] for n in used_scales})
 
 
+def _rank_note(layout: TPLayout, tp: str | None, view: torch.Tensor) -> str:
+    if tp is None or layout.world_size == 1:
+        return ""
+    return f"; tensor parallel rank {layout.rank} of {layout.world_size} holds {list(view.shape)} of it"
+
+
 def _check_scale(fname, sname, shape, wshape, block) -> str | None:
     """A ``weight_scale_inv`` must be ``[ceil(N/bn), ceil(K/bk)]`` (checked from the header)."""
     if len(wshape) != 2:
@@ -353,9 +375,10 @@ def _check_scale(fname, sname, shape, wshape, block) -> str | None:
     return None
 
 
-def _read(ckpt_dir: str, fname: str, f, name: str) -> torch.Tensor:
+def _read(ckpt_dir: str, fname: str, f, name: str, pieces: slices.Pieces | None = None) -> torch.Tensor:
+    """The tensor, or only this rank's ``pieces`` of it (never the whole of a sharded tensor)."""
     try:
-        return f.get_tensor(name)
+        return slices.read(f, name, pieces)
     except Exception as e:  # a header that promises more bytes than the file holds
         raise CheckpointError(ckpt_dir, [f"tensor {name}: {_unreadable(Path(ckpt_dir) / fname, e)}"]) from e
 
@@ -415,10 +438,10 @@ def _execute(ckpt_dir: str, plan: _Plan, kernels, block: tuple[int, int] | None)
             f = handle(fname)
             loaded: list[_Copy] = []
             for c in items:
-                t = _read(ckpt_dir, fname, f, c.name)
+                t = _read(ckpt_dir, fname, f, c.name, c.pieces)
                 if c.scale is not None:
                     sfile = plan.scale_files[c.scale]
-                    scale = _read(ckpt_dir, sfile, handle(sfile), c.scale)
+                    scale = _read(ckpt_dir, sfile, handle(sfile), c.scale, c.scale_pieces)
                     if c.scale_view is not None:  # FP8 parameter: weight and block scales as they are
                         c.scale_view.copy_(scale)
                     else:  # dequantise (weight-only) into the parameter's dtype
@@ -442,6 +465,9 @@ def _fp8_block(config) -> tuple[int, int] | None:
 def load_target(model: nn.Module, ckpt_dir: str | os.PathLike[str], *, dequantize_fp8: bool = False) -> int:
     """Fill a :class:`Qwen3NextForCausalLM` from a HF checkpoint; ``mtp.*`` tensors are ignored.
 
+    Tensor parallel: each rank reads only its part of every sharded tensor (``model.layout``, the
+    ``tp`` column of ``weight_map.RULES``); shapes are checked against the full checkpoint shapes.
+
     FP8 checkpoints: the quantised modules are first converted to their FP8 forms (module docstring),
     unless ``dequantize_fp8``. Returns the number of checkpoint tensors read.
     """
@@ -456,7 +482,7 @@ def load_target(model: nn.Module, ckpt_dir: str | os.PathLike[str], *, dequantiz
     scope = _Scope("model.", "model.", 0)
     if block is not None and not dequantize_fp8:
         convert_fp8_modules(model, scope, config.quantization, model.kernels)
-    plan = _plan(model, ckpt_dir, files, [scope], extra, set(), ignore, "target model", block)
+    plan = _plan(model, ckpt_dir, files, [scope], extra, set(), ignore, "target model", model.layout, block)
     return _execute(ckpt_dir, plan, model.kernels, block)
 
 
@@ -478,5 +504,5 @@ def load_mtp(mtp: nn.Module, ckpt_dir: str | os.PathLike[str], *, dequantize_fp8
     scope = _Scope("", "mtp.", config.num_hidden_layers)
     if block is not None and not dequantize_fp8:
         convert_fp8_modules(mtp, scope, config.quantization, mtp.kernels)
-    plan = _plan(mtp, ckpt_dir, mtp_files, [scope], {}, skip, (), "MTP draft", block)
+    plan = _plan(mtp, ckpt_dir, mtp_files, [scope], {}, skip, (), "MTP draft", mtp.layout, block)
     return _execute(ckpt_dir, plan, mtp.kernels, block)

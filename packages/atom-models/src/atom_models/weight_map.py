@@ -4,6 +4,17 @@ Names are relative to a *scope*: ``model.`` for the target trunk, ``mtp.`` for t
 ``mtp.layers.j`` become ``layers.{num_hidden_layers + j}``). ``{layer}`` and ``{expert}`` are integers.
 A rule writes the whole checkpoint tensor into ``param`` or, with ``expert``, into ``param[expert]``,
 and with ``shard=(i, n)`` into the i-th of n equal row blocks (dim 0) of that.
+
+The ``tp`` column says which part of the checkpoint tensor tensor-parallel rank r reads (the parameter
+holds only that part; the loader reads it with ``get_slice``):
+
+- ``None``: replicated, every rank reads the whole tensor;
+- ``ROWS`` / ``COLS``: dim 0 / dim 1 split in ``world_size`` equal contiguous ranges, rank r reads the r-th
+  (column-parallel rows, row-parallel columns, vocabulary rows, per-head vectors);
+- ``KV_ROWS``: the rows of this rank's KV heads (``TPLayout.kv_head_start``, ``num_kv_heads``; a KV head
+  is read by every rank that replicates it);
+- ``CONV_QKV_ROWS``: the GDN conv channels ``[q | k | v]``, each of the three split in equal ranges, rank r
+  reads the r-th of each (three slices, stacked).
 """
 
 from __future__ import annotations
@@ -11,12 +22,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+ROWS = "rows"
+COLS = "cols"
+KV_ROWS = "kv_rows"
+CONV_QKV_ROWS = "conv_qkv_rows"
+TP_SPLITS = (ROWS, COLS, KV_ROWS, CONV_QKV_ROWS)
+
 
 @dataclass(frozen=True)
 class Rule:
     src: str  # checkpoint name template (relative to the scope)
     dst: str  # parameter name template (relative to the module's scope)
     shard: tuple[int, int] | None = None  # (part, parts) of dim 0 of the destination (after expert indexing)
+    tp: str | None = None  # what rank r reads of the checkpoint tensor (module docstring); None: all of it
 
     @property
     def stacks_experts(self) -> bool:
@@ -26,8 +44,8 @@ class Rule:
 _L = "layers.{layer}."
 
 RULES: tuple[Rule, ...] = (
-    # --- trunk / MTP head -------------------------------------------------------------------------------
-    Rule("embed_tokens.weight", "embed_tokens.weight"),
+    # --- trunk / MTP head (fc replicated: see Qwen3NextMTP) ----------------------------------------------
+    Rule("embed_tokens.weight", "embed_tokens.weight", tp=ROWS),
     Rule("norm.weight", "norm.weight"),
     Rule("fc.weight", "fc.weight"),
     Rule("pre_fc_norm_embedding.weight", "pre_fc_norm_embedding.weight"),
@@ -35,43 +53,59 @@ RULES: tuple[Rule, ...] = (
     # --- decoder layer norms ------------------------------------------------------------------------------
     Rule(_L + "input_layernorm.weight", _L + "input_layernorm.weight"),
     Rule(_L + "post_attention_layernorm.weight", _L + "post_attention_layernorm.weight"),
-    # --- gated full attention (q_proj keeps HF's per-head [query | gate] packing) ------------------------
+    # --- gated full attention (q_proj keeps HF's per-head [query | gate] packing: a head's rows are
+    #     contiguous); o_proj's bias is added once, on rank 0 ------------------------------------------------
     *(
-        Rule(_L + f"self_attn.{p}_proj.{w}", _L + f"self_attn.{p}_proj.{w}")
-        for p in "qkvo"
+        Rule(_L + f"self_attn.{p}_proj.{w}", _L + f"self_attn.{p}_proj.{w}", tp=tp)
+        for p, tp in (("q", ROWS), ("k", KV_ROWS), ("v", KV_ROWS))
         for w in ("weight", "bias")
     ),
+    Rule(_L + "self_attn.o_proj.weight", _L + "self_attn.o_proj.weight", tp=COLS),
+    Rule(_L + "self_attn.o_proj.bias", _L + "self_attn.o_proj.bias"),
     Rule(_L + "self_attn.q_norm.weight", _L + "self_attn.q_norm.weight"),
     Rule(_L + "self_attn.k_norm.weight", _L + "self_attn.k_norm.weight"),
-    # --- Gated DeltaNet (in_proj_qkvz / in_proj_ba keep HF's per-key-head-group layout) ------------------
+    # --- Gated DeltaNet (in_proj_qkvz / in_proj_ba keep HF's per-key-head-group layout: a rank's groups
+    #     are contiguous rows; the norm weight is per channel of one head: replicated) ---------------------
     *(
-        Rule(_L + f"linear_attn.{n}", _L + f"linear_attn.{n}")
-        for n in (
-            "in_proj_qkvz.weight",
-            "in_proj_ba.weight",
-            "conv1d.weight",
-            "A_log",
-            "dt_bias",
-            "norm.weight",
-            "out_proj.weight",
+        Rule(_L + f"linear_attn.{n}", _L + f"linear_attn.{n}", tp=tp)
+        for n, tp in (
+            ("in_proj_qkvz.weight", ROWS),
+            ("in_proj_ba.weight", ROWS),
+            ("conv1d.weight", CONV_QKV_ROWS),
+            ("A_log", ROWS),
+            ("dt_bias", ROWS),
+            ("norm.weight", None),
+            ("out_proj.weight", COLS),
         )
     ),
-    # --- MoE: router, per-expert tensors stacked, shared expert gate/up fused ---------------------------
+    # --- MoE: router replicated, per-expert tensors stacked and split over the intermediate dim, shared
+    #     expert gate/up fused (column) and down (row), shared_expert_gate replicated ---------------------
     Rule(_L + "mlp.gate.weight", _L + "mlp.gate.weight"),
-    Rule(_L + "mlp.experts.{expert}.gate_proj.weight", _L + "mlp.experts.w13", shard=(0, 2)),
-    Rule(_L + "mlp.experts.{expert}.up_proj.weight", _L + "mlp.experts.w13", shard=(1, 2)),
-    Rule(_L + "mlp.experts.{expert}.down_proj.weight", _L + "mlp.experts.w2"),
+    Rule(_L + "mlp.experts.{expert}.gate_proj.weight", _L + "mlp.experts.w13", shard=(0, 2), tp=ROWS),
+    Rule(_L + "mlp.experts.{expert}.up_proj.weight", _L + "mlp.experts.w13", shard=(1, 2), tp=ROWS),
+    Rule(_L + "mlp.experts.{expert}.down_proj.weight", _L + "mlp.experts.w2", tp=COLS),
     Rule(
-        _L + "mlp.shared_expert.gate_proj.weight", _L + "mlp.shared_expert.gate_up_proj.weight", shard=(0, 2)
+        _L + "mlp.shared_expert.gate_proj.weight",
+        _L + "mlp.shared_expert.gate_up_proj.weight",
+        shard=(0, 2),
+        tp=ROWS,
     ),
-    Rule(_L + "mlp.shared_expert.up_proj.weight", _L + "mlp.shared_expert.gate_up_proj.weight", shard=(1, 2)),
-    Rule(_L + "mlp.shared_expert.down_proj.weight", _L + "mlp.shared_expert.down_proj.weight"),
+    Rule(
+        _L + "mlp.shared_expert.up_proj.weight",
+        _L + "mlp.shared_expert.gate_up_proj.weight",
+        shard=(1, 2),
+        tp=ROWS,
+    ),
+    Rule(_L + "mlp.shared_expert.down_proj.weight", _L + "mlp.shared_expert.down_proj.weight", tp=COLS),
     Rule(_L + "mlp.shared_expert_gate.weight", _L + "mlp.shared_expert_gate.weight"),
     # --- dense MLP (mlp_only_layers / decoder_sparse_step) ----------------------------------------------
-    Rule(_L + "mlp.gate_proj.weight", _L + "mlp.gate_up_proj.weight", shard=(0, 2)),
-    Rule(_L + "mlp.up_proj.weight", _L + "mlp.gate_up_proj.weight", shard=(1, 2)),
-    Rule(_L + "mlp.down_proj.weight", _L + "mlp.down_proj.weight"),
+    Rule(_L + "mlp.gate_proj.weight", _L + "mlp.gate_up_proj.weight", shard=(0, 2), tp=ROWS),
+    Rule(_L + "mlp.up_proj.weight", _L + "mlp.gate_up_proj.weight", shard=(1, 2), tp=ROWS),
+    Rule(_L + "mlp.down_proj.weight", _L + "mlp.down_proj.weight", tp=COLS),
 )
+
+# The untied LM head (outside the trunk's scope): vocabulary rows, as embed_tokens.
+LM_HEAD = Rule("lm_head.weight", "lm_head.weight", tp=ROWS)
 
 
 def _regex(template: str) -> re.Pattern[str]:
@@ -88,11 +122,12 @@ _DST = tuple((_regex(r.dst), r) for r in RULES)
 
 @dataclass(frozen=True)
 class Target:
-    """Where one checkpoint tensor goes: ``param[expert][shard rows]``."""
+    """Where one checkpoint tensor goes: ``param[expert][shard rows]``; ``tp``: the part a rank reads."""
 
     param: str
     expert: int | None
     shard: tuple[int, int] | None
+    tp: str | None = None
 
 
 def map_name(name: str) -> Target | None:
@@ -103,7 +138,7 @@ def map_name(name: str) -> Target | None:
             groups = m.groupdict()
             dst = rule.dst.format(layer=groups.get("layer"))
             expert = int(groups["expert"]) if "expert" in groups else None
-            return Target(dst, expert, rule.shard)
+            return Target(dst, expert, rule.shard, rule.tp)
     return None
 
 
