@@ -7,8 +7,10 @@ rather than building ``LLM`` in-process. One spec = one engine start; a spec can
 
 Spec (JSON): ``model``, ``plugin`` (bool: False sets ATOM_DISABLE_VLLM_PLUGIN=1), ``dtype``,
 ``num_speculative_tokens`` (0 = no speculative decoding), ``enforce_eager``, ``max_model_len``,
-``tensor_parallel_size``, ``env`` (extra environment), ``llm_kwargs`` (extra LLM arguments) and
-``jobs``: a list of ``{"name", "prompt_token_ids": [[...], ...], "max_tokens"}``.
+``tensor_parallel_size``, ``env`` (extra environment), ``llm_kwargs`` (extra LLM arguments),
+``collect_rank_state`` (bool: also report, per worker rank, the models' parameters and the cache tensors
+vLLM bound to each layer, see :func:`_rank_state`) and ``jobs``: a list of
+``{"name", "prompt_token_ids": [[...], ...], "max_tokens"}``.
 Result: per job the generated token ids, wall time and output tokens/s, plus the spec-decode counters
 (``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos``) accumulated over
 that job, and the engine start-up time; or ``{"error": ...}`` with the exception text.
@@ -78,6 +80,44 @@ def summarize(counters: dict[str, Any]) -> dict[str, float | None]:
     }
 
 
+def _rank_state(worker: Any) -> dict[str, Any]:
+    """On one worker (through ``LLM.collective_rpc``): its TP rank, every parameter of the target and of
+    the draft (shape, dtype, bytes, float64 sum: shards of different ranks differ) and the shapes / dtypes of
+    the cache tensors vLLM bound to each layer of its forward context."""
+    import torch
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    runner = worker.model_runner
+
+    def params(model: Any) -> dict[str, Any]:
+        return {
+            name: {
+                "shape": list(p.shape),
+                "dtype": str(p.dtype),
+                "bytes": p.numel() * p.element_size(),
+                "sum": float(p.detach().double().sum()),
+            }
+            for name, p in model.named_parameters()
+        }
+
+    def tensors(cache: Any) -> list[Any]:
+        if isinstance(cache, torch.Tensor):
+            return [{"shape": list(cache.shape), "dtype": str(cache.dtype)}]
+        if isinstance(cache, (list, tuple)):
+            return [t for c in cache for t in tensors(c)]
+        return []
+
+    drafter = getattr(runner, "drafter", None)
+    ctx = runner.vllm_config.compilation_config.static_forward_context
+    return {
+        "rank": get_tensor_model_parallel_rank(),
+        "target": params(runner.model),
+        "draft": params(drafter.model) if drafter is not None and hasattr(drafter, "model") else {},
+        "caches": {name: tensors(getattr(layer, "kv_cache", None)) for name, layer in ctx.items()},
+        "block_size": runner.vllm_config.cache_config.block_size,
+    }
+
+
 def _main(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -106,6 +146,8 @@ def _main(spec_path: str, out_path: str) -> None:
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         result["startup_s"] = time.perf_counter() - t0
+        if spec.get("collect_rank_state"):
+            result["ranks"] = llm.collective_rpc(_rank_state)
         result["jobs"] = {}
         for job in spec["jobs"]:
             params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import torch
 from atom_core import MAX_SPECULATIVE_TOKENS, CacheConfig, ConfigError, Qwen3NextConfig, SpeculativeConfig
+from atom_models.parallel import TPLayout
 
 TARGET_ARCH = "Qwen3NextForCausalLM"
 DRAFT_ARCH = "Qwen3NextMTP"
@@ -29,6 +30,7 @@ class AtomVllmConfig:
     model: Qwen3NextConfig
     speculative: SpeculativeConfig | None
     dtype: torch.dtype
+    tensor_parallel_size: int = 1
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -91,7 +93,11 @@ def model_tag() -> str | None:
 
 
 def from_vllm(vllm_config: Any, role: Role) -> AtomVllmConfig:
-    """Build the config of the target (``role='target'``) or of the MTP draft (``role='draft'``)."""
+    """Build the config of the target (``role='target'``) or of the MTP draft (``role='draft'``).
+
+    Refuses a ``tensor_parallel_size`` the model cannot be sharded by (a :class:`ConfigError` naming the
+    config field, e.g. ``linear_num_key_heads``): every worker's model constructor and the GDN state-size
+    classmethods start here, so such a size fails before any weight is read."""
     spec = speculative_from_vllm(vllm_config.speculative_config)
     if role == "draft":
         if spec is None or vllm_config.speculative_config.draft_model_config is None:
@@ -110,4 +116,12 @@ def from_vllm(vllm_config: Any, role: Role) -> AtomVllmConfig:
             "the checkpoint has no MTP head; use it without method 'mtp'",
         )
     cache_from_vllm(vllm_config.cache_config)  # rejects a KV cache dtype the plugin cannot store
-    return AtomVllmConfig(role=role, model=model, speculative=spec, dtype=vllm_config.model_config.dtype)
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    TPLayout.from_config(model, 0, tp)  # ConfigError naming the field the TP size does not divide
+    return AtomVllmConfig(
+        role=role,
+        model=model,
+        speculative=spec,
+        dtype=vllm_config.model_config.dtype,
+        tensor_parallel_size=tp,
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from atom_core import Qwen3NextConfig
+from atom_models.parallel import TPLayout
 from torch import nn
 
 from atom_vllm_plugin.config import AtomVllmConfig
@@ -17,6 +18,10 @@ class VllmCoreFactory:
     ``prefix`` comes from atom-models (``model.layers.{i}.self_attn``, ``model.layers.{i}.linear_attn``,
     ``mtp.layers.{num_hidden_layers + j}.self_attn``), so every layer name carries its absolute index:
     vLLM binds caches by that index and the draft's layer can never share a target layer's cache.
+
+    Sizes are one tensor-parallel rank's (``layout``, from atom-models): an attention core holds this
+    rank's query and KV heads, so vLLM's KV cache spec (and the cache it allocates) is per rank; a GDN core
+    takes the per-rank state spec the model class reported to vLLM, checked against ``layout`` here.
     """
 
     def __init__(self, cfg: AtomVllmConfig, kernels, gdn_state: GDNStateSpec | None) -> None:
@@ -25,11 +30,11 @@ class VllmCoreFactory:
         self.gdn_state = gdn_state
         self.built: dict[str, nn.Module] = {}
 
-    def attention(self, prefix: str, layer_idx: int, config: Qwen3NextConfig) -> nn.Module:
+    def attention(self, prefix: str, layer_idx: int, config: Qwen3NextConfig, layout: TPLayout) -> nn.Module:
         core = AtomAttentionCore(
             prefix,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
+            num_heads=layout.num_heads,
+            num_kv_heads=layout.num_kv_heads,
             head_size=config.head_dim,
             kernels=self.kernels,
             dtype=self.cfg.dtype,
@@ -39,10 +44,17 @@ class VllmCoreFactory:
         self.built[prefix] = core
         return core
 
-    def gdn(self, prefix: str, layer_idx: int, config: Qwen3NextConfig) -> nn.Module:
+    def gdn(self, prefix: str, layer_idx: int, config: Qwen3NextConfig, layout: TPLayout) -> nn.Module:
         if self.gdn_state is None:
             raise ValueError(
                 f"{prefix}: the {self.cfg.role} model has no GDN state spec (the MTP draft has no GDN)"
+            )
+        geo = self.gdn_state.geometry
+        if (geo.num_k_heads, geo.num_v_heads) != (layout.linear_num_key_heads, layout.linear_num_value_heads):
+            raise ValueError(
+                f"{prefix}: the GDN state reported to vLLM holds {geo.num_k_heads} key / {geo.num_v_heads} "
+                f"value heads, but rank {layout.rank} of {layout.world_size} holds "
+                f"{layout.linear_num_key_heads} / {layout.linear_num_value_heads}"
             )
         core = AtomGDNCore(prefix, self.gdn_state, self.kernels)
         register_layer(prefix, core)

@@ -2,7 +2,10 @@
 
 vLLM asks the model class for these before it builds the model (``get_mamba_state_shape_from_config``,
 which also sizes the hybrid page that attention blocks are aligned to) and every GDN layer again afterwards
-(``get_state_shape``); both come from here so they cannot disagree.
+(``get_state_shape``); both come from here so they cannot disagree. Under tensor parallelism the shapes are
+one rank's (its key heads with their value heads: conv channels, ``Hv`` and the pending width all divide by
+the TP size), from the :class:`~atom_models.parallel.TPLayout` at vLLM's TP size; every rank holds equal
+sizes, so the layout of rank 0 serves before the model exists.
 
 Per slot (one vLLM Mamba block) the tensors are ``conv`` (stored ``[W, C]``, vLLM's default, or ``[C, W]``),
 ``ssm`` and, with MTP, ``pending`` (float32), shaped by :class:`~atom_models.gdn_state.GDNGeometry`. vLLM's
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from atom_core import Qwen3NextConfig
 from atom_models.gdn_state import GDNGeometry
+from atom_models.parallel import TPLayout
 
 
 @dataclass(frozen=True)
@@ -37,9 +41,18 @@ class GDNStateSpec:
         conv_dtype: torch.dtype,
         ssm_dtype: torch.dtype,
         conv_dim_first: bool = False,
+        layout: TPLayout | None = None,
     ) -> GDNStateSpec:
-        return cls(
-            GDNGeometry.from_config(config, num_speculative_tokens), conv_dtype, ssm_dtype, conv_dim_first
+        """``layout``: one rank's sizes (None: the whole layer, TP = 1)."""
+        geometry = GDNGeometry.from_config(config, num_speculative_tokens, layout=layout)
+        return cls(geometry, conv_dtype, ssm_dtype, conv_dim_first)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of one slot's state tensors (one layer), before vLLM pads the page to the attention page."""
+        return sum(
+            torch.Size(shape).numel() * dtype.itemsize
+            for shape, dtype in zip(self.shapes(), self.dtypes, strict=True)
         )
 
     @property

@@ -14,6 +14,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculat
 from atom_vllm_plugin.config import AtomVllmConfig, from_vllm
 from atom_vllm_plugin.layers.custom_ops import SPLITTING_OPS, compilable_kernels
 from atom_vllm_plugin.layers.gdn_state import GDNStateSpec
+from atom_vllm_plugin.parallel import layout_from_vllm
 
 logger = logging.getLogger("vllm.atom_vllm_plugin")
 
@@ -71,9 +72,8 @@ def kernels_for(vllm_config: Any, dtype: torch.dtype):
 
 
 def gdn_state_spec(vllm_config: Any, cfg: AtomVllmConfig | None = None) -> GDNStateSpec:
-    """The GDN state every target GDN layer gets. The plugin computes the whole model on each TP rank
-    (atom-models has no tensor parallelism), so the state is the full per-layer state, not a 1/TP shard.
-    """
+    """The state of one target GDN layer on one TP rank (every rank holds equal sizes): vLLM asks for it
+    through the model class before the model exists, and the model's GDN cores get the same spec."""
     cfg = cfg or from_vllm(vllm_config, "target")
     conv_dtype, ssm_dtype = MambaStateDtypeCalculator.gated_delta_net_state_dtype(
         vllm_config.model_config.dtype,
@@ -81,8 +81,40 @@ def gdn_state_spec(vllm_config: Any, cfg: AtomVllmConfig | None = None) -> GDNSt
         vllm_config.cache_config.mamba_ssm_cache_dtype,
     )
     return GDNStateSpec.from_config(
-        cfg.model, cfg.num_speculative_tokens, conv_dtype, ssm_dtype, conv_dim_first=is_conv_state_dim_first()
+        cfg.model,
+        cfg.num_speculative_tokens,
+        conv_dtype,
+        ssm_dtype,
+        conv_dim_first=is_conv_state_dim_first(),
+        layout=layout_from_vllm(cfg.model, vllm_config),
     )
+
+
+def parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters (shared modules counted once)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def log_rank_memory(what: str, layout: Any, module: torch.nn.Module, cores: Any, vllm_config: Any) -> str:
+    """Log (and return) what this TP rank holds: parameter bytes, GDN state bytes per slot and KV cache
+    bytes per token, per layer, as reported to vLLM (vLLM pads a GDN page up to the attention block page)."""
+    from atom_vllm_plugin.layers.attention import AtomAttentionCore
+    from atom_vllm_plugin.layers.gdn import AtomGDNCore
+
+    attn = [c for c in cores.built.values() if isinstance(c, AtomAttentionCore)]
+    gdn = [c for c in cores.built.values() if isinstance(c, AtomGDNCore)]
+    parts = [f"parameters {parameter_bytes(module)} bytes"]
+    if gdn:
+        parts.append(f"GDN state {gdn[0].state.bytes_per_slot} bytes per slot x {len(gdn)} layers")
+    if attn:
+        spec = attn[0].get_kv_cache_spec(vllm_config)
+        parts.append(
+            f"KV cache {spec.page_size_bytes // spec.block_size} bytes per token x {len(attn)} layers "
+            f"({attn[0].num_heads} query / {attn[0].num_kv_heads} KV heads)"
+        )
+    line = f"{what} on TP rank {layout.rank} of {layout.world_size}: " + ", ".join(parts)
+    logger.info("%s", line)
+    return line
 
 
 def checkpoint_dir(model_config: Any) -> str:

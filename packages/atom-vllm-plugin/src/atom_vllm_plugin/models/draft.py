@@ -5,6 +5,8 @@ vLLM's MTP proposer builds this class under the model tag ``eagle_head``, loads 
 (``SpecDecodeBaseProposer._maybe_share_embeddings`` / ``_maybe_share_lm_head``). Until then the draft holds
 weightless placeholders, so no second copy of the embedding or lm_head is ever allocated; the
 ``lm_head`` assignment on the wrapper is forwarded to the atom MTP module that computes with it.
+Under tensor parallelism the draft is sharded like the target (same TP group, same layout) and the shared
+modules are the target's shards.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from atom_vllm_plugin.models.common import (
     checkpoint_dir,
     kernels_for,
     log_compilation,
+    log_rank_memory,
     start_vllm_load_clock,
 )
+from atom_vllm_plugin.parallel import VllmTensorParallel
 
 logger = logging.getLogger("vllm.atom_vllm_plugin")
 
@@ -74,6 +78,7 @@ class AtomQwen3NextMTP(nn.Module):
         self.draft_model_config = vllm_config.speculative_config.draft_model_config
         kernels = kernels_for(vllm_config, self.atom_config.dtype)
         self.cores = VllmCoreFactory(self.atom_config, kernels, gdn_state=None)
+        self.parallel = VllmTensorParallel()
         mtp = Qwen3NextMTP(
             self.atom_config.model,
             self.cores,
@@ -81,6 +86,7 @@ class AtomQwen3NextMTP(nn.Module):
             embed_tokens=AwaitingTarget("embed_tokens"),
             lm_head=AwaitingTarget("lm_head"),
             dtype=self.atom_config.dtype,
+            parallel=self.parallel,
         )
         self.model = mtp
         self.lm_head = mtp.lm_head
@@ -174,4 +180,5 @@ class AtomQwen3NextMTP(nn.Module):
             )
         start_vllm_load_clock(weights)
         load_mtp(self.model, ckpt)
+        log_rank_memory("ATOM Qwen3-Next MTP draft", self.model.layout, self, self.cores, self.vllm_config)
         return all_parameter_names(self)

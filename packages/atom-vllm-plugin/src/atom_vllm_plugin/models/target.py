@@ -22,8 +22,10 @@ from atom_vllm_plugin.models.common import (
     gdn_state_spec,
     kernels_for,
     log_compilation,
+    log_rank_memory,
     start_vllm_load_clock,
 )
+from atom_vllm_plugin.parallel import VllmTensorParallel
 
 logger = logging.getLogger("vllm.atom_vllm_plugin")
 
@@ -36,6 +38,10 @@ class AtomQwen3NextForCausalLM(nn.Module):
     Compiled by vLLM like its own ``Qwen3NextModel`` (``support_torch_compile``; the token dimension is
     dynamic): everything between the attention / GDN layers, which are opaque splitting ops
     (:mod:`atom_vllm_plugin.layers.custom_ops`), is traced into vLLM's graph. ``compute_logits`` stays eager.
+
+    Tensor parallel: each rank builds and loads its shard (atom-models' ``TPLayout``) and communicates
+    through vLLM's TP group (:class:`~atom_vllm_plugin.parallel.VllmTensorParallel`); ``compute_logits``
+    returns the full vocabulary on every rank.
     """
 
     # vLLM's IsHybrid / HasInnerState interfaces (checked by attribute, see vllm.model_executor.models.interfaces)
@@ -49,8 +55,9 @@ class AtomQwen3NextForCausalLM(nn.Module):
         self.vllm_model_config = vllm_config.model_config
         kernels = kernels_for(vllm_config, self.atom_config.dtype)
         self.cores = VllmCoreFactory(self.atom_config, kernels, gdn_state_spec(vllm_config, self.atom_config))
+        self.parallel = VllmTensorParallel()
         self.atom = Qwen3NextForCausalLM(
-            self.atom_config.model, self.cores, kernels, dtype=self.atom_config.dtype
+            self.atom_config.model, self.cores, kernels, dtype=self.atom_config.dtype, parallel=self.parallel
         )
         log_compilation("ATOM Qwen3-Next", vllm_config)
 
@@ -95,6 +102,7 @@ class AtomQwen3NextForCausalLM(nn.Module):
         check_files(ckpt)
         start_vllm_load_clock(weights)
         load_target(self.atom, ckpt)
+        log_rank_memory("ATOM Qwen3-Next", self.atom.layout, self, self.cores, self.vllm_config)
         return all_parameter_names(self)
 
     # ---- classmethods vLLM calls before building the model (IsHybrid) -----------------------------
