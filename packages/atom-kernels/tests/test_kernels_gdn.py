@@ -1,8 +1,9 @@
 """Gated DeltaNet: gating, l2norm, and the chunked / recurrent gated delta rule.
 
 Oracles: a float64 per-token loop written here, self-consistency (chunked == recurrent, varlen == alone,
-one multi-token recurrent call == the same tokens one at a time) and transformers'
-torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule.
+one multi-token recurrent call == the same tokens one at a time, fused gating == the reference gating op
+followed by the unfused call) and transformers' torch_chunk_gated_delta_rule /
+torch_recurrent_gated_delta_rule.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ TOL = {
     ("state_bf16", torch.float32): (1e-2, 1e-2),  # measured 3.9e-03: final states stored in bf16
     ("self_exact", torch.float32): (1e-6, 1e-6),  # measured 0: varlen vs alone, verify vs single decode
     ("hf", torch.float32): (2e-5, 1e-5),  # measured 0 (chunk) and 2.4e-07 (recurrent) vs transformers
+    # Fused gating (A_log/dt_bias given) vs the reference gdn_gating op + the unfused call, outputs and
+    # states; keyed by q/k/v dtype, "_bf16_state" for a bf16 pool. The reference is the same code.
+    ("fused_gating", torch.float32): (0.0, 0.0),  # measured 0
+    ("fused_gating", torch.bfloat16): (0.0, 0.0),  # measured 0
+    ("fused_gating_bf16_state", torch.bfloat16): (0.0, 0.0),  # measured 0
+    # Triton: the kernel's gate expression (log(1 + exp(-|x|))) vs torch's softplus (log1p): an ulp of g.
+    ("fused_gating", torch.float32, "triton"): (1e-6, 1e-6),  # interpreter: outputs 2.2e-08, states 1.2e-07
+    # a g ulp may flip the rounding of a bf16 output (one ulp of |o| < 0.5) or of a bf16 state (|S| ~ 1-2)
+    ("fused_gating", torch.bfloat16, "triton"): (4e-3, 1e-2),  # interpreter: outputs and states 0
+    ("fused_gating_bf16_state", torch.bfloat16, "triton"): (2e-2, 2e-2),  # interpreter: outputs, states 0
     # Triton chunked prefill wraps fla-core's chunk_gated_delta_rule, whose dots take bf16 operands
     # (measured on the H200): final states off by 4.7e-03..6.8e-03, chunked vs
     # recurrent outputs by 1.95e-03 (two bf16 steps). Its float32 path is not registered (tf32 dots).
@@ -79,6 +90,26 @@ def test_l2norm(impl, tol, device, dtype):
     )
     with pytest.raises(ValueError, match="eps must be a positive number"):
         fn(x, eps=-1.0)
+
+
+def gate_inputs(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: torch.device):
+    """Raw gate inputs as the model hands them over: ``a``, ``b`` ``[*shape, Hv]`` column slices of one
+    ``[*shape, 2 Hv]`` projection (strided), ``A_log``, ``dt_bias`` ``[Hv]``, all in dtype. Value head 0 has
+    ``a + dt_bias > 20`` (softplus's linear branch)."""
+    ba = randn(*shape, 2 * HV, seed=seed, dtype=torch.float32, device=device, scale=3.0)
+    ba[..., HV] = 24.0
+    ba = ba.to(dtype)
+    A_log = torch.linspace(-2.0, 1.5, HV, device=device).to(dtype)
+    dt_bias = randn(HV, seed=seed + 1, dtype=dtype, device=device, scale=0.5)
+    return ba[..., HV:], ba[..., :HV], A_log, dt_bias
+
+
+def reference_gates(a, b, A_log, dt_bias):
+    """The reference gating op on ``[N, Q, Hv]`` raw inputs: float32 ``(g, beta)`` ``[N, Q, Hv]``."""
+    from atom_kernels.ops.gdn_gating.reference import gdn_gating
+
+    g, beta = gdn_gating(A_log, a.reshape(-1, HV), dt_bias, b.reshape(-1, HV))
+    return g.view(a.shape), beta.view(a.shape)
 
 
 def varlen_batch(lens: list[int], seed: int, dtype, device, num_slots: int):
@@ -187,6 +218,45 @@ def test_multi_token_call_equals_one_at_a_time(impl, tol, device):
         oj = fn(*[t[:, j : j + 1] for t in (q, k, v, g, beta)], single, slots, SCALE)
         assert_close(o[:, j : j + 1], oj, tol("self_exact", torch.float32), f"output of token {j}")
     assert_close(pool, single, tol("self_exact", torch.float32), "final states")
+
+
+@pytest.mark.parametrize(
+    "dtype, state_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)],
+    ids=["f32", "bf16_io", "bf16_io_bf16_state"],
+)
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_recurrent_fused_gating_equals_unfused(impl, tol, device, dtype, state_dtype, q_len):
+    """Decode (Q = 1) and Q = 3 with the gating fused in (raw a/b, A_log, dt_bias): outputs and the whole
+    state pool equal the reference gating op followed by the unfused call (a padding row included)."""
+    fn = impl("gated_delta_rule_recurrent", dtype)
+    n = 4
+    q, k, v, _, _ = make_inputs((n, q_len), 130, dtype, device)
+    a, b, A_log, dt_bias = gate_inputs((n, q_len), 131, dtype, device)
+    pool = randn(8, HV, DV, DK, seed=132, dtype=torch.float32, device=device, scale=0.3).to(state_dtype)
+    slots = torch.tensor([5, -1, 0, 3], dtype=torch.int32, device=device)
+    g, beta = reference_gates(a, b, A_log, dt_bias)
+    pool_u, pool_f = pool.clone(), pool.clone()
+    o_u = fn(q, k, v, g, beta, pool_u, slots, SCALE)
+    o_f = fn(q, k, v, a, b, pool_f, slots, SCALE, A_log=A_log, dt_bias=dt_bias)
+    t = tol("fused_gating" if state_dtype == torch.float32 else "fused_gating_bf16_state", dtype)
+    assert o_f.dtype == dtype and o_f.shape == v.shape
+    assert_close(o_f, o_u, t, f"fused vs unfused outputs, q {dtype}, state {state_dtype}, Q={q_len}")
+    assert_close(pool_f.float(), pool_u.float(), t, f"fused vs unfused state pool, state {state_dtype}")
+
+
+def test_fused_gating_bad_inputs(impl, device):
+    fn = impl("gated_delta_rule_recurrent", torch.float32)
+    q, k, v, _, _ = make_inputs((2, 1), 140, torch.float32, device)
+    a, b, A_log, dt_bias = gate_inputs((2, 1), 141, torch.float32, device)
+    pool = torch.zeros(2, HV, DV, DK, device=device)
+    slots = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="fused gating needs both A_log and dt_bias"):
+        fn(q, k, v, a, b, pool, slots, SCALE, A_log=A_log)
+    with pytest.raises(ValueError, match=r"A_log must have shape \[Hv=4\]"):
+        fn(q, k, v, a, b, pool, slots, SCALE, A_log=A_log[:3], dt_bias=dt_bias)
+    with pytest.raises(ValueError, match=r"a \(passed as g\) must have shape \[N=2, Q=1, Hv=4\]"):
+        fn(q, k, v, a[..., :3], b, pool, slots, SCALE, A_log=A_log, dt_bias=dt_bias)
 
 
 def test_matches_transformers(impl, tol, device):

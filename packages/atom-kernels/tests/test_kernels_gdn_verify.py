@@ -2,8 +2,9 @@
 
 Oracles: a per-token design written here (a state slot per verify token, the next step resuming from
 the slot of its last accepted token) over several steps with varying acceptance, which must give the same
-outputs and committed states (same float32 math, same rounding points); a float64 token loop; and the
-contract's edge rules (padding rows, ``num_commit = 0``, the zero identity token after a prefill).
+outputs and committed states (same float32 math, same rounding points); a float64 token loop; the
+contract's edge rules (padding rows, ``num_commit = 0``, the zero identity token after a prefill); and the
+fused gating (raw a/b, A_log, dt_bias) against the reference gating op followed by the unfused call.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import torch
 from atom_kernels.ops.gated_delta_rule import pending_width
 from atom_kernels.ops.gated_delta_rule.reference import _delta_step, _prepare_qk, _read_states
+from atom_kernels.ops.gdn_gating.reference import gdn_gating
 from atom_kernels.testing import assert_close, gated_delta_rule_loop, gdn_inputs, gen, randn
 
 # (what, state dtype) -> (atol, rtol); measured max abs error in the comments (|o| < 1, |S| < 2).
@@ -30,6 +32,16 @@ TOL = {
     # the other way (one ulp of |o| < 0.5); the committed state stays float32-close.
     ("vs_per_token_bf16_io", torch.float32, "triton"): (2e-3, 1e-2),  # interpreter: 9.8e-04
     ("vs_per_token_bf16_io", torch.bfloat16, "triton"): (2e-2, 2e-2),  # as the bf16 pool above
+    # Fused gating vs the reference gating op + the unfused call over three steps: outputs, the whole
+    # state pool and the whole pending pool. The reference is the same code.
+    ("fused_gating", torch.float32): (0.0, 0.0),  # measured 0
+    ("fused_gating", torch.bfloat16): (0.0, 0.0),  # measured 0
+    ("fused_gating_bf16_state", torch.bfloat16): (0.0, 0.0),  # measured 0
+    # Triton: the kernel's gate expression (log(1 + exp(-|x|))) vs torch's softplus (log1p): an ulp of g.
+    ("fused_gating", torch.float32, "triton"): (1e-6, 1e-6),  # interp: o 2e-8, S 1e-7, pend 9.5e-7
+    # a g ulp may flip the rounding of a bf16 output (one ulp of |o| < 0.5) or of a bf16 state (|S| ~ 1-2)
+    ("fused_gating", torch.bfloat16, "triton"): (4e-3, 1e-2),  # interpreter: outputs and states 0
+    ("fused_gating_bf16_state", torch.bfloat16, "triton"): (2e-2, 2e-2),  # interpreter: outputs, states 0
 }
 HK, HV, DK, DV = 2, 4, 32, 16  # GQA group 2, as test_kernels_gdn.py
 SCALE = DK**-0.5
@@ -38,6 +50,24 @@ P = pending_width(HK, DK, HV, DV)
 
 def make_inputs(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: torch.device):
     return gdn_inputs(shape, seed, dtype, device, (HK, HV, DK, DV))
+
+
+def gate_inputs(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: torch.device):
+    """Raw gate inputs as the model hands them over (as test_kernels_gdn.gate_inputs): ``a``, ``b``
+    ``[*shape, Hv]`` strided column slices of one projection, ``A_log``, ``dt_bias`` ``[Hv]``; value head 0
+    in softplus's linear branch (``a + dt_bias > 20``)."""
+    ba = randn(*shape, 2 * HV, seed=seed, dtype=torch.float32, device=device, scale=3.0)
+    ba[..., HV] = 24.0
+    ba = ba.to(dtype)
+    A_log = torch.linspace(-2.0, 1.5, HV, device=device).to(dtype)
+    dt_bias = randn(HV, seed=seed + 1, dtype=dtype, device=device, scale=0.5)
+    return ba[..., HV:], ba[..., :HV], A_log, dt_bias
+
+
+def reference_gates(a, b, A_log, dt_bias):
+    """The reference gating op on ``[N, Q, Hv]`` raw inputs: float32 ``(g, beta)`` ``[N, Q, Hv]``."""
+    g, beta = gdn_gating(A_log, a.reshape(-1, HV), dt_bias, b.reshape(-1, HV))
+    return g.view(a.shape), beta.view(a.shape)
 
 
 def naive(q, k, v, g, beta, state):
@@ -221,3 +251,53 @@ def test_bad_inputs(impl, device):
             fn(q, k, v, g, beta, pool, pending, slots, acc * torch.tensor([1, 4], device=device).int(), SCALE)
         with pytest.raises(ValueError, match="state_indices must be < S=4"):
             fn(q, k, v, g, beta, pool, pending, slots + 3, acc, SCALE)
+
+
+@pytest.mark.parametrize(
+    "dtype, state_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)],
+    ids=["f32", "bf16_io", "bf16_io_bf16_state"],
+)
+@pytest.mark.parametrize("q_len", [2, 4], ids=["k1", "k3"])
+def test_verify_fused_gating_equals_unfused(impl, tol, device, dtype, state_dtype, q_len):
+    """Three verify steps (k = 1 or 3, every acceptance count, a padding row) with the gating fused in:
+    outputs, the whole state pool and the whole pending pool (its stashed g is the computed one) equal the
+    reference gating op followed by the unfused call on the same pools."""
+    fn = impl("gated_delta_rule_verify", dtype)
+    n, n_slots = 4, 8
+    slots = torch.tensor([5, -1, 0, 3], dtype=torch.int32, device=device)
+    pool = randn(n_slots, HV, DV, DK, seed=500, dtype=torch.float32, device=device, scale=0.3)
+    pool = pool.to(state_dtype)
+    pending = randn(n_slots, q_len, P, seed=501, dtype=torch.float32, device=device, scale=0.1)
+    pending[slots.long().clamp(min=0), 0] = 0.0  # the identity token a prefill leaves behind
+    pools = {"unfused": (pool.clone(), pending.clone()), "fused": (pool, pending)}
+    plan = [[1, 1, 1, 1], [q_len, 2, 1, 2], [2, q_len, q_len, 1]]
+    t = tol("fused_gating" if state_dtype == torch.float32 else "fused_gating_bf16_state", dtype)
+    for step, accepted in enumerate(plan):
+        acc = torch.tensor(accepted, dtype=torch.int32, device=device)
+        q, k, v, _, _ = make_inputs((n, q_len), 510 + 10 * step, dtype, device)
+        a, b, A_log, dt_bias = gate_inputs((n, q_len), 515 + 10 * step, dtype, device)
+        g, beta = reference_gates(a, b, A_log, dt_bias)
+        o_u = fn(q, k, v, g, beta, *pools["unfused"], slots, acc, SCALE)
+        o_f = fn(q, k, v, a, b, *pools["fused"], slots, acc, SCALE, A_log=A_log, dt_bias=dt_bias)
+        what = f"step {step}, q {dtype}, state {state_dtype}, Q={q_len}"
+        assert_close(o_f, o_u, t, f"fused vs unfused outputs, {what}")
+        assert_close(pools["fused"][0].float(), pools["unfused"][0].float(), t, f"state pool, {what}")
+        assert_close(pools["fused"][1], pools["unfused"][1], t, f"pending pool, {what}")
+
+
+def test_verify_fused_gating_bad_inputs(impl, device):
+    fn = impl("gated_delta_rule_verify", torch.float32)
+    q, k, v, _, _ = make_inputs((2, 2), 520, torch.float32, device)
+    a, b, A_log, dt_bias = gate_inputs((2, 2), 521, torch.float32, device)
+    pool, pending = torch.zeros(2, HV, DV, DK, device=device), torch.zeros(2, 2, P, device=device)
+    slots, acc = (
+        torch.arange(2, dtype=torch.int32, device=device),
+        torch.ones(2, dtype=torch.int32, device=device),
+    )
+    with pytest.raises(ValueError, match="fused gating needs both A_log and dt_bias"):
+        fn(q, k, v, a, b, pool, pending, slots, acc, SCALE, dt_bias=dt_bias)
+    with pytest.raises(ValueError, match=r"dt_bias must have shape \[Hv=4\]"):
+        fn(q, k, v, a, b, pool, pending, slots, acc, SCALE, A_log=A_log, dt_bias=dt_bias[None])
+    with pytest.raises(ValueError, match=r"b \(passed as beta\) must have shape \[N=2, Q=2, Hv=4\]"):
+        fn(q, k, v, a, b[:, :1], pool, pending, slots, acc, SCALE, A_log=A_log, dt_bias=dt_bias)

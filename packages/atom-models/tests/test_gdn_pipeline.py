@@ -1,5 +1,6 @@
 """The GDN pipeline (``atom_models.gdn_pipeline``): decode and verify parts against the dense prefill, the
-pending-token reset, and no host synchronisation in decode / verify forwards.
+fused gating of decode / verify against the gating op followed by the unfused rule, the pending-token
+reset, and no host synchronisation in decode / verify forwards.
 
 Host syncs are caught on CPU by ``HostSyncGuard`` (kernels exempt: the reference ops validate values on the
 host, the GPU ops must not) and on a GPU by ``torch.cuda.set_sync_debug_mode("error")`` with every op
@@ -8,6 +9,7 @@ included. The guard's own tests show it raises on each kind of sync, so these te
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -120,6 +122,59 @@ def test_ragged_verify_and_decode_match_dense(layer_setup):
     assert err < atol, f"A after committing 3: max error {err}"
     err = (out[3:5] - ref(B, 7)[5:7]).abs().max().item()
     assert err < atol, f"B after committing 1: max error {err}"
+
+
+def _gating_op_then_rule(kern):
+    """``kern`` with recurrent / verify ops that take the pipeline's fused-gating call (raw a/b, A_log,
+    dt_bias) and run the gating op, then the rule on g/beta: the unfused composition."""
+
+    def gates(a, b, A_log, dt_bias):
+        hv = a.shape[-1]
+        g, beta = kern.gdn_gating(A_log, a.reshape(-1, hv), dt_bias, b.reshape(-1, hv))
+        return g.view(a.shape), beta.view(a.shape)
+
+    def recurrent(q, k, v, a, b, *args, A_log, dt_bias, **kwargs):
+        return kern.gated_delta_rule_recurrent(q, k, v, *gates(a, b, A_log, dt_bias), *args, **kwargs)
+
+    def verify(q, k, v, a, b, *args, A_log, dt_bias, **kwargs):
+        return kern.gated_delta_rule_verify(q, k, v, *gates(a, b, A_log, dt_bias), *args, **kwargs)
+
+    return dataclasses.replace(kern, gated_delta_rule_recurrent=recurrent, gated_delta_rule_verify=verify)
+
+
+def test_fused_gating_equals_gating_op_then_rule(layer_setup):
+    """Prefill, a step with a plain decode part and a gathered, padded verify part, then a contiguous
+    verify step: outputs and every state tensor (conv, ssm, pending) after each step are bit-identical
+    between the pipeline (gating fused into the decode / verify ops) and the gating op + unfused rule."""
+    cfg, kern, layer = layer_setup
+    geo = GDNGeometry.from_config(cfg, K_SPEC)
+    torch.manual_seed(3)
+    toks = _tokens(14, geo)
+    pre = GDNPrefillMeta(3, 14, _i32([0, 5, 9, 14]), _i32([2, 0, 3]), torch.zeros(3, dtype=torch.bool))
+    mixed = GDNStepMeta(
+        decodes=(GDNDecodeMeta(1, _i32([3]), token_start=4),),
+        verifies=(
+            GDNVerifyMeta(
+                2, 3, _i32([0, 2]), _i32([1, 1]),
+                gather_index=torch.tensor([0, 0, 0, 1, 2, 3]), scatter_index=torch.tensor([0, -1, -1, 1, 2, 3]),
+            ),
+        ),
+    )  # fmt: skip
+    contiguous = GDNStepMeta(verifies=(GDNVerifyMeta(1, 3, _i32([2]), _i32([3]), token_start=1),))
+    fused_state = GDNLayerState.allocate(
+        geo, 4, conv_dtype=torch.float32, ssm_dtype=torch.float32, device="cpu"
+    )
+    unfused_state = GDNLayerState.allocate(
+        geo, 4, conv_dtype=torch.float32, ssm_dtype=torch.float32, device="cpu"
+    )
+    unfused = _gating_op_then_rule(kern)
+    for i, (step, rows) in enumerate([(GDNStepMeta(prefill=pre), 14), (mixed, 5), (contiguous, 5)]):
+        batch = {k: v[:rows] for k, v in toks.items()}
+        out_f = _run(kern, geo, layer, fused_state, batch, step)
+        out_u = _run(unfused, geo, layer, unfused_state, batch, step)
+        assert torch.equal(out_f, out_u), f"step {i}: outputs differ by {(out_f - out_u).abs().max()}"
+        for name, f, u in zip(("conv", "ssm", "pending"), fused_state.tensors(), unfused_state.tensors()):
+            assert torch.equal(f, u), f"step {i}: {name} state differs by {(f - u).abs().max()}"
 
 
 @pytest.mark.parametrize(

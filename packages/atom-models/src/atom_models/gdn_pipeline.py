@@ -1,5 +1,9 @@
 """The GDN pipeline: conv1d -> split q|k|v -> gating -> gated delta rule, for prefill, decode and verify.
 
+Prefill runs the gating op, then the chunked rule; decode and verify hand the raw ``a``/``b`` with
+``A_log``/``dt_bias`` to the recurrent / verify op, which computes the gating itself (fused: one launch
+fewer per layer, what a small batch pays for; the reference computes exactly the unfused pair).
+
 One implementation for every runner: the standalone engine's core, the vLLM plugin's core and the dense
 parity core all call :func:`gdn_forward` (or one of the part functions) with
 
@@ -94,7 +98,7 @@ def gdn_decode(
     meta: GDNDecodeMeta,
 ) -> torch.Tensor:
     """One token per sequence, ``x[N, C]``, ``b``/``a`` ``[N, Hv]`` -> ``o[N, Hv, Dv]``: conv update and
-    recurrent rule in place in each slot; ``pending[s, 0]`` becomes an identity token."""
+    recurrent rule (gating fused in) in place in each slot; ``pending[s, 0]`` becomes an identity token."""
     n = meta.num_seqs
     xc = kernels.causal_conv1d_update(
         x.view(n, 1, -1),
@@ -106,17 +110,18 @@ def gdn_decode(
         activation="silu",
     )
     q, k, v = geometry.split_qkv(xc)
-    g, beta = kernels.gdn_gating(weights.A_log, a, weights.dt_bias, b)
     o = kernels.gated_delta_rule_recurrent(
         q,
         k,
         v,
-        g.view(n, 1, -1),
-        beta.view(n, 1, -1),
+        a.view(n, 1, -1),  # raw gate inputs: the op computes g and beta (A_log, dt_bias given)
+        b.view(n, 1, -1),
         state.ssm,
         meta.state_indices,
         scale=geometry.scale,
         use_qk_l2norm=True,
+        A_log=weights.A_log,
+        dt_bias=weights.dt_bias,
     )
     reset_pending(state.pending, meta.state_indices)
     return o.view(n, geometry.num_v_heads, geometry.head_v_dim)
@@ -135,9 +140,9 @@ def gdn_verify(
     """``N`` verifications of ``Q`` tokens, ``x[N * Q, C]``, ``b``/``a`` ``[N * Q, Hv]`` in (sequence, token)
     order -> ``o[N * Q, Hv, Dv]``.
 
-    Conv update resuming at ``num_accepted`` in the rolled history; ``gated_delta_rule_verify`` commits
-    ``num_accepted`` pending tokens into the slot's state, verifies these tokens without storing their
-    states and stashes them as the new pending tokens.
+    Conv update resuming at ``num_accepted`` in the rolled history; ``gated_delta_rule_verify`` (gating
+    fused in) commits ``num_accepted`` pending tokens into the slot's state, verifies these tokens without
+    storing their states and stashes them as the new pending tokens.
     """
     if state.pending is None:
         raise ValueError("gdn_verify: the layer state has no pending tokens (num_speculative_tokens = 0)")
@@ -152,19 +157,20 @@ def gdn_verify(
         activation="silu",
     )
     q, k, v = geometry.split_qkv(xc)
-    g, beta = kernels.gdn_gating(weights.A_log, a, weights.dt_bias, b)
     o = kernels.gated_delta_rule_verify(
         q,
         k,
         v,
-        g.view(n, ql, -1),
-        beta.view(n, ql, -1),
+        a.view(n, ql, -1),  # raw gate inputs: the op computes g and beta (A_log, dt_bias given)
+        b.view(n, ql, -1),
         state.ssm,
         state.pending,
         meta.state_indices,
         meta.num_accepted,
         scale=geometry.scale,
         use_qk_l2norm=True,
+        A_log=weights.A_log,
+        dt_bias=weights.dt_bias,
     )
     return o.view(n * ql, geometry.num_v_heads, geometry.head_v_dim)
 
