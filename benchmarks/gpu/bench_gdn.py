@@ -19,6 +19,13 @@ tolerances in :data:`TOL`.
 Timing: decode/verify through CUDA-graph replay (how vLLM runs decode), prefill eagerly; both median.
 
 Writes ``<out>/gdn.json`` and ``<out>/gdn.png``; exits non-zero if a check fails.
+
+``--fused`` runs only the fused-gating comparison (:func:`gdn_harness.fused_case`): decode and verify
+k = 1, 3 at B = 1, 8, 64, float32 state, CUDA-graph replay; vLLM's own kernel (``vllm-fused``, and
+``vllm-packed_decode`` for decode), ours unfused (gating op + op), ours fused; writes
+``<out>/gdn_fused.json``. vLLM's kernels come from ``--vllm-fla DIR`` (default
+``benchmarks/results/local/vllm_fla``, git-ignored), filled on a machine with vLLM installed by
+``--export-vllm-fla DIR``; carry that folder to the GPU machine.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import gdn_conv  # noqa: E402
+import gdn_harness  # noqa: E402
 from gdn_harness import BF16, FP32, QUICK, QWEN3_NEXT_80B, SMOKE, Run, get_impl  # noqa: E402
 
 # fla-core 0.6.0's fused_recurrent_gated_delta_rule hit an illegal memory access at B=256 with 4 tokens per
@@ -65,6 +73,13 @@ TOL = {
     ("conv_out", BF16): (2e-2, 1e-2),  # 2.9e-02 (one bf16 ulp of |y| ~ 4-8, inside rtol)
     ("conv_state", BF16): (0.0, 0.0),  # 0 (a copy)
     ("gating", FP32): (1e-5, 1e-5),  # 1.1e-05 (|g| up to ~60, inside rtol)
+    # --fused (fp32 state, bf16 activations): ours fused vs unfused (the same gate expression) and vs vLLM's
+    # kernel (other reduction order); measured under the interpreter at --smoke shapes, not yet on the H200.
+    ("fused_out", FP32): (2e-2, 2e-2),  # 0; a bf16 output may round apart (as verify_out)
+    ("fused_state", FP32): (1e-5, 1e-5),  # 0
+    ("fused_pending", FP32): (1e-5, 1e-5),  # 0
+    ("vllm_out", FP32): (2e-2, 2e-2),  # 0 (bf16 outputs; one ulp may differ, as verify_out)
+    ("vllm_state", FP32): (1e-4, 1e-4),  # 2.4e-07
 }
 
 
@@ -455,6 +470,30 @@ def sweep(run: GdnRun) -> list[dict]:
     return rows
 
 
+def fused_main(run: GdnRun, vllm_dir: Path) -> None:
+    """``--fused``: the fused-gating cases, ``<out>/gdn_fused.json``, a table; exits (1 if a check failed)."""
+    vllm = gdn_harness.load_vllm_fla(vllm_dir)
+    run.rep_ms = 10  # a short budget: ~11 graph replays of ~10 ms per timing
+    batches = gdn_harness.FUSED_BATCHES if run.timed else run.shape.batches
+    for Q in gdn_harness.FUSED_QS:
+        for B in batches:
+            run.guarded(gdn_harness.fused_case, run, vllm, B, Q)
+    summary = gdn_harness.fused_summary(run.rows)
+    payload = {"env": common.environment(), "ceilings": run.ceil, "shape": {**run.shape.__dict__},
+               "vllm": None if vllm is None else vllm.version, "rows": run.rows, "checks": run.checks,
+               "summary": summary}  # fmt: skip
+    common.write_json(run.out / "gdn_fused.json", payload)
+    common.print_table(run.rows, ["case", "impl", "ms", "frac_copy", "timing"])
+    print()
+    cols = ["case", "vllm-fused_us", "vllm-packed_decode_us", "ours-unfused_us", "ours-fused_us"]
+    common.print_table(summary, [*cols, "vllm/fused", "unfused/fused"])
+    bad = [c for c in run.checks if not c["ok"]]
+    print(f"\nchecks: {len(run.checks) - len(bad)} ok, {len(bad)} failed")
+    for c in run.checks:
+        print(f"  {c['what']:14s} {c['case']:20s} max abs err {c.get('max_abs_err', 0.0):.3e}")
+    sys.exit(1 if run.failed else 0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -469,13 +508,21 @@ def main() -> None:
         help="comma list of: recurrent (decode + verify), chunked, conv, gating, fla (fla's recurrent op)",
     )
     ap.add_argument("--deadline-s", type=float, default=float("inf"), help="skip cases started after this")
+    ap.add_argument("--fused", action="store_true", help="only the fused-gating comparison with vLLM")
+    ap.add_argument("--vllm-fla", type=Path, default=gdn_harness.VLLM_FLA_DEFAULT, help="vLLM kernel files")
+    ap.add_argument("--export-vllm-fla", type=Path, default=None, help="copy vLLM's kernel files here, exit")
     args = ap.parse_args()
+    if args.export_vllm_fla is not None:
+        gdn_harness.export_vllm_fla(args.export_vllm_fla)
+        return
     out = common.out_dir(args.out)
     if args.smoke:
         device, shape = torch.device("cpu"), SMOKE
     else:
         device, shape = common.require_cuda(), QUICK if args.quick else QWEN3_NEXT_80B
     run = GdnRun(out, device, shape, args.quick or args.smoke, TOL)
+    if args.fused:
+        fused_main(run, args.vllm_fla)
     parts = set(args.only.split(",")) if args.only else {"recurrent", "chunked", "conv", "gating", "fla"}
     sweep_rows: list[dict] = []
 
