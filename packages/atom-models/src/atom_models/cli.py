@@ -30,7 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu or cuda (with --tensor-parallel-size N > 1, rank r runs on cuda:r over NCCL, or on the CPU over gloo)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks, one spawned process each (default 1: this process)",
+    )
     p.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
@@ -71,17 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from tqdm import tqdm
 
+    if args.tensor_parallel_size < 1:
+        raise SystemExit(
+            f"atom-generate: --tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}"
+        )
     model_dir = args.model if args.model is not None else default_model_dir()
     tok = _tokenizer(model_dir)
-    engine = LLMEngine.from_pretrained(
-        model_dir,
-        EngineConfig(
-            num_speculative_tokens=args.speculative_tokens,
-            max_num_seqs=max(1, len(args.prompt)),
-            cuda_graphs=args.cuda_graphs,
-        ),
-        dtype=DTYPES[args.dtype],
-        device=args.device,
+    engine_config = EngineConfig(
+        num_speculative_tokens=args.speculative_tokens,
+        max_num_seqs=max(1, len(args.prompt)),
+        cuda_graphs=args.cuda_graphs,
     )
     prompts = [tok.encode(p).ids for p in args.prompt]
     params = [
@@ -94,10 +103,28 @@ def main(argv: list[str] | None = None) -> int:
         )
         for i in range(len(prompts))
     ]
-    t0 = time.perf_counter()
-    with tqdm(total=args.max_tokens * len(prompts), unit="tok", desc="generate", file=sys.stderr) as bar:
-        results = engine.generate(prompts, params, progress=bar.update)
-    elapsed = time.perf_counter() - t0
+    if args.tensor_parallel_size > 1:
+        from atom_models.engine.tp_launch import TPRun, generate_tp
+
+        device_type = torch.device(args.device).type
+        print(f"tensor parallel: {args.tensor_parallel_size} ranks on {device_type}", file=sys.stderr)
+        per_rank = generate_tp(
+            model_dir,
+            [TPRun(engine_config, prompts, params)],
+            args.tensor_parallel_size,
+            dtype=DTYPES[args.dtype],
+            device_type=device_type,
+            threads=args.threads,
+        )
+        results, elapsed = per_rank[0][0]  # every rank holds the same tokens (rank 0 decides sampled ones)
+    else:
+        engine = LLMEngine.from_pretrained(
+            model_dir, engine_config, dtype=DTYPES[args.dtype], device=args.device
+        )
+        t0 = time.perf_counter()
+        with tqdm(total=args.max_tokens * len(prompts), unit="tok", desc="generate", file=sys.stderr) as bar:
+            results = engine.generate(prompts, params, progress=bar.update)
+        elapsed = time.perf_counter() - t0
     total = SpecStats()
     for text, r in zip(args.prompt, results):
         total.merge(r.stats)

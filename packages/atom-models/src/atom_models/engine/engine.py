@@ -213,12 +213,13 @@ class LLMEngine:
     def _build_models(self, k: int):
         """Target and (k > 0) MTP draft built on the meta device, FP8 modules converted, then allocated on
         the engine's device (uninitialised: the loader or the caller fills them)."""
-        config, kernels, dtype = self.config, self.kernels, self.dtype
+        config, kernels, dtype, parallel = self.config, self.kernels, self.dtype, self.parallel
         cores = EngineCoreFactory(self.caches, kernels)
         with torch.device("meta"):
-            target = Qwen3NextForCausalLM(config, cores, kernels, dtype=dtype)
+            target = Qwen3NextForCausalLM(config, cores, kernels, dtype=dtype, parallel=parallel)
+            shared = (target.model.embed_tokens, target.lm_head)
             mtp = (
-                Qwen3NextMTP(config, cores, kernels, target.model.embed_tokens, target.lm_head, dtype=dtype)
+                Qwen3NextMTP(config, cores, kernels, *shared, dtype=dtype, parallel=parallel)
                 if k > 0
                 else None
             )

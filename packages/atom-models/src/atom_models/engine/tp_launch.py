@@ -7,6 +7,9 @@ rank's device. ``fn`` and ``args`` are pickled into the ranks (``fn`` must be im
 function). The rendezvous is ``127.0.0.1`` on a free port. When a rank raises (or dies), the other ranks
 are terminated and :class:`RankFailed` is raised in the caller naming the rank, with its traceback;
 every process is joined before ``launch`` returns or raises.
+
+``generate_tp`` runs the standalone engine this way: every rank builds the engine with its
+``parallel`` and generates the same prompts (the CLI's ``--tensor-parallel-size``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -172,3 +176,52 @@ def launch(
         _stop(procs)
         results.close()
     return [done[r] for r in range(world_size)]
+
+
+@dataclass(frozen=True)
+class TPRun:
+    """One engine built on every rank (``engine_config``) and one ``LLMEngine.generate`` call on it."""
+
+    engine_config: Any  # EngineConfig
+    prompts: Sequence[Sequence[int]]
+    params: Any = None  # SamplingParams, one per prompt, or None (the defaults)
+
+
+def _generate_rank(parallel, device, ckpt_dir, dtype, runs, threads):
+    """One rank of :func:`generate_tp`: ``[(results, seconds of generate)]`` per run."""
+    from atom_models.engine.engine import LLMEngine
+
+    torch.set_num_threads(threads)
+    out = []
+    for run in runs:
+        eng = LLMEngine.from_pretrained(
+            ckpt_dir, run.engine_config, dtype=dtype, device=device, parallel=parallel
+        )
+        t0 = time.perf_counter()
+        results = eng.generate(run.prompts, run.params)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.append((results, time.perf_counter() - t0))
+        del eng
+    return out
+
+
+def generate_tp(
+    ckpt_dir,
+    runs: Sequence[TPRun],
+    world_size: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device_type: str = "cpu",
+    threads: int = 1,
+    timeout_s: float = 600.0,
+) -> list[list[tuple[list, float]]]:
+    """Every run of ``runs`` on ``world_size`` ranks (one process each, :func:`launch`), each rank loading
+    its shards of ``ckpt_dir``. Returns, per rank, per run, ``(GenerationResults, generate seconds)``."""
+    return launch(
+        _generate_rank,
+        world_size,
+        device_type=device_type,
+        args=(str(ckpt_dir), dtype, list(runs), threads),
+        timeout_s=timeout_s,
+    )

@@ -1,0 +1,146 @@
+"""The standalone engine at tensor parallelism 2 on the CPU (gloo, float32, the tiny fixture): two spawned
+ranks reproduce the float32 greedy reference for k = 0..3, agree on sampled tokens (rank 0 decides), and a
+rank that raises surfaces in the caller naming the rank."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from atom_models.engine import EngineConfig, LLMEngine, SamplingParams
+from atom_models.engine.tp_launch import RankFailed, TPRun, launch
+
+KS = (0, 1, 2, 3)
+ENGINE = dict(max_model_len=256, max_num_seqs=8)
+
+
+@contextlib.contextmanager
+def _importable_here():
+    """This file as a plain module, so that spawned ranks can import its functions by name (the ranks
+    inherit the parent's ``sys.path`` when they start: launch them inside the ``with``)."""
+    here_dir = str(Path(__file__).parent)
+    sys.path.insert(0, here_dir)
+    try:
+        import test_engine_tp
+
+        yield test_engine_tp
+    finally:
+        sys.path.remove(here_dir)
+
+
+def rank_body(parallel, device, model_dir, runs, cases):
+    """One rank of the module's launch: ``runs`` (as ``generate_tp``), then the sampled run again with a
+    different seed on every rank (rank 0's decides)."""
+    from atom_models.engine.tp_launch import _generate_rank
+
+    out = _generate_rank(parallel, device, model_dir, torch.float32, runs, 1)
+    eng = LLMEngine.from_pretrained(
+        model_dir, EngineConfig(num_speculative_tokens=2, **ENGINE), parallel=parallel
+    )
+    prompts, params = _sampled_run(cases)
+    params = [dataclasses.replace(params[0], seed=params[0].seed + 1000 * parallel.rank), params[1]]
+    out.append((eng.generate(prompts, params), 0.0))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp2(model_dir, greedy_cases):
+    """Every run of this module on 2 ranks, in one launch: greedy k = 0..3 over every reference case, then
+    (k = 2) a sampled request beside a greedy one, with the same seed on both ranks, then with different
+    seeds. Per rank, per run: (results, seconds)."""
+    cases = greedy_cases["cases"]
+    greedy = SamplingParams(max_tokens=greedy_cases["max_new_tokens"], ignore_eos=True)
+    runs = [
+        TPRun(EngineConfig(num_speculative_tokens=k, **ENGINE), [c["prompt_ids"] for c in cases], greedy)
+        for k in KS
+    ]
+    runs.append(TPRun(EngineConfig(num_speculative_tokens=2, **ENGINE), *_sampled_run(cases)))
+    t0 = time.perf_counter()
+    with _importable_here() as here:
+        out = launch(here.rank_body, 2, device_type="cpu", args=(str(model_dir), runs, cases))
+    print(f"TP=2: {len(runs) + 1} runs on 2 ranks in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def _sampled_run(cases):
+    prompts = [cases[3]["prompt_ids"], cases[0]["prompt_ids"]]
+    params = [
+        SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=16, ignore_eos=True),
+    ]
+    return prompts, params
+
+
+@pytest.mark.parametrize("k", KS)
+def test_tp2_greedy_reproduces_the_reference(tp2, greedy_cases, k):
+    cases = greedy_cases["cases"]
+    for rank, runs in enumerate(tp2):
+        results, _ = runs[KS.index(k)]
+        for i, (r, c) in enumerate(zip(results, cases)):
+            if r.output_ids != c["greedy_ids"]:
+                j = next(j for j, (a, b) in enumerate(zip(r.output_ids, c["greedy_ids"])) if a != b)
+                pytest.fail(
+                    f"TP=2 rank {rank} k={k} case {i}: first mismatch at token {j} "
+                    f"(reference margin {c['top1_margin'][j]:.4f})"
+                )
+        if k:
+            drafts = sum(r.stats.num_drafts for r in results)
+            accepted = sum(r.stats.num_accepted_tokens for r in results)
+            assert accepted > 0.2 * drafts, f"rank {rank} k={k}: acceptance {accepted}/{drafts}"
+    stats = [
+        [(r.stats.num_drafts, r.stats.num_accepted_tokens) for r in runs[KS.index(k)][0]] for runs in tp2
+    ]
+    assert stats[0] == stats[1]
+
+
+def test_tp2_sampling_agrees_across_ranks_and_with_tp1(tp2, model_dir, greedy_cases):
+    cases = greedy_cases["cases"]
+    same_seed = [[r.output_ids for r in runs[len(KS)][0]] for runs in tp2]
+    rank_seeds = [[r.output_ids for r in runs[len(KS) + 1][0]] for runs in tp2]
+    assert same_seed[0] == same_seed[1]
+    sampled, greedy = same_seed[0]
+    assert len(sampled) == 24 and greedy == cases[0]["greedy_ids"][:16]
+    prompts, params = _sampled_run(cases)
+    eng = LLMEngine.from_pretrained(model_dir, EngineConfig(num_speculative_tokens=2, **ENGINE))
+    tp1 = [r.output_ids for r in eng.generate(prompts, params)]
+    assert same_seed[0] == tp1
+    assert sampled != cases[3]["greedy_ids"][:24]  # temperature 1 really sampled
+    # rank 1's generator had another seed: rank 0 decided every sampled token and draft
+    assert rank_seeds[0] == rank_seeds[1] == tp1
+
+
+def fail_on_rank_1(parallel, device):
+    """A rank body that raises on rank 1 while rank 0 waits in a collective."""
+    if parallel.rank == 1:
+        raise ValueError("rank 1 cannot continue: injected failure")
+    parallel.all_reduce(torch.ones(4))
+    return parallel.rank
+
+
+def test_a_rank_that_raises_surfaces_in_the_caller():
+    t0 = time.perf_counter()
+    match = "rank 1 of 2 failed: ValueError: rank 1 cannot continue"
+    with _importable_here() as here, pytest.raises(RankFailed, match=match) as e:
+        launch(here.fail_on_rank_1, 2, device_type="cpu", timeout_s=120)
+    assert e.value.rank == 1 and "fail_on_rank_1" in e.value.rank_traceback
+    assert isinstance(e.value.__cause__, ValueError)
+    assert time.perf_counter() - t0 < 100  # rank 0, blocked in all_reduce, was stopped, not waited for
+
+
+def test_atom_generate_tensor_parallel_size_2_prints_the_tp1_text(model_dir, capsys):
+    from atom_models.cli import main
+
+    argv = ["--model", str(model_dir), "--prompt", "import os\ndef main(", "--max-tokens", "10"]
+    argv += ["--speculative-tokens", "2", "--ignore-eos"]
+    assert main(argv) == 0
+    tp1 = capsys.readouterr().out
+    assert main([*argv, "--tensor-parallel-size", "2"]) == 0
+    tp2 = capsys.readouterr().out
+    text = [line for line in tp1.splitlines() if not line.startswith(("10 tokens in", "MTP k=2"))]
+    assert text == [line for line in tp2.splitlines() if not line.startswith(("10 tokens in", "MTP k=2"))]
+    assert "--- 10 tokens" in tp2 and "MTP k=2: drafts" in tp2
