@@ -20,11 +20,22 @@ Then a torch.profiler table of one graphed step (k=1, B in ``--profile-batches``
 kernel) and the tiny model's tokens/s (bf16, k=1, graphs off and on, 128 tokens per prompt, concurrency
 1 and 16). JSON + PNG to ``--out``.
 ``--smoke``: tiny shapes on the CPU (the bucketed path runs eagerly there), to check the script.
+
+``--fp8``: the FP8 checkpoint's model (``quantization_config`` of Qwen3-Next-80B-A3B-Instruct-FP8: e4m3
+weights in 128x128 blocks except ``lm_head``, ``in_proj_ba``, the routers, ``shared_expert_gate`` and
+``mtp.fc``) at the full 48 layers (``--layers``), built directly in FP8 by the engine (no bf16 copy):
+random e4m3 values made from random bf16 (no NaN codes), random block scales; k in (0, 1), B in (1, 64),
+no profile, no tiny-model run; the floor counts the FP8 bytes (weights and their block scales). Output
+``engine_h200_fp8.json`` / ``.png``. The command for the H200 (~60-90 s of GPU time):
+
+    python benchmarks/gpu/bench_engine.py --fp8 --steps 3
+    python benchmarks/gpu/bench_engine.py --fp8 --smoke   # the same on the CPU, tiny dims (~1 min)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -69,7 +80,29 @@ SMOKE = {
 }
 
 
-def model_config(dims: dict):
+FP8_LAYERS = 48  # Qwen3-Next-80B-A3B
+FP8_MAX = 448.0
+FP8_VALUE_STD = 64.0  # random e4m3 values ~ N(0, 64) clamped to +-448; scales bring weights to std ~0.02
+
+
+def fp8_quantization_config(hf: dict) -> dict:
+    """The published FP8 checkpoint's ``quantization_config`` for ``hf`` (make_fp8_checkpoint.py's list)."""
+    import importlib.util
+
+    path = ROOT / "packages" / "atom-models" / "scripts" / "make_fp8_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_fp8_checkpoint", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(mod.BLOCK),
+        "modules_to_not_convert": mod.modules_to_not_convert(hf),
+    }
+
+
+def model_config(dims: dict, fp8: bool = False):
     import json
 
     from atom_core import Qwen3NextConfig
@@ -79,7 +112,19 @@ def model_config(dims: dict):
     n = dims["num_hidden_layers"]
     hf["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
     hf["mtp_num_hidden_layers"] = 1
+    if fp8:
+        hf["quantization_config"] = fp8_quantization_config(hf)
     return Qwen3NextConfig.from_hf(hf)
+
+
+def _fill_fp8(p: torch.Tensor, g: torch.Generator, chunk: int = 1 << 27) -> None:
+    """Random e4m3 values from random bf16 (clamped to the finite range: no NaN codes), in slices of
+    about ``chunk`` elements along dim 0 (the bf16 temporary stays small)."""
+    rows = max(1, chunk // max(1, p[0].numel()))
+    for i in range(0, p.shape[0], rows):
+        part = p[i : i + rows]
+        src = torch.randn(part.shape, dtype=torch.bfloat16, device=p.device, generator=g)
+        part.copy_(src.mul_(FP8_VALUE_STD).clamp_(-FP8_MAX, FP8_MAX).to(p.dtype))
 
 
 def randomize(engine, seed: int = 0) -> None:
@@ -89,9 +134,13 @@ def randomize(engine, seed: int = 0) -> None:
     with torch.no_grad():
         for mod in mods:
             for name, p in mod.named_parameters():
-                if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                if p.dtype == torch.float8_e4m3fn:
+                    _fill_fp8(p, g)
+                elif name.endswith("_scale_inv"):  # FP8 block scales: weight std ~0.02 * U(0.5, 1.5)
+                    p.uniform_(0.5, 1.5, generator=g).mul_(0.02 / FP8_VALUE_STD)
+                elif p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                     continue
-                if name.endswith("A_log"):
+                elif name.endswith("A_log"):
                     p.uniform_(0.0, 2.0, generator=g)
                 elif "norm" in name or name.endswith("dt_bias"):
                     p.normal_(0.0, 0.1, generator=g)
@@ -135,7 +184,7 @@ def clear_running(engine) -> None:
 
 def count_touched_experts(engine) -> dict[str, list[int]]:
     """One eager step with hooks on every MoE: distinct experts routed to, per layer, target and MTP."""
-    from atom_models.moe import Experts
+    from atom_models.moe import Experts, Fp8Experts
 
     touched: dict[str, list[int]] = {"target": [], "mtp": []}
     hooks = []
@@ -143,7 +192,7 @@ def count_touched_experts(engine) -> dict[str, list[int]]:
         if mod is None:
             continue
         for m in mod.modules():
-            if isinstance(m, Experts):
+            if isinstance(m, (Experts, Fp8Experts)):
 
                 def hook(_m, args, part=part):
                     touched[part].append(int(args[3].unique().numel()))
@@ -160,8 +209,9 @@ def count_touched_experts(engine) -> dict[str, list[int]]:
 
 
 def floor_bytes(engine, batch: int, ctx: int, touched: dict[str, list[int]]) -> dict[str, float]:
-    """Bytes one step must move (see the module docstring), split by what."""
-    from atom_models.moe import Experts
+    """Bytes one step must move (see the module docstring), split by what. Parameters count at their own
+    dtype: FP8 weights 1 byte per value plus their float32 block scales."""
+    from atom_models.moe import Experts, Fp8Experts
 
     cfg, k = engine.config, engine.engine_config.num_speculative_tokens
     q = 1 + k
@@ -169,8 +219,8 @@ def floor_bytes(engine, batch: int, ctx: int, touched: dict[str, list[int]]) -> 
     def weights(mod, skip: tuple = ()) -> tuple[float, float]:
         dense, per_expert = 0.0, 0.0
         for m in mod.modules():
-            if isinstance(m, Experts):
-                per_expert = sum(p[0].numel() * p.element_size() for p in (m.w13, m.w2))
+            if isinstance(m, (Experts, Fp8Experts)):  # one expert's slice of every stacked tensor
+                per_expert = sum(p[0].numel() * p.element_size() for p in m.parameters())
         for name, p in mod.named_parameters():
             if "experts." in name or any(s in name for s in skip):
                 continue
@@ -188,7 +238,10 @@ def floor_bytes(engine, batch: int, ctx: int, touched: dict[str, list[int]]) -> 
     gdn = engine.caches.gdn_bytes_per_seq()
     out["gdn_state"] = batch * (2 * gdn["ssm"] + 2 * gdn["conv"] + 2 * gdn["pending"])
     kv_tok = (
-        2 * cfg.num_key_value_heads * cfg.head_dim * next(iter(engine.caches.kv.values()))[0].element_size()
+        2
+        * engine.caches.layout.num_kv_heads
+        * cfg.head_dim
+        * next(iter(engine.caches.kv.values()))[0].element_size()
     )
     n_attn = len(cfg.full_attention_layers)
     out["kv"] = batch * n_attn * (ctx + q) * kv_tok
@@ -234,7 +287,12 @@ def bench_k(args, cfg, k: int, device, dtype, ceil, rows: list, prof_out: Path |
     t0 = time.perf_counter()
     engine = LLMEngine(cfg, ec, dtype=dtype, device=device)
     randomize(engine, seed=k)
-    print(f"k={k}: engine built and randomized in {time.perf_counter() - t0:.1f} s", flush=True)
+    params = {id(p): p for m in (engine.target, engine.mtp) if m is not None for p in m.parameters()}
+    weights_gb = sum(p.numel() * p.element_size() for p in params.values()) / 1e9
+    print(
+        f"k={k}: engine built and randomized in {time.perf_counter() - t0:.1f} s, weights {weights_gb:.2f} GB",
+        flush=True,
+    )
     for b in args.batches:
         place_running(engine, b, args.ctx, max_tokens, seed=b)
         touched = count_touched_experts(engine)
@@ -261,6 +319,7 @@ def bench_k(args, cfg, k: int, device, dtype, ceil, rows: list, prof_out: Path |
             "k": k,
             "B": b,
             "ctx": args.ctx,
+            "weights_gb": weights_gb,
             "step_ms_eager": eager_step,
             "step_ms_graphed": graph_step,
             "target_ms_eager": target_eager,
@@ -363,42 +422,75 @@ def tiny_tokens_per_s(device, dtype, smoke: bool) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 3])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--ks", type=int, nargs="+", default=None, help="default: 0 1 3 (--fp8: 0 1)")
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 8 64 256 (--fp8: 1 64)")
     ap.add_argument("--ctx", type=int, default=1024, help="context tokens per sequence")
     ap.add_argument("--steps", type=int, default=6, help="timed engine steps per case")
-    ap.add_argument("--profile-batches", type=int, nargs="*", default=[1, 64], help="profiled at k=1")
+    ap.add_argument(
+        "--profile-batches",
+        type=int,
+        nargs="*",
+        default=None,
+        help="profiled at k=1 (default 1 64; --fp8: none)",
+    )
+    ap.add_argument("--fp8", action="store_true", help="FP8 weights at the full 48 layers (module docstring)")
+    ap.add_argument("--layers", type=int, default=None, help="target layers (default 8; --fp8: 48)")
+    ap.add_argument("--no-tiny", action="store_true", help="skip the tiny model's tokens/s (--fp8: skipped)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script)")
     args = ap.parse_args()
     out = common.out_dir(args.out)
+    fp8 = args.fp8
+    args.ks = args.ks or ([0, 1] if fp8 else [0, 1, 3])
+    args.batches = args.batches or ([1, 64] if fp8 else [1, 8, 64, 256])
+    if args.profile_batches is None:
+        args.profile_batches = [] if fp8 else [1, 64]
+    layers = args.layers or (FP8_LAYERS if fp8 else WIDE["num_hidden_layers"])
     if args.smoke:
-        device, dtype, cfg = torch.device("cpu"), torch.float32, model_config(SMOKE)
+        device, dtype = torch.device("cpu"), torch.float32
+        cfg = model_config({**SMOKE, "num_hidden_layers": args.layers or SMOKE["num_hidden_layers"]}, fp8)
         ceil = {"copy_gbps": 10.0, "matmul_tflops": 0.1}
         args.batches, args.ctx, args.steps = [b for b in args.batches if b <= 8] or [1, 8], 32, 2
-        args.profile_batches = args.batches[-1:]
+        args.profile_batches = args.batches[-1:] if args.profile_batches else []
     else:
-        device, dtype, cfg = common.require_cuda(), torch.bfloat16, model_config(WIDE)
+        device, dtype = common.require_cuda(), torch.bfloat16
+        cfg = model_config({**WIDE, "num_hidden_layers": layers}, fp8)
         ceil = common.ceilings(out, device)
+    name = "engine_h200_fp8" if fp8 else "engine_h200"
     torch.manual_seed(0)
     rows: list[dict] = []
+    t_start = time.perf_counter()
     with torch.no_grad():
         for k in args.ks:
             bench_k(args, cfg, k, device, dtype, ceil, rows, out / "engine_profile.txt")
-            common.write_json(out / "engine_h200.json", {"ceilings": ceil, "rows": rows, "partial": True})
+            gc.collect()  # the graphs hold reference cycles to the engine's models: free them now
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            common.write_json(out / f"{name}.json", {"ceilings": ceil, "rows": rows, "partial": True})
     by = {(r["k"], r["B"]): r for r in rows}
     for r in rows:
         d = by.get((0, r["B"]))
         if d and r["k"] > 0:
             r["target_vs_decode_graphed"] = r["target_ms_graphed"] / d["target_ms_graphed"]
             r["step_vs_decode_graphed"] = r["step_ms_graphed"] / d["step_ms_graphed"]
-    tiny = tiny_tokens_per_s(device, torch.bfloat16 if not args.smoke else torch.float32, args.smoke)
+    tiny = []
+    if not (fp8 or args.no_tiny):
+        tiny = tiny_tokens_per_s(device, torch.bfloat16 if not args.smoke else torch.float32, args.smoke)
     payload = {
         "env": common.environment() if not args.smoke else {},
+        "model": {
+            "layers": cfg.num_hidden_layers,
+            "mtp_layers": cfg.num_mtp_layers,
+            "weights": "fp8 e4m3 (128x128 block scales)" if fp8 else str(dtype),
+            "activations": str(dtype),
+        },
         "ceilings": ceil,
         "rows": rows,
         "tiny": tiny,
+        "wall_s": time.perf_counter() - t_start,
     }
-    common.write_json(out / "engine_h200.json", payload)
+    if device.type == "cuda":
+        payload["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    common.write_json(out / f"{name}.json", payload)
     common.print_table(
         rows,
         ["case", "step_ms_eager", "step_ms_graphed", "target_ms_eager", "target_ms_graphed", "propose_ms_graphed",
@@ -409,8 +501,9 @@ def main() -> None:
         for r in rows
         for impl, key in (("eager step", "step_ms_eager"), ("graphed step", "step_ms_graphed"))
     ]
+    what = f"{cfg.num_hidden_layers} layers, {'FP8 weights' if fp8 else 'bf16'}"
     common.plot_rows(
-        out / "engine_h200.png", plot, value="frac", title="engine step: floor / time (80B width, 8 layers, bf16)",
+        out / f"{name}.png", plot, value="frac", title=f"engine step: floor / time (80B width, {what})",
         xlabel="fraction of the bandwidth floor",
     )  # fmt: skip
 
