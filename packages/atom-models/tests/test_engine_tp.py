@@ -55,11 +55,11 @@ def tp2(model_dir, greedy_cases):
     seeds. Per rank, per run: (results, seconds)."""
     cases = greedy_cases["cases"]
     greedy = SamplingParams(max_tokens=greedy_cases["max_new_tokens"], ignore_eos=True)
-    runs = [
-        TPRun(EngineConfig(num_speculative_tokens=k, **ENGINE), [c["prompt_ids"] for c in cases], greedy)
-        for k in KS
-    ]
+    prompts = [c["prompt_ids"] for c in cases]
+    runs = [TPRun(EngineConfig(num_speculative_tokens=k, **ENGINE), prompts, greedy) for k in KS]
     runs.append(TPRun(EngineConfig(num_speculative_tokens=2, **ENGINE), *_sampled_run(cases)))
+    # the bucketed decode / verify path (graphs.py; eager on the CPU, captured per rank on GPUs)
+    runs.append(TPRun(EngineConfig(num_speculative_tokens=2, cuda_graphs=True, **ENGINE), prompts, greedy))
     t0 = time.perf_counter()
     with _importable_here() as here:
         out = launch(here.rank_body, 2, device_type="cpu", args=(str(model_dir), runs, cases))
@@ -101,7 +101,7 @@ def test_tp2_greedy_reproduces_the_reference(tp2, greedy_cases, k):
 def test_tp2_sampling_agrees_across_ranks_and_with_tp1(tp2, model_dir, greedy_cases):
     cases = greedy_cases["cases"]
     same_seed = [[r.output_ids for r in runs[len(KS)][0]] for runs in tp2]
-    rank_seeds = [[r.output_ids for r in runs[len(KS) + 1][0]] for runs in tp2]
+    rank_seeds = [[r.output_ids for r in runs[len(KS) + 2][0]] for runs in tp2]
     assert same_seed[0] == same_seed[1]
     sampled, greedy = same_seed[0]
     assert len(sampled) == 24 and greedy == cases[0]["greedy_ids"][:16]
@@ -112,6 +112,12 @@ def test_tp2_sampling_agrees_across_ranks_and_with_tp1(tp2, model_dir, greedy_ca
     assert sampled != cases[3]["greedy_ids"][:24]  # temperature 1 really sampled
     # rank 1's generator had another seed: rank 0 decided every sampled token and draft
     assert rank_seeds[0] == rank_seeds[1] == tp1
+
+
+def test_tp2_bucketed_steps_reproduce_the_reference(tp2, greedy_cases):
+    for rank, runs in enumerate(tp2):
+        results, _ = runs[len(KS) + 1]
+        assert [r.output_ids for r in results] == [c["greedy_ids"] for c in greedy_cases["cases"]], rank
 
 
 def fail_on_rank_1(parallel, device):

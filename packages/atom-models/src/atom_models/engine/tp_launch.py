@@ -29,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 class RankFailed(RuntimeError):
@@ -121,6 +122,9 @@ def launch(
         raise ValueError(
             f"tensor parallel size {world_size} needs {world_size} GPUs, {torch.cuda.device_count()} visible"
         )
+    if device_type == "cuda":  # the ranks inherit these: no NVLink multicast (NVLS) in NCCL / PyTorch
+        for var, value in NO_MULTICAST.items():
+            os.environ.setdefault(var, value)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
