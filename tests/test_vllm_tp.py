@@ -28,9 +28,8 @@ TP = 2
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (2-core CI machine)
 MIN_ACCEPTANCE = {1: 0.35, 2: 0.25, 3: 0.2}  # the bars of test_vllm_float32_greedy.py (TP = 1)
 STATE_K = 1  # the engine whose ranks are inspected
-REPLICATED = re.compile(
-    r"(norm|mlp\.gate|shared_expert_gate|\bfc)\.weight$"
-)  # the parameters every rank holds whole
+# the parameters every rank holds whole: norms, router and shared-expert gates, the MTP fc
+REPLICATED = re.compile(r"(norm[a-z_]*|mlp\.gate|shared_expert_gate|\bfc)\.weight$")
 # The compiled TP = 2 engine (vLLM's torch.compile around the sharded model and its collectives): one k in
 # CI, ATOM_VLLM_TP_COMPILED_KS="0 1 2 3" runs others.
 COMPILED_KS = [int(k) for k in os.environ.get("ATOM_VLLM_TP_COMPILED_KS", "1").split()]
