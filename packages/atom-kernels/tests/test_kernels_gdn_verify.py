@@ -259,11 +259,25 @@ def test_bad_inputs(impl, device):
     ids=["f32", "bf16_io", "bf16_io_bf16_state"],
 )
 @pytest.mark.parametrize("q_len", [2, 4], ids=["k1", "k3"])
-def test_verify_fused_gating_equals_unfused(impl, tol, device, dtype, state_dtype, q_len):
+@pytest.mark.parametrize("gating", ["in_kernel", "op_first"])
+def test_verify_fused_gating_equals_unfused(impl, tol, device, backend, dtype, state_dtype, q_len, gating):
     """Three verify steps (k = 1 or 3, every acceptance count, a padding row) with the gating fused in:
     outputs, the whole state pool and the whole pending pool (its stashed g is the computed one) equal the
-    reference gating op followed by the unfused call on the same pools."""
+    reference gating op followed by the unfused call on the same pools. ``op_first``: the Triton launch
+    setting that runs the gating op before the unfused kernels (its default for long verifies of >= 64
+    sequences)."""
     fn = impl("gated_delta_rule_verify", dtype)
+    fused = fn
+    if gating == "op_first":
+        if backend != "triton":
+            pytest.skip("where the gate is computed is a launch setting of the Triton kernel")
+        from atom_kernels.ops.gated_delta_rule.triton_verify import VerifyLaunch, _launch_verify
+
+        launch = VerifyLaunch(block_v=8, num_warps=1, wy=q_len <= 2, max_registers=None, fuse_gating=False)
+
+        def fused(*args, **kwargs):
+            return _launch_verify(*args, launch=launch, **kwargs)
+
     n, n_slots = 4, 8
     slots = torch.tensor([5, -1, 0, 3], dtype=torch.int32, device=device)
     pool = randn(n_slots, HV, DV, DK, seed=500, dtype=torch.float32, device=device, scale=0.3)
@@ -279,7 +293,7 @@ def test_verify_fused_gating_equals_unfused(impl, tol, device, dtype, state_dtyp
         a, b, A_log, dt_bias = gate_inputs((n, q_len), 515 + 10 * step, dtype, device)
         g, beta = reference_gates(a, b, A_log, dt_bias)
         o_u = fn(q, k, v, g, beta, *pools["unfused"], slots, acc, SCALE)
-        o_f = fn(q, k, v, a, b, *pools["fused"], slots, acc, SCALE, A_log=A_log, dt_bias=dt_bias)
+        o_f = fused(q, k, v, a, b, *pools["fused"], slots, acc, SCALE, A_log=A_log, dt_bias=dt_bias)
         what = f"step {step}, q {dtype}, state {state_dtype}, Q={q_len}"
         assert_close(o_f, o_u, t, f"fused vs unfused outputs, {what}")
         assert_close(pools["fused"][0].float(), pools["unfused"][0].float(), t, f"state pool, {what}")

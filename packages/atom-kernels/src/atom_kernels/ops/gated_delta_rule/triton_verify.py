@@ -21,7 +21,10 @@ Two launches, in stream order:
 
 With ``A_log``/``dt_bias`` (fused gating) both launches read the raw gate inputs ``a``/``b`` where they would
 read g/beta and compute them with :func:`~atom_kernels.ops.gdn_gating.triton.gdn_gate` (the gating op's
-expression): the gating op's launch is gone, which is what a small batch pays for.
+expression): the gating op's launch is gone, which is what a small batch pays for. Where the one-token-after-
+another form runs at 64 sequences or more, the launch config (``fuse_gating=False``) runs the gating op first
+instead: there the in-kernel gate measured slower (k=3, B=64: 145 us fused against 123 us with the gating
+op's launch; fused won at B=8, 17.4 against 19.1 us, and at every batch of the WY form).
 
 Instruction count is what bounds this kernel at large batch, so:
 - L2 norms are per-row scalars: ``h (k r) = (h k) r`` and ``u (k r)^T = (u r) k^T`` with ``r = 1/|k|``;
@@ -52,7 +55,7 @@ import triton.language as tl
 from atom_kernels.ops._checks import check_num_accepted_values, check_slot_values
 from atom_kernels.ops.gated_delta_rule.checks import check_gated_delta_rule_verify
 from atom_kernels.ops.gated_delta_rule.triton import recurrent_launch_config, strides
-from atom_kernels.ops.gdn_gating.triton import gdn_gate
+from atom_kernels.ops.gdn_gating.triton import gdn_gate, gdn_gating
 from atom_kernels.ops.l2norm.checks import DEFAULT_EPS as L2NORM_EPS
 
 VERIFY_BLOCK_K = 32  # KC: Dk chunk of the state tile (8 lanes x 4 float32, 16-byte loads)
@@ -60,24 +63,26 @@ VERIFY_BLOCK_K = 32  # KC: Dk chunk of the state tile (8 lanes x 4 float32, 16-b
 
 class VerifyLaunch(NamedTuple):
     """How ``_verify_kernel`` is launched: value rows per program, warps, the WY form of the token section
-    (``wy``) and CUDA's per-thread register cap (``max_registers``, None or 0: the compiler's choice; not
-    applied on ROCm, where Triton has no such option)."""
+    (``wy``), CUDA's per-thread register cap (``max_registers``, None or 0: the compiler's choice; not
+    applied on ROCm, where Triton has no such option) and, when the op is given ``A_log``/``dt_bias``, whether
+    the kernels gate in-kernel (``fuse_gating``) or the gating op runs first."""
 
     block_v: int
     num_warps: int
     wy: bool
     max_registers: int | None
+    fuse_gating: bool = True
 
 
 def verify_launch_config(num_seqs: int, num_v_heads: int, dv: int, num_tokens: int) -> VerifyLaunch:
     """One warp per program; 16 value rows when that still leaves >= 4096 programs, else the recurrent
     kernel's tile (fewer programs cannot fill the GPU); up to 2 tokens the WY form capped at 128 registers,
-    else one token after another."""
+    else one token after another; gating fused in-kernel except for the latter at >= 64 sequences."""
     bv = min(16, triton.next_power_of_2(dv))
     if num_seqs * num_v_heads * triton.cdiv(dv, bv) < 4096:
         bv = recurrent_launch_config(num_seqs, num_v_heads, dv)[0]
     wy = num_tokens <= 2
-    return VerifyLaunch(bv, 1, wy, 128 if wy else None)
+    return VerifyLaunch(bv, 1, wy, 128 if wy else None, fuse_gating=wy or num_seqs < 64)
 
 
 @triton.jit
@@ -418,6 +423,10 @@ def _launch_verify(
     if N == 0 or Q == 0:
         return o
     cfg = launch or verify_launch_config(N, HV, DV, Q)
+    if A_log is not None and not cfg.fuse_gating:  # the gating op's launch, then the unfused kernels
+        g, beta = gdn_gating(A_log, g.reshape(N * Q, HV), dt_bias, beta.reshape(N * Q, HV))
+        g, beta = g.view(N, Q, HV), beta.view(N, Q, HV)
+        A_log = dt_bias = None
     # maxnreg is an option of Triton's CUDA backend only (the HIP backend rejects unknown options)
     regs = cfg.max_registers
     extra = {"maxnreg": regs} if regs and q.is_cuda and torch.version.hip is None else {}
