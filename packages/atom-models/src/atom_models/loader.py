@@ -462,6 +462,26 @@ def _fp8_block(config) -> tuple[int, int] | None:
     return None if q is None else tuple(q.weight_block_size)
 
 
+TARGET_SCOPE = _Scope("model.", "model.", 0)
+
+
+def _mtp_scope(config) -> _Scope:
+    return _Scope("", "mtp.", config.num_hidden_layers)
+
+
+def convert_target_fp8(model: nn.Module) -> list[str]:
+    """:func:`convert_fp8_modules` for a :class:`Qwen3NextForCausalLM` whose config has an FP8
+    ``quantization_config`` (nothing to do otherwise); modules already FP8 are left as they are."""
+    q = model.config.quantization
+    return [] if q is None else convert_fp8_modules(model, TARGET_SCOPE, q, model.kernels)
+
+
+def convert_mtp_fp8(mtp: nn.Module) -> list[str]:
+    """:func:`convert_target_fp8` for a :class:`Qwen3NextMTP`."""
+    q = mtp.config.quantization
+    return [] if q is None else convert_fp8_modules(mtp, _mtp_scope(mtp.config), q, mtp.kernels)
+
+
 def load_target(model: nn.Module, ckpt_dir: str | os.PathLike[str], *, dequantize_fp8: bool = False) -> int:
     """Fill a :class:`Qwen3NextForCausalLM` from a HF checkpoint; ``mtp.*`` tensors are ignored.
 
@@ -479,9 +499,9 @@ def load_target(model: nn.Module, ckpt_dir: str | os.PathLike[str], *, dequantiz
     if config.tie_word_embeddings:
         ignore += ("lm_head.weight",)  # tied: the embedding is the head
     block = _fp8_block(config)
-    scope = _Scope("model.", "model.", 0)
-    if block is not None and not dequantize_fp8:
-        convert_fp8_modules(model, scope, config.quantization, model.kernels)
+    scope = TARGET_SCOPE
+    if not dequantize_fp8:
+        convert_target_fp8(model)
     plan = _plan(model, ckpt_dir, files, [scope], extra, set(), ignore, "target model", model.layout, block)
     return _execute(ckpt_dir, plan, model.kernels, block)
 
@@ -501,8 +521,8 @@ def load_mtp(mtp: nn.Module, ckpt_dir: str | os.PathLike[str], *, dequantize_fp8
         raise CheckpointError(ckpt_dir, ["no mtp.* tensors: this checkpoint has no MTP head"])
     skip = {n for n, _ in mtp.named_parameters() if n.split(".")[0] in ("embed_tokens", "lm_head")}
     block = _fp8_block(config)
-    scope = _Scope("", "mtp.", config.num_hidden_layers)
-    if block is not None and not dequantize_fp8:
-        convert_fp8_modules(mtp, scope, config.quantization, mtp.kernels)
+    scope = _mtp_scope(config)
+    if not dequantize_fp8:
+        convert_mtp_fp8(mtp)
     plan = _plan(mtp, ckpt_dir, mtp_files, [scope], {}, skip, (), "MTP draft", mtp.layout, block)
     return _execute(ckpt_dir, plan, mtp.kernels, block)

@@ -42,7 +42,7 @@ from atom_models.engine.request import Request, SpecStats
 from atom_models.engine.sampling import SamplingParams, sample, verify_greedy, verify_probs
 from atom_models.engine.scheduler import Scheduler
 from atom_models.generation_config import with_generation_eos
-from atom_models.loader import _Scope, convert_fp8_modules, load_mtp, load_target
+from atom_models.loader import convert_mtp_fp8, convert_target_fp8, load_mtp, load_target
 from atom_models.parallel import SINGLE_PROCESS, ParallelContext, TPLayout
 from atom_models.qwen3_next import Qwen3NextForCausalLM
 from atom_models.qwen3_next_mtp import Qwen3NextMTP
@@ -225,10 +225,9 @@ class LLMEngine:
             )
         if config.quantization is not None and not self.dequantize_fp8:
             # the loader's own conversion (load_target / load_mtp) then finds these already FP8
-            quant = config.quantization
-            convert_fp8_modules(target, _Scope("model.", "model.", 0), quant, kernels)
+            convert_target_fp8(target)
             if mtp is not None:
-                convert_fp8_modules(mtp, _Scope("", "mtp.", config.num_hidden_layers), quant, kernels)
+                convert_mtp_fp8(mtp)
         materialize([target, mtp], self.device)
         return target, mtp
 
