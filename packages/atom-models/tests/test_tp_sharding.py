@@ -282,6 +282,12 @@ def test_fp8_slice_straddling_a_block_is_refused():
     shard = LinearShard("column", FakeRank(1, 4), (384,), ((96, 192),))
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj.*96 rows.*128-row block"):
         check_fp8_shard("layers.0.mlp.down_proj", shard, (128, 128))
+    # rank 0's own rows [0, 96) lie inside block 0, but it refuses too: every rank reaches the same verdict
+    # (a rank that built would wait in its first collective for the rank that raised)
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj.*96 rows.*\[96, 192\)"):
+        check_fp8_shard(
+            "layers.0.mlp.down_proj", LinearShard("column", FakeRank(0, 4), (384,), ((0, 96),)), (128, 128)
+        )
     check_fp8_shard("ok", LinearShard(ROW, FakeRank(1, 2), (256,), ((128, 256),)), (128, 128))
     check_fp8_shard("inside", LinearShard(ROW, FakeRank(1, 2), (64,), ((32, 64),)), (128, 128))
     # moe_intermediate_size 192 over 2 ranks: rank 1's rows [96, 192) straddle blocks 0 and 1
@@ -292,6 +298,16 @@ def test_fp8_slice_straddling_a_block_is_refused():
             96,
             (128, 128),
             intermediate_range=(96, 192),
+            full_intermediate_size=192,
+            name="layers.5.mlp.experts",
+        )
+    with pytest.raises(ValueError, match=r"layers\.5\.mlp\.experts.*96 rows"):  # rank 0 as well
+        Fp8Experts(
+            4,
+            256,
+            96,
+            (128, 128),
+            intermediate_range=(0, 96),
             full_intermediate_size=192,
             name="layers.5.mlp.experts",
         )

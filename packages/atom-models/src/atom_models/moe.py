@@ -8,7 +8,7 @@ from torch import nn
 
 from atom_models.modules import GatedMLP, Linear
 from atom_models.parallel import SINGLE_PROCESS, ParallelContext, TPLayout
-from atom_models.parallel.shard import fp8_block_range
+from atom_models.parallel.shard import check_every_rank
 
 
 class Experts(nn.Module):
@@ -54,8 +54,8 @@ class Fp8Experts(nn.Module):
     """Routed experts with FP8 block-scaled weights, stacked: ``w13[E, 2I, H]`` and ``w2[E, H, I]``
     float8_e4m3fn; ``w13_scale_inv[E, 2 * ceil(I/bn), ceil(H/bk)]`` (the gate's row blocks, then the up
     projection's, each as in its checkpoint tensor) and ``w2_scale_inv[E, ceil(H/bn), ceil(I/bk)]`` float32.
-    ``I`` and ``intermediate_range`` as in :class:`Experts`; a rank's range must start on a block boundary
-    or lie inside one block (``ValueError`` otherwise, naming ``name``).
+    ``I`` and ``intermediate_range`` as in :class:`Experts`; every rank's range must start on a block
+    boundary or lie inside one block (``ValueError`` otherwise, naming ``name``, on every rank).
     """
 
     def __init__(
@@ -81,8 +81,9 @@ class Fp8Experts(nn.Module):
             raise ValueError(
                 f"{name}: range {self.intermediate_range} does not hold {intermediate_size} rows"
             )
-        fp8_block_range(name, s, e, int(block[0]), "rows", world_size)  # gate / up rows
-        fp8_block_range(name, s, e, int(block[1]), "columns", world_size)  # down_proj columns
+        full = self.full_intermediate_size  # every rank's range checked: the same verdict on every rank
+        check_every_rank(name, full, intermediate_size, int(block[0]), "rows", world_size)  # gate / up rows
+        check_every_rank(name, full, intermediate_size, int(block[1]), "columns", world_size)  # down columns
         self.block = (int(block[0]), int(block[1]))
         bn, bk = self.block
         e, h, i = num_experts, hidden_size, intermediate_size

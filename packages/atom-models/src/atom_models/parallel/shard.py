@@ -89,16 +89,28 @@ def fp8_block_range(module: str, start: int, end: int, block: int, what: str, tp
     if start % block and start // block != (end - 1) // block:
         raise ValueError(
             f"{module}: with tensor parallel size {tp} each rank holds {end - start} {what} of the FP8 weight "
-            f"(this rank: [{start}, {end})), which neither starts on a {block}-{what[:-1]} block boundary nor "
+            f"(rank range [{start}, {end})), which neither starts on a {block}-{what[:-1]} block boundary nor "
             f"lies inside one block of weight_block_size; use a tensor parallel size that divides the "
             f"{what} into multiples of {block} (or expert parallelism for routed experts)"
         )
     return start // block, -(-end // block)
 
 
+def check_every_rank(module: str, full: int, size: int, block: int, what: str, tp: int) -> None:
+    """:func:`fp8_block_range` for every rank's ``[j * size, (j + 1) * size)`` of a part of ``full``
+    rows/columns (the even split, and the KV-head ranges, are all of this form), so that every rank reaches
+    the same verdict: one rank refusing while another builds would leave the other waiting in its first
+    collective."""
+    if size <= 0 or full % size:
+        raise ValueError(f"{module}: a rank's {size} {what} do not split the {full} {what} of the FP8 weight")
+    for j in range(full // size):
+        fp8_block_range(module, j * size, (j + 1) * size, block, what, tp)
+
+
 def check_fp8_shard(module: str, shard: LinearShard, block: tuple[int, int]) -> None:
-    """:func:`fp8_block_range` for every part of a sharded linear (rows of a column-parallel one, columns of
-    a row-parallel one); ``ValueError`` naming ``module`` if a rank's range straddles a block boundary."""
+    """:func:`check_every_rank` for every part of a sharded linear (rows of a column-parallel one, columns
+    of a row-parallel one); ``ValueError`` naming ``module`` if any rank's range straddles a block boundary
+    (the same on every rank)."""
     b, what = (int(block[0]), "rows") if shard.kind == COLUMN else (int(block[1]), "columns")
-    for start, end in shard.ranges:
-        fp8_block_range(module, start, end, b, what, shard.parallel.world_size)
+    for part, (start, end) in zip(shard.parts, shard.ranges):
+        check_every_rank(module, part, end - start, b, what, shard.parallel.world_size)
