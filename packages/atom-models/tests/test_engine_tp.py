@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -136,6 +137,20 @@ def test_a_rank_that_raises_surfaces_in_the_caller():
     assert e.value.rank == 1 and "fail_on_rank_1" in e.value.rank_traceback
     assert isinstance(e.value.__cause__, ValueError)
     assert time.perf_counter() - t0 < 100  # rank 0, blocked in all_reduce, was stopped, not waited for
+
+
+def exit_on_rank_1(parallel, device):
+    """A rank body in which rank 1 exits without a result (as a crash in native code would)."""
+    if parallel.rank == 1:
+        os._exit(3)
+    return parallel.rank
+
+
+def test_a_rank_that_exits_without_a_result_surfaces_in_the_caller():
+    match = "rank 1 of 2 failed: exited with code 3 without a result"
+    with _importable_here() as here, pytest.raises(RankFailed, match=match) as e:
+        launch(here.exit_on_rank_1, 2, device_type="cpu", timeout_s=120)
+    assert e.value.rank == 1
 
 
 def test_atom_generate_tensor_parallel_size_2_prints_the_tp1_text(model_dir, capsys):

@@ -64,6 +64,9 @@ def _worker(rank, world_size, port, device_type, timeout_s, fn, args, results) -
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
     )
+    if device_type == "cuda":  # no NVLink multicast (NVLS) in NCCL / PyTorch, unless the caller's env says
+        for var, value in NO_MULTICAST.items():
+            os.environ.setdefault(var, value)
     try:
         if device_type == "cuda":
             torch.cuda.set_device(rank)
@@ -122,9 +125,6 @@ def launch(
         raise ValueError(
             f"tensor parallel size {world_size} needs {world_size} GPUs, {torch.cuda.device_count()} visible"
         )
-    if device_type == "cuda":  # the ranks inherit these: no NVLink multicast (NVLS) in NCCL / PyTorch
-        for var, value in NO_MULTICAST.items():
-            os.environ.setdefault(var, value)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
