@@ -11,7 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from atom_kernels.testing import assert_close, gated_delta_rule_loop, gdn_inputs, gen, randn
+from atom_kernels.testing import (
+    assert_close,
+    gate_inputs,
+    gated_delta_rule_loop,
+    gdn_inputs,
+    gen,
+    randn,
+    reference_gates,
+)
 
 # (what, dtype) -> (atol, rtol); dtype is q/k/v's (the state is float32 unless the test says bf16).
 # Measured max abs error (CPU, reference) in the comments; |o| is up to ~1, states up to ~2.
@@ -90,26 +98,6 @@ def test_l2norm(impl, tol, device, dtype):
     )
     with pytest.raises(ValueError, match="eps must be a positive number"):
         fn(x, eps=-1.0)
-
-
-def gate_inputs(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: torch.device):
-    """Raw gate inputs as the model hands them over: ``a``, ``b`` ``[*shape, Hv]`` column slices of one
-    ``[*shape, 2 Hv]`` projection (strided), ``A_log``, ``dt_bias`` ``[Hv]``, all in dtype. Value head 0 has
-    ``a + dt_bias > 20`` (softplus's linear branch)."""
-    ba = randn(*shape, 2 * HV, seed=seed, dtype=torch.float32, device=device, scale=3.0)
-    ba[..., HV] = 24.0
-    ba = ba.to(dtype)
-    A_log = torch.linspace(-2.0, 1.5, HV, device=device).to(dtype)
-    dt_bias = randn(HV, seed=seed + 1, dtype=dtype, device=device, scale=0.5)
-    return ba[..., HV:], ba[..., :HV], A_log, dt_bias
-
-
-def reference_gates(a, b, A_log, dt_bias):
-    """The reference gating op on ``[N, Q, Hv]`` raw inputs: float32 ``(g, beta)`` ``[N, Q, Hv]``."""
-    from atom_kernels.ops.gdn_gating.reference import gdn_gating
-
-    g, beta = gdn_gating(A_log, a.reshape(-1, HV), dt_bias, b.reshape(-1, HV))
-    return g.view(a.shape), beta.view(a.shape)
 
 
 def varlen_batch(lens: list[int], seed: int, dtype, device, num_slots: int):
@@ -232,7 +220,7 @@ def test_recurrent_fused_gating_equals_unfused(impl, tol, device, dtype, state_d
     fn = impl("gated_delta_rule_recurrent", dtype)
     n = 4
     q, k, v, _, _ = make_inputs((n, q_len), 130, dtype, device)
-    a, b, A_log, dt_bias = gate_inputs((n, q_len), 131, dtype, device)
+    a, b, A_log, dt_bias = gate_inputs((n, q_len), 131, dtype, device, HV)
     pool = randn(8, HV, DV, DK, seed=132, dtype=torch.float32, device=device, scale=0.3).to(state_dtype)
     slots = torch.tensor([5, -1, 0, 3], dtype=torch.int32, device=device)
     g, beta = reference_gates(a, b, A_log, dt_bias)
@@ -248,7 +236,7 @@ def test_recurrent_fused_gating_equals_unfused(impl, tol, device, dtype, state_d
 def test_fused_gating_bad_inputs(impl, device):
     fn = impl("gated_delta_rule_recurrent", torch.float32)
     q, k, v, _, _ = make_inputs((2, 1), 140, torch.float32, device)
-    a, b, A_log, dt_bias = gate_inputs((2, 1), 141, torch.float32, device)
+    a, b, A_log, dt_bias = gate_inputs((2, 1), 141, torch.float32, device, HV)
     pool = torch.zeros(2, HV, DV, DK, device=device)
     slots = torch.zeros(2, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="fused gating needs both A_log and dt_bias"):

@@ -13,8 +13,15 @@ import pytest
 import torch
 from atom_kernels.ops.gated_delta_rule import pending_width
 from atom_kernels.ops.gated_delta_rule.reference import _delta_step, _prepare_qk, _read_states
-from atom_kernels.ops.gdn_gating.reference import gdn_gating
-from atom_kernels.testing import assert_close, gated_delta_rule_loop, gdn_inputs, gen, randn
+from atom_kernels.testing import (
+    assert_close,
+    gate_inputs,
+    gated_delta_rule_loop,
+    gdn_inputs,
+    gen,
+    randn,
+    reference_gates,
+)
 
 # (what, state dtype) -> (atol, rtol); measured max abs error in the comments (|o| < 1, |S| < 2).
 TOL = {
@@ -50,24 +57,6 @@ P = pending_width(HK, DK, HV, DV)
 
 def make_inputs(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: torch.device):
     return gdn_inputs(shape, seed, dtype, device, (HK, HV, DK, DV))
-
-
-def gate_inputs(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: torch.device):
-    """Raw gate inputs as the model hands them over (as test_kernels_gdn.gate_inputs): ``a``, ``b``
-    ``[*shape, Hv]`` strided column slices of one projection, ``A_log``, ``dt_bias`` ``[Hv]``; value head 0
-    in softplus's linear branch (``a + dt_bias > 20``)."""
-    ba = randn(*shape, 2 * HV, seed=seed, dtype=torch.float32, device=device, scale=3.0)
-    ba[..., HV] = 24.0
-    ba = ba.to(dtype)
-    A_log = torch.linspace(-2.0, 1.5, HV, device=device).to(dtype)
-    dt_bias = randn(HV, seed=seed + 1, dtype=dtype, device=device, scale=0.5)
-    return ba[..., HV:], ba[..., :HV], A_log, dt_bias
-
-
-def reference_gates(a, b, A_log, dt_bias):
-    """The reference gating op on ``[N, Q, Hv]`` raw inputs: float32 ``(g, beta)`` ``[N, Q, Hv]``."""
-    g, beta = gdn_gating(A_log, a.reshape(-1, HV), dt_bias, b.reshape(-1, HV))
-    return g.view(a.shape), beta.view(a.shape)
 
 
 def naive(q, k, v, g, beta, state):
@@ -290,7 +279,7 @@ def test_verify_fused_gating_equals_unfused(impl, tol, device, backend, dtype, s
     for step, accepted in enumerate(plan):
         acc = torch.tensor(accepted, dtype=torch.int32, device=device)
         q, k, v, _, _ = make_inputs((n, q_len), 510 + 10 * step, dtype, device)
-        a, b, A_log, dt_bias = gate_inputs((n, q_len), 515 + 10 * step, dtype, device)
+        a, b, A_log, dt_bias = gate_inputs((n, q_len), 515 + 10 * step, dtype, device, HV)
         g, beta = reference_gates(a, b, A_log, dt_bias)
         o_u = fn(q, k, v, g, beta, *pools["unfused"], slots, acc, SCALE)
         o_f = fused(q, k, v, a, b, *pools["fused"], slots, acc, SCALE, A_log=A_log, dt_bias=dt_bias)
@@ -303,7 +292,7 @@ def test_verify_fused_gating_equals_unfused(impl, tol, device, backend, dtype, s
 def test_verify_fused_gating_bad_inputs(impl, device):
     fn = impl("gated_delta_rule_verify", torch.float32)
     q, k, v, _, _ = make_inputs((2, 2), 520, torch.float32, device)
-    a, b, A_log, dt_bias = gate_inputs((2, 2), 521, torch.float32, device)
+    a, b, A_log, dt_bias = gate_inputs((2, 2), 521, torch.float32, device, HV)
     pool, pending = torch.zeros(2, HV, DV, DK, device=device), torch.zeros(2, 2, P, device=device)
     slots, acc = (
         torch.arange(2, dtype=torch.int32, device=device),

@@ -66,6 +66,27 @@ def gdn_inputs(
     return q, k, v, g, beta
 
 
+def gate_inputs(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: torch.device, hv: int):
+    """Raw gate inputs as the model hands them over: ``a``, ``b`` ``[*shape, Hv]`` column slices of one
+    ``[*shape, 2 Hv]`` projection (strided), ``A_log``, ``dt_bias`` ``[Hv]``, all in dtype. Value head 0 has
+    ``a + dt_bias > 20`` (softplus's linear branch)."""
+    ba = randn(*shape, 2 * hv, seed=seed, dtype=torch.float32, device=device, scale=3.0)
+    ba[..., hv] = 24.0
+    ba = ba.to(dtype)
+    A_log = torch.linspace(-2.0, 1.5, hv, device=device).to(dtype)
+    dt_bias = randn(hv, seed=seed + 1, dtype=dtype, device=device, scale=0.5)
+    return ba[..., hv:], ba[..., :hv], A_log, dt_bias
+
+
+def reference_gates(a, b, A_log, dt_bias):
+    """The reference gating op on ``[N, Q, Hv]`` raw inputs: float32 ``(g, beta)`` ``[N, Q, Hv]``."""
+    from atom_kernels.ops.gdn_gating.reference import gdn_gating
+
+    hv = a.shape[-1]
+    g, beta = gdn_gating(A_log, a.reshape(-1, hv), dt_bias, b.reshape(-1, hv))
+    return g.view(a.shape), beta.view(a.shape)
+
+
 def gated_delta_rule_loop(q, k, v, g, beta, state, scale: float, l2: bool = True):
     """float64 token loop for one sequence (the test oracle): q, k ``[L, Hk, Dk]``, v ``[L, Hv, Dv]``,
     state ``[Hv, Dv, Dk]``. Returns ``(o [L, Hv, Dv], [state after each token])``."""
