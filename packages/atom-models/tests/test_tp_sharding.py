@@ -241,6 +241,15 @@ def test_non_divisible_tp_names_the_field(model_dir, kernels32):
         TPLayout.from_config(cfg, 0, 8)
 
 
+def test_layout_of_another_rank_is_refused(model_dir, kernels32):
+    from atom_models.moe import SparseMoeBlock
+
+    cfg = Qwen3NextConfig.from_hf(model_dir)
+    with pytest.raises(ValueError, match=r"rank 1 of 2 passed with a parallel context of rank 0 of 2"):
+        SparseMoeBlock(cfg, kernels32, layout=TPLayout.from_config(cfg, 1, TP), parallel=FakeRank(0, TP))
+    assert TPLayout.of(cfg, FakeRank(1, TP)) == TPLayout.from_config(cfg, 1, TP)
+
+
 def _fp8_dir(model_dir, tmp_path):
     spec = importlib.util.spec_from_file_location("make_fp8_checkpoint", SCRIPT)
     mod = importlib.util.module_from_spec(spec)

@@ -33,9 +33,7 @@ class Qwen3NextAttention(nn.Module):
         parallel: ParallelContext = SINGLE_PROCESS,
     ):
         super().__init__()
-        layout = (
-            TPLayout.from_config(config, parallel.rank, parallel.world_size) if layout is None else layout
-        )
+        layout = TPLayout.of(config, parallel, layout)
         self.kernels = kernels
         self.layer_idx = layer_idx
         self.num_heads = layout.num_heads

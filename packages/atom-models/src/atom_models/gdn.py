@@ -59,9 +59,7 @@ class GatedDeltaNet(nn.Module):
         parallel: ParallelContext = SINGLE_PROCESS,
     ):
         super().__init__()
-        layout = (
-            TPLayout.from_config(config, parallel.rank, parallel.world_size) if layout is None else layout
-        )
+        layout = TPLayout.of(config, parallel, layout)
         geo = GDNGeometry.from_config(config, layout=layout)
         self.kernels = kernels
         self.layer_idx = layer_idx

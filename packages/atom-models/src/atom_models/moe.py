@@ -122,9 +122,7 @@ class SparseMoeBlock(nn.Module):
         parallel: ParallelContext = SINGLE_PROCESS,
     ):
         super().__init__()
-        layout = (
-            TPLayout.from_config(config, parallel.rank, parallel.world_size) if layout is None else layout
-        )
+        layout = TPLayout.of(config, parallel, layout)
         self.kernels = kernels
         self.parallel = parallel
         self.top_k = config.num_experts_per_tok

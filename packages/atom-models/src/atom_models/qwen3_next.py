@@ -97,9 +97,7 @@ class Qwen3NextModel(nn.Module):
         parallel: ParallelContext = SINGLE_PROCESS,
     ):
         super().__init__()
-        layout = (
-            TPLayout.from_config(config, parallel.rank, parallel.world_size) if layout is None else layout
-        )
+        layout = TPLayout.of(config, parallel, layout)
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, parallel, dtype=dtype

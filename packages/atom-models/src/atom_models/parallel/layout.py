@@ -80,6 +80,19 @@ class TPLayout:
             vocab_size=split("vocab_size", config.vocab_size),
         )
 
+    @classmethod
+    def of(cls, config: Qwen3NextConfig, parallel, layout: TPLayout | None = None) -> TPLayout:
+        """``layout`` (checked to be ``parallel``'s rank and world size), or the layout of ``parallel``'s
+        rank when None: what a module given both ``layout=`` and ``parallel=`` uses."""
+        if layout is None:
+            return cls.from_config(config, parallel.rank, parallel.world_size)
+        if (layout.rank, layout.world_size) != (parallel.rank, parallel.world_size):
+            raise ValueError(
+                f"TPLayout of rank {layout.rank} of {layout.world_size} passed with a parallel context of "
+                f"rank {parallel.rank} of {parallel.world_size}"
+            )
+        return layout
+
     @property
     def kv_head_start(self) -> int:
         """The first KV head (of the checkpoint's) this rank holds."""
