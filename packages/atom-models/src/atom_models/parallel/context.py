@@ -57,8 +57,8 @@ class SingleProcess:
 class TorchDistributed:
     """A ``torch.distributed`` process group (default: the world group, which must be initialised).
 
-    Works with any backend that implements ``all_reduce`` and ``all_gather_into_tensor`` / ``all_gather``
-    (gloo on CPU, NCCL on CUDA).
+    Works with any backend that implements ``all_reduce``, ``all_gather`` (a list of per-rank tensors,
+    concatenated along ``dim``) and ``broadcast`` (gloo on CPU, NCCL on CUDA).
     """
 
     def __init__(self, group: Any = None):
