@@ -39,7 +39,7 @@ TOLERANCES = {
     # W8A8: a rank's row-parallel input (experts' and shared expert's down_proj: 32 / 64 channels) is
     # quantised per token in groups of its own channels; groups narrower than TP=1's 128 get their own
     # scales, so TP=2 is not TP=1's rounding (FP8 vs float32 at TP=1: max 4.3, test_fp8_model).
-    "fp8_target_tp2_vs_tp1": 8.0,  # measured 2.2 (logits std ~2; argmax decides)
+    "fp8_target_tp2_vs_tp1": 4.0,  # measured 2.2 (logits std ~2; the argmax agreement below decides)
     "fp8_mtp_tp2_vs_tp1": 8.0,  # measured 4.7 (on its own TP=2 hidden states)
 }
 # W8A8 TP=2 vs TP=1 argmax agreement over the golden rows: measured 0.972 (target), 0.979 (MTP)
@@ -272,9 +272,7 @@ def test_one_all_reduce_per_block(tp2, model_dir):
     per_block = res["block_all_reduces"]
     print("all-reduces per block:", per_block)
     assert per_block, "no block was hooked"
-    for name, n in per_block.items():
-        if name.startswith("mtp."):
-            continue
+    for name, n in per_block.items():  # the MTP's blocks as the target's (their counts: the MTP forward)
         assert n == 1, f"{name}: {n} all-reduces in one forward, expected 1"
     # target forward: the embedding's, one per token mixer, one per MoE / MLP block; nothing else
     assert res["forward_counts"] == {"all_reduce": 1 + 2 * cfg.num_hidden_layers}, res["forward_counts"]
