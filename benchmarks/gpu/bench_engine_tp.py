@@ -37,8 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_engine as be  # noqa: E402
 import common  # noqa: E402
 
-COLLECTIVES = {"allreduce": ("allreduce", "all_reduce"), "allgather": ("allgather", "all_gather")}
-COLLECTIVES["broadcast"] = ("broadcast",)
+COLLECTIVES = {
+    "allreduce": ("allreduce", "all_reduce"),
+    "allgather": ("allgather", "all_gather"),
+    "broadcast": ("broadcast",),
+}
 
 
 def _collective(name: str) -> str | None:

@@ -67,6 +67,7 @@ class TPLayout:
             num_kv_heads=kv_local,
             kv_head_replicas=replicas,
             linear_num_key_heads=split("linear_num_key_heads", config.linear_num_key_heads),
+            # a multiple of the key heads (the config checks it), so divisible whenever they are
             linear_num_value_heads=config.linear_num_value_heads // tp,
             moe_intermediate_size=split("moe_intermediate_size", config.moe_intermediate_size)
             if config.num_experts
@@ -76,7 +77,7 @@ class TPLayout:
             ),
             intermediate_size=split("intermediate_size", config.intermediate_size)
             if dense
-            else config.intermediate_size // tp,
+            else config.intermediate_size // tp,  # no dense MLP layer: the size is never used
             vocab_size=split("vocab_size", config.vocab_size),
         )
 
