@@ -153,6 +153,40 @@ def test_a_rank_that_exits_without_a_result_surfaces_in_the_caller():
     assert e.value.rank == 1
 
 
+def sampler_fails_on_rank_0(parallel, device, model_dir, cases):
+    """A rank body whose rank 0 raises while sampling a step's tokens: each rank returns what it raised."""
+    import atom_models.engine.engine as engine_module
+
+    if parallel.rank == 0:
+
+        def broken(*args, **kwargs):
+            raise ValueError("rank 0's sampler broke")
+
+        engine_module.sample = broken
+    eng = LLMEngine.from_pretrained(
+        model_dir, EngineConfig(num_speculative_tokens=1, **ENGINE), parallel=parallel
+    )
+    try:
+        eng.generate(*_sampled_run(cases))
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_rank_0_decision_that_raises_stops_the_other_ranks(model_dir, greedy_cases):
+    """Rank 1 waits in the decision's broadcast; rank 0's failure reaches it there at once (no wait for the
+    process group's timeout)."""
+    t0 = time.perf_counter()
+    with _importable_here() as here:
+        out = launch(
+            here.sampler_fails_on_rank_0, 2, device_type="cpu", timeout_s=120,
+            args=(str(model_dir), greedy_cases["cases"]),
+        )  # fmt: skip
+    assert out[0] == "ValueError: rank 0's sampler broke", out
+    assert out[1].startswith("RuntimeError: tensor parallel rank 1: rank 0 failed"), out
+    assert time.perf_counter() - t0 < 100
+
+
 def test_atom_generate_tensor_parallel_size_2_prints_the_tp1_text(model_dir, capsys):
     from atom_models.cli import main
 

@@ -335,40 +335,66 @@ class LLMEngine:
         from the same (all-gathered) logits."""
         return self.parallel.world_size > 1 and any(not r.params.greedy for r in reqs)
 
-    def _broadcast_tokens(self, tokens: list[list[int]] | None, widths: Sequence[int]) -> list[list[int]]:
+    def _broadcast_tokens(
+        self, tokens: list[list[int]] | None, widths: Sequence[int], failed: bool = False
+    ) -> list[list[int]]:
         """Rank 0's token lists (``len(tokens[i]) <= widths[i]``) on every rank (``tokens``: None off rank
-        0): one broadcast of an int64 ``[n, 1 + max(widths)]`` tensor of lengths and ids."""
+        0): one broadcast of an int64 ``[n, 1 + max(widths)]`` tensor of lengths and ids. ``failed`` (rank
+        0): lengths of -1, on which the other ranks raise instead of waiting for a step that never comes."""
         buf = torch.zeros(len(widths), 1 + max(widths), dtype=torch.int64)
-        if tokens is not None:
+        if failed:
+            buf[:, 0] = -1
+        elif tokens is not None:
             for row, t in zip(buf, tokens):
                 row[0] = len(t)
                 row[1 : 1 + len(t)] = torch.tensor(t, dtype=torch.int64)
         rows = self.parallel.broadcast(buf.to(self.device), src=0).tolist()
+        if tokens is None and not failed and rows[0][0] < 0:
+            raise RuntimeError(
+                f"tensor parallel rank {self.parallel.rank}: rank 0 failed while deciding this step's "
+                "tokens (its own error says why)"
+            )
         return [r[1 : 1 + r[0]] for r in rows]
+
+    def _rank0_decision(
+        self, decide: Callable[[], list[list[int]]], widths: Sequence[int]
+    ) -> list[list[int]]:
+        """``decide()`` on rank 0, its result broadcast to every rank; if it raises, the other ranks are
+        told (and raise) before rank 0 re-raises."""
+        if self.parallel.rank != 0:
+            return self._broadcast_tokens(None, widths)
+        try:
+            out = decide()
+        except Exception:
+            self._broadcast_tokens(None, widths, failed=True)
+            raise
+        return self._broadcast_tokens(out, widths)
 
     def _decide(self, spans: Sequence[SeqSpan], read: Callable[[], HostTokens]) -> list[list[int]]:
         """Each sequence's new tokens: a prompt's first token; a decode / verification's accepted drafts and
         one corrected or bonus token (``read``: the host's view of the step's logits, called only where the
         tokens are decided)."""
-        shared = self._rank0_decides([sp.request for sp in spans])
-        widths = [sp.num_logit_rows for sp in spans]
-        if shared and self.parallel.rank != 0:
-            return self._broadcast_tokens(None, widths)
-        tokens = read()
-        out: list[list[int]] = []
-        for sp in spans:
-            req, r0, m = sp.request, sp.logit_row, sp.num_logit_rows
-            if sp.is_prefill:
-                if req.params.greedy:
-                    out.append([tokens.best[r0]])
+
+        def decide() -> list[list[int]]:
+            tokens = read()
+            out: list[list[int]] = []
+            for sp in spans:
+                req, r0, m = sp.request, sp.logit_row, sp.num_logit_rows
+                if sp.is_prefill:
+                    if req.params.greedy:
+                        out.append([tokens.best[r0]])
+                    else:
+                        out.append([sample(tokens.probs[req.request_id][-1], req.generator)])
+                elif req.params.greedy:
+                    out.append(verify_greedy(tokens.best[r0 : r0 + m], req.drafts)[1])
                 else:
-                    out.append([sample(tokens.probs[req.request_id][-1], req.generator)])
-            elif req.params.greedy:
-                out.append(verify_greedy(tokens.best[r0 : r0 + m], req.drafts)[1])
-            else:
-                probs = tokens.probs[req.request_id]
-                out.append(verify_probs(probs, req.drafts, req.draft_probs, req.generator)[1])
-        return self._broadcast_tokens(out, widths) if shared else out
+                    probs = tokens.probs[req.request_id]
+                    out.append(verify_probs(probs, req.drafts, req.draft_probs, req.generator)[1])
+            return out
+
+        if self._rank0_decides([sp.request for sp in spans]):
+            return self._rank0_decision(decide, [sp.num_logit_rows for sp in spans])
+        return decide()
 
     def _postprocess(
         self, spans: Sequence[SeqSpan], new_tokens: Sequence[list[int]], hidden: torch.Tensor | None
@@ -435,21 +461,23 @@ class LLMEngine:
         step = 0
         while True:
             logits = mtp.compute_logits(h, torch.float32)  # collective under tensor parallelism: every rank
-            shared = self._rank0_decides(reqs)
-            if shared and self.parallel.rank != 0:
-                drafts = [t[0] for t in self._broadcast_tokens(None, [1] * len(reqs))]
-            else:
+
+            def propose(logits=logits, reqs=reqs) -> list[list[int]]:
                 tokens = host_tokens(logits, [(r, i, 1) for i, r in enumerate(reqs)])
-                drafts = []
+                out = []
                 for i, req in enumerate(reqs):
                     if req.params.greedy:
-                        drafts.append(tokens.best[i])
+                        out.append([tokens.best[i]])
                     else:
                         p = tokens.probs[req.request_id][0]
-                        drafts.append(sample(p, req.generator))
+                        out.append([sample(p, req.generator)])
                         req.draft_probs.append(p)
-                if shared:
-                    drafts = [t[0] for t in self._broadcast_tokens([[d] for d in drafts], [1] * len(reqs))]
+                return out
+
+            if self._rank0_decides(reqs):
+                drafts = [t[0] for t in self._rank0_decision(propose, [1] * len(reqs))]
+            else:
+                drafts = [t[0] for t in propose()]
             for req, d in zip(reqs, drafts):
                 req.drafts.append(d)
             step += 1
