@@ -199,3 +199,18 @@ def test_atom_generate_tensor_parallel_size_2_prints_the_tp1_text(model_dir, cap
     text = [line for line in tp1.splitlines() if not line.startswith(("10 tokens in", "MTP k=2"))]
     assert text == [line for line in tp2.splitlines() if not line.startswith(("10 tokens in", "MTP k=2"))]
     assert "--- 10 tokens" in tp2 and "MTP k=2: drafts" in tp2
+
+
+def test_the_root_cause_is_reported_not_the_broken_collective_it_left():
+    """Rank 1 fails; rank 0's gloo error about the lost peer reaches the caller first: rank 1 is named."""
+    import queue
+
+    from atom_models.engine.tp_launch import _root_cause
+
+    later = queue.Queue()
+    later.put((1, "error", ("ValueError: rank 1 cannot continue", "tb1", None)))
+    first = {0: ("RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer", "tb0", None)}
+    rank, payload = _root_cause(first, later, wait_s=0.5)
+    assert rank == 1 and payload[0].startswith("ValueError"), (rank, payload)
+    only_follow_on = {1: ("RuntimeError: NCCL error: unhandled system error", "", None)}
+    assert _root_cause(only_follow_on, queue.Queue(), wait_s=0.05)[0] == 1

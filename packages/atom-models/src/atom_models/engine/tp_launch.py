@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_mod
+import re
 import socket
 import time
 import traceback
@@ -104,6 +105,30 @@ def _stop(procs: Sequence[Any]) -> None:
             p.join()
 
 
+# What a rank raises when another rank's failure broke a collective under it: a consequence, not the cause.
+_FOLLOW_ON = re.compile(
+    r"gloo|nccl|connection (reset|closed|refused)|timed out|DistBackendError|rank 0 failed", re.I
+)
+
+
+def _root_cause(errors: dict[int, Any], results: Any, wait_s: float = 1.0) -> tuple[int, Any]:
+    """The error to report among the first one and those that arrive within ``wait_s``: the first that is
+    not a follow-on error of a broken collective (``_FOLLOW_ON``), else the lowest rank's."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            rank, status, payload = results.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue_mod.Empty:
+            break
+        if status == "error":
+            errors[rank] = payload
+    for rank, payload in errors.items():
+        if not _FOLLOW_ON.search(payload[0]):
+            return rank, payload
+    rank = min(errors)
+    return rank, errors[rank]
+
+
 def launch(
     fn: Callable[..., Any],
     world_size: int,
@@ -163,6 +188,7 @@ def launch(
                 else:
                     continue
             if status == "error":
+                rank, payload = _root_cause({rank: payload}, results)
                 what, tb, exc = payload
                 err = RankFailed(rank, world_size, what, tb)
                 cause = None
