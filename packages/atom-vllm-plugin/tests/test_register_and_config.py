@@ -35,10 +35,14 @@ def _vllm_config(k: int | None, cache_dtype: str = "auto", draft_type: str = "qw
     if k is not None:
         draft = _HF(**{**FIXTURE_HF, "model_type": draft_type, "architectures": [DRAFT_ARCH]})
         spec = SimpleNamespace(
-            method="mtp", num_speculative_tokens=k, draft_model_config=SimpleNamespace(hf_config=draft)
+            method="mtp",
+            num_speculative_tokens=k,
+            draft_model_config=SimpleNamespace(hf_config=draft, model="tiny-ckpt"),
         )
     return SimpleNamespace(
-        model_config=SimpleNamespace(hf_text_config=hf, hf_config=hf, dtype=torch.bfloat16),
+        model_config=SimpleNamespace(
+            model="tiny-ckpt", hf_text_config=hf, hf_config=hf, dtype=torch.bfloat16
+        ),
         speculative_config=spec,
         cache_config=SimpleNamespace(
             cache_dtype=cache_dtype, block_size=16, mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto"
@@ -112,6 +116,13 @@ def test_kv_cache_dtypes_the_plugin_stores(dtype):
 def test_draft_without_speculative_config_is_refused():
     with pytest.raises(ConfigError, match="method 'mtp'"):
         from_vllm(_vllm_config(k=None), "draft")
+
+
+def test_config_errors_name_the_checkpoint_vllm_serves():
+    bad = _vllm_config(k=1)
+    bad.parallel_config.tensor_parallel_size = 4
+    with pytest.raises(ConfigError, match=r"tiny-ckpt \(config.json as vLLM read it\).*linear_num_key_heads"):
+        from_vllm(bad, "target")
 
 
 def test_mamba_state_has_pending_tensor_only_with_mtp():

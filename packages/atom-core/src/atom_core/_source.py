@@ -10,10 +10,13 @@ from typing import Any
 from atom_core.errors import ConfigError
 
 
-def load_raw(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
-    """Return ``(mapping, source)``. A directory means its ``config.json``."""
+def load_raw(
+    path_or_dict: str | os.PathLike[str] | Mapping[str, Any], source: str | None = None
+) -> tuple[Mapping[str, Any], str]:
+    """Return ``(mapping, source)``. A directory means its ``config.json``; a mapping's source is ``source``
+    (where it was read from, for error messages) or ``<dict>``."""
     if isinstance(path_or_dict, Mapping):
-        return path_or_dict, "<dict>"
+        return path_or_dict, source or "<dict>"
     path = os.fspath(path_or_dict)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")

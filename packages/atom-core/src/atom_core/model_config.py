@@ -154,9 +154,12 @@ class Qwen3NextConfig:
 
     # ---- parsing ------------------------------------------------------------------------------
     @classmethod
-    def from_hf(cls, path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> Qwen3NextConfig:
-        """Parse a HF Qwen3-Next ``config.json`` (a path, its directory, or the loaded dict)."""
-        raw, source = load_raw(path_or_dict)
+    def from_hf(
+        cls, path_or_dict: str | os.PathLike[str] | Mapping[str, Any], *, source: str | None = None
+    ) -> Qwen3NextConfig:
+        """Parse a HF Qwen3-Next ``config.json`` (a path, its directory, or the loaded dict; ``source``
+        names where a dict came from in error messages)."""
+        raw, source = load_raw(path_or_dict, source)
         r = FieldReader(raw, source)
         model_type = r.str("model_type")
         if model_type not in ("qwen3_next", "qwen3_next_mtp"):

@@ -105,9 +105,11 @@ def from_vllm(vllm_config: Any, role: Role) -> AtomVllmConfig:
                 "speculative_config", None, "vllm_config", f"{DRAFT_ARCH} is a draft: it needs method 'mtp'"
             )
         hf = vllm_config.speculative_config.draft_model_config.hf_config
+        where = vllm_config.speculative_config.draft_model_config.model
     else:
         hf = vllm_config.model_config.hf_text_config
-    model = Qwen3NextConfig.from_hf(_hf_dict(hf))
+        where = vllm_config.model_config.model
+    model = Qwen3NextConfig.from_hf(_hf_dict(hf), source=f"{where} (config.json as vLLM read it)")
     if role == "draft" and model.num_mtp_layers < 1:
         raise ConfigError(
             "mtp_num_hidden_layers",
