@@ -24,9 +24,12 @@ kernel) and the tiny model's tokens/s (bf16, k=1, graphs off and on, 128 tokens 
 ``--fp8``: the FP8 checkpoint's model (``quantization_config`` of Qwen3-Next-80B-A3B-Instruct-FP8: e4m3
 weights in 128x128 blocks except ``lm_head``, ``in_proj_ba``, the routers, ``shared_expert_gate`` and
 ``mtp.fc``) at the full 48 layers (``--layers``), built directly in FP8 by the engine (no bf16 copy):
-random e4m3 values made from random bf16 (no NaN codes), random block scales; k in (0, 1), B in (1, 64),
-no profile, no tiny-model run; the floor counts the FP8 bytes (weights and their block scales). Output
-``engine_h200_fp8.json`` / ``.png``. The command for the H200 (~60-90 s of GPU time):
+random e4m3 values made from random bf16 (no NaN codes), random block scales; an fp8 KV cache (the seed's
+``--kv-cache-dtype fp8``; ``--kv-cache-dtype auto`` for bf16); k in (0, 1, 3), B in (1, 8, 64), no profile,
+no tiny-model run; the floor counts the FP8 bytes (weights and their block scales, the cache's dtype). k = 1
+rows also give the single-stream tokens/s projected at the seed's acceptance length (1.91 tokens per step).
+Output ``engine_h200_fp8.json`` / ``.png``. The command for the H200 (~3 min of GPU time; ``--ks 1
+--batches 1 64`` for ~1 min):
 
     python benchmarks/gpu/bench_engine.py --fp8 --steps 3
     python benchmarks/gpu/bench_engine.py --fp8 --smoke   # the same on the CPU, tiny dims (~1 min)
@@ -81,6 +84,7 @@ SMOKE = {
 
 
 FP8_LAYERS = 48  # Qwen3-Next-80B-A3B
+SEED_ACCEPTANCE_LENGTH = 1.91  # vLLM's mean acceptance length on the seed's run (k=1, gsm8k)
 FP8_MAX = 448.0
 FP8_VALUE_STD = 64.0  # random e4m3 values ~ N(0, 64) clamped to +-448; scales bring weights to std ~0.02
 
@@ -147,8 +151,11 @@ def randomize(engine, seed: int = 0) -> None:
                 else:
                     p.normal_(0.0, 0.02, generator=g)
         for kc, vc in engine.caches.kv.values():
-            kc.normal_(0.0, 1.0, generator=g)
-            vc.normal_(0.0, 1.0, generator=g)
+            for c in (kc, vc):
+                if c.dtype == torch.float8_e4m3fn:  # no normal_ for e4m3: draw in bf16, round once
+                    c.copy_(torch.empty(c.shape, dtype=torch.bfloat16, device=c.device).normal_(generator=g))
+                else:
+                    c.normal_(0.0, 1.0, generator=g)
         for st in engine.caches.gdn.values():
             st.conv.normal_(0.0, 0.1, generator=g)
             st.ssm.normal_(0.0, 0.01, generator=g)
@@ -283,6 +290,7 @@ def bench_k(args, cfg, k: int, device, dtype, ceil, rows: list, prof_out: Path |
         max_num_seqs=max(args.batches),
         max_model_len=args.ctx + max_tokens,
         cuda_graphs=True,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     t0 = time.perf_counter()
     engine = LLMEngine(cfg, ec, dtype=dtype, device=device)
@@ -422,8 +430,16 @@ def tiny_tokens_per_s(device, dtype, smoke: bool) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--ks", type=int, nargs="+", default=None, help="default: 0 1 3 (--fp8: 0 1)")
-    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 8 64 256 (--fp8: 1 64)")
+    ap.add_argument("--ks", type=int, nargs="+", default=None, help="default: 0 1 3")
+    ap.add_argument(
+        "--batches", type=int, nargs="+", default=None, help="default: 1 8 64 256 (--fp8: 1 8 64)"
+    )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default=None,
+        help="default: auto (--fp8: fp8, the seed's)",
+    )
     ap.add_argument("--ctx", type=int, default=1024, help="context tokens per sequence")
     ap.add_argument("--steps", type=int, default=6, help="timed engine steps per case")
     ap.add_argument(
@@ -440,8 +456,9 @@ def main() -> None:
     args = ap.parse_args()
     out = common.out_dir(args.out)
     fp8 = args.fp8
-    args.ks = args.ks or ([0, 1] if fp8 else [0, 1, 3])
-    args.batches = args.batches or ([1, 64] if fp8 else [1, 8, 64, 256])
+    args.ks = args.ks or [0, 1, 3]
+    args.batches = args.batches or ([1, 8, 64] if fp8 else [1, 8, 64, 256])
+    args.kv_cache_dtype = args.kv_cache_dtype or ("fp8" if fp8 else "auto")
     if args.profile_batches is None:
         args.profile_batches = [] if fp8 else [1, 64]
     layers = args.layers or (FP8_LAYERS if fp8 else WIDE["num_hidden_layers"])
@@ -472,6 +489,10 @@ def main() -> None:
         if d and r["k"] > 0:
             r["target_vs_decode_graphed"] = r["target_ms_graphed"] / d["target_ms_graphed"]
             r["step_vs_decode_graphed"] = r["step_ms_graphed"] / d["step_ms_graphed"]
+        if r["k"] == 1:  # tokens/s at the seed's measured acceptance length: per stream, and all B streams
+            per_stream = SEED_ACCEPTANCE_LENGTH / r["step_ms_graphed"] * 1e3
+            r["projected_stream_tokens_per_s"] = per_stream
+            r["projected_total_tokens_per_s"] = per_stream * r["B"]
     tiny = []
     if not (fp8 or args.no_tiny):
         tiny = tiny_tokens_per_s(device, torch.bfloat16 if not args.smoke else torch.float32, args.smoke)
