@@ -335,13 +335,16 @@ def fused_case(run: Run, vllm: SimpleNamespace | None, B: int, Q: int) -> None:
         del p_v
     del p_f, e_f
 
+    # bytes each design must move: q/k/v/o/a/b, and the state: ours reads and writes one state per sequence
+    # plus, verifying, the pending tokens (read, then stashed); vLLM's spec path reads one state and writes
+    # one per token
     state_bytes = B * HV * DV * DK * 4
-    nbytes = 2 * state_bytes + B * Q * (
-        2 * HK * DK * 2 + 2 * HV * DV * 2 + 2 * HV * 2
-    )  # state r+w, q/k/v/o/a/b
+    io = B * Q * (2 * HK * DK * 2 + 2 * HV * DV * 2 + 2 * HV * 2)
+    nbytes = 2 * state_bytes + (2 * B * Q * P * 4 if Q > 1 else 0) + io
+    vllm_bytes = (1 + Q) * state_bytes + io
     extra = {"B": B, "Q": Q, "state_dtype": "float32"}
     if vllm is not None:
-        run.add("fused", case, "vllm-fused", lambda: vllm_fused(pool), nbytes, **extra)
+        run.add("fused", case, "vllm-fused", lambda: vllm_fused(pool), vllm_bytes, **extra)
         if Q == 1 and vllm.packed_decode is not None:
             mixed = torch.cat([q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1)], dim=-1)
             out = torch.empty(B, 1, HV, DV, dtype=BF16, device=dev)
@@ -361,7 +364,7 @@ def fused_case(run: Run, vllm: SimpleNamespace | None, B: int, Q: int) -> None:
                     ssm_state_indices=idx,
                     use_qk_l2norm_in_kernel=True,
                 ),  # fmt: skip
-                nbytes,
+                vllm_bytes,
                 **extra,
             )
     run.add("fused", case, "ours-unfused", lambda: ours(False, pool, pend), nbytes, **extra)
