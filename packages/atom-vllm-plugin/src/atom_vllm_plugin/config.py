@@ -30,7 +30,7 @@ class AtomVllmConfig:
     model: Qwen3NextConfig
     speculative: SpeculativeConfig | None
     dtype: torch.dtype
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # vLLM's parallel_config.tensor_parallel_size, checked against the model
 
     @property
     def num_speculative_tokens(self) -> int:

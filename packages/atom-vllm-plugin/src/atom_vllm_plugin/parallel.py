@@ -1,4 +1,4 @@
-"""atom-models' ``ParallelContext`` over vLLM's tensor-parallel group, and the per-rank layout from vLLM's config.
+"""atom-models' ``ParallelContext`` over vLLM's tensor-parallel group.
 
 The collectives are vLLM's own (``vllm.distributed``), the ones its ``RowParallelLinear`` /
 ``VocabParallelEmbedding`` / ``LogitsProcessor`` call: ``tensor_model_parallel_all_reduce`` and
@@ -10,11 +10,7 @@ vLLM's compiled CPU models trace the same way. With a world size of 1 both retur
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from atom_core import Qwen3NextConfig
-from atom_models.parallel import TPLayout
 
 
 class VllmTensorParallel:
@@ -52,14 +48,3 @@ class VllmTensorParallel:
 
     def __repr__(self) -> str:
         return f"VllmTensorParallel(rank={self._rank}, world_size={self._world_size})"
-
-
-def tp_size(vllm_config: Any) -> int:
-    """The tensor-parallel size vLLM was asked for (``parallel_config.tensor_parallel_size``)."""
-    return int(vllm_config.parallel_config.tensor_parallel_size)
-
-
-def layout_from_vllm(config: Qwen3NextConfig, vllm_config: Any, rank: int = 0) -> TPLayout:
-    """The per-rank sizes at vLLM's TP size (all ranks hold equal sizes, so rank 0's serve before the model
-    is built). Raises :class:`~atom_core.ConfigError` naming the field the TP size does not divide."""
-    return TPLayout.from_config(config, rank, tp_size(vllm_config))

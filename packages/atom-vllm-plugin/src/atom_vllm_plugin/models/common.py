@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 from atom_kernels import select_kernels
+from atom_models.parallel import TPLayout
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, is_conv_state_dim_first
 
 from atom_vllm_plugin.config import AtomVllmConfig, from_vllm
 from atom_vllm_plugin.layers.custom_ops import SPLITTING_OPS, compilable_kernels
 from atom_vllm_plugin.layers.gdn_state import GDNStateSpec
-from atom_vllm_plugin.parallel import layout_from_vllm
 
 logger = logging.getLogger("vllm.atom_vllm_plugin")
 
@@ -86,7 +86,7 @@ def gdn_state_spec(vllm_config: Any, cfg: AtomVllmConfig | None = None) -> GDNSt
         conv_dtype,
         ssm_dtype,
         conv_dim_first=is_conv_state_dim_first(),
-        layout=layout_from_vllm(cfg.model, vllm_config),
+        layout=TPLayout.from_config(cfg.model, 0, cfg.tensor_parallel_size),
     )
 
 
