@@ -41,7 +41,13 @@ def test_collectives_over_vllms_tp_group_eager_and_compiled(tmp_path: Path) -> N
         )
         for r in range(world)
     ]
-    logs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
+    try:
+        logs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
+    finally:  # a rank stuck in a collective must not outlive the test
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     for r, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{log[-4000:]}"
     res = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
