@@ -94,11 +94,16 @@ def main() -> None:
     ap.add_argument("--ks", nargs="+", type=int, default=[1, 3])
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--bind", default="0|1", help="VLLM_CPU_OMP_THREADS_BIND (one entry per rank)")
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/vllm_tp2_acceptance.json")
+    ap.add_argument("--out", type=Path, default=None, help="default: results/vllm_tp<TP>_acceptance.json")
     ap.add_argument("--workdir", default=None, help="engine logs (default: a temporary directory)")
     args = ap.parse_args()
+    args.out = args.out or REPO / f"benchmarks/results/vllm_tp{args.tp}_acceptance.json"
     workdir = args.workdir or tempfile.mkdtemp(prefix="atom-vllm-tp-")
     result: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
+    if result.get("tensor_parallel_size", args.tp) != args.tp:
+        ap.error(
+            f"{args.out} holds runs at tensor_parallel_size {result['tensor_parallel_size']}, not {args.tp}"
+        )
     result.setdefault("runs", {})
     result["machine"] = f"{platform.machine()}, {platform.processor() or 'cpu'}, vllm-cpu 0.32"
     result["tensor_parallel_size"] = args.tp
