@@ -27,7 +27,10 @@ pytestmark = [requires_vllm, pytest.mark.slow]
 
 TP = 2
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (2-core CI machine)
-MIN_ACCEPTANCE = {1: 0.35, 2: 0.25, 3: 0.2}  # the bars of test_vllm_float32_greedy.py (TP = 1)
+# Lowest acceptance on greedy.json at TP = 2, float32: measured 0.758 / 0.590 / 0.494 for k = 1 / 2 / 3
+# (eager, and compiled at k = 1), equal to TP = 1's; the bar is 0.05 below. A draft that computes with a
+# wrong shard, eager or compiled, falls far below it while the target's tokens stay exact.
+MIN_ACCEPTANCE = {1: 0.70, 2: 0.54, 3: 0.44}
 STATE_K = 1  # the engine whose ranks are inspected
 # the parameters every rank holds whole: norms, router and shared-expert gates, the MTP fc
 REPLICATED = re.compile(r"(norm[a-z_]*|mlp\.gate|shared_expert_gate|\bfc)\.weight$")
@@ -55,6 +58,8 @@ def _run(k: int):
 
 
 def _diverging(tokens: list[list[int]]) -> list[str]:
+    if len(tokens) != len(greedy_cases()):
+        return [f"{len(tokens)} outputs for {len(greedy_cases())} greedy.json prompts"]
     bad = []
     for i, (got, case) in enumerate(zip(tokens, greedy_cases())):
         want = case["greedy_ids"]
@@ -91,6 +96,9 @@ def test_tp2_float32_compiled_reproduces_greedy(k: int) -> None:
     job = r["jobs"]["greedy"]
     bad = _diverging(job["token_ids"])
     assert not bad, f"TP={TP} float32 k={k} (compiled) differs from greedy.json:\n" + "\n".join(bad)
+    if k:  # the compiled draft: its tokens are only proposals, so exact target tokens do not check it
+        rate = job["acceptance_rate"]
+        assert rate is not None and rate >= MIN_ACCEPTANCE[k], f"k={k}: acceptance {rate} ({job['spec']})"
     log = Path(r["log"]).read_text()
     assert "ATOM Qwen3-Next is compiled by vLLM's torch.compile" in log and "runs eagerly" not in log
     assert re.search(r"\[backbone\] (saved AOT compiled function|Directly load AOT compilation)", log)
