@@ -39,6 +39,23 @@ def greedy_cases() -> list[dict[str, Any]]:
     return json.loads((reference_dir() / "greedy.json").read_text())["cases"]
 
 
+def greedy_differences(tokens: list[list[int]]) -> list[str]:
+    """Where each output first leaves its greedy.json continuation; an output count other than the number
+    of greedy.json prompts is a difference too (an empty result must not pass)."""
+    cases = greedy_cases()
+    if len(tokens) != len(cases):
+        return [f"{len(tokens)} outputs for {len(cases)} greedy.json prompts"]
+    bad = []
+    for i, (got, case) in enumerate(zip(tokens, cases)):
+        want = case["greedy_ids"]
+        if got != want:
+            j = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            bad.append(
+                f"case {i}: first difference at token {j}: got {got[j : j + 4]}, want {want[j : j + 4]}"
+            )
+    return bad
+
+
 @cache
 def prompt_set() -> tuple[list[list[int]], int]:
     """prompts.json: (16 prompts of 64 tokens, max_tokens=128)."""

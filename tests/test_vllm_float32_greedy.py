@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
-from _vllm import engine_run, greedy_cases, greedy_job, requires_vllm, spec
+from _vllm import engine_run, greedy_cases, greedy_differences, greedy_job, requires_vllm, spec
 
 pytestmark = [requires_vllm, pytest.mark.slow]
 
@@ -22,23 +22,11 @@ pytestmark = [requires_vllm, pytest.mark.slow]
 MIN_ACCEPTANCE = {1: 0.35, 2: 0.25, 3: 0.2, 4: 0.15}
 
 
-def _diverging(tokens: list[list[int]]) -> list[str]:
-    bad = []
-    for i, (got, case) in enumerate(zip(tokens, greedy_cases())):
-        want = case["greedy_ids"]
-        if got != want:
-            j = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            bad.append(
-                f"case {i}: first difference at token {j}: got {got[j : j + 4]}, want {want[j : j + 4]}"
-            )
-    return bad
-
-
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_float32_mtp_reproduces_greedy(k: int) -> None:
     r = engine_run(spec(plugin=True, dtype="float32", k=k, jobs=[greedy_job()]), f"f32_plugin_k{k}")
     job = r["jobs"]["greedy"]
-    bad = _diverging(job["token_ids"])
+    bad = greedy_differences(job["token_ids"])
     assert not bad, "float32 + MTP output differs from greedy.json:\n" + "\n".join(bad)
     rate = job["acceptance_rate"]
     assert rate is not None and rate >= MIN_ACCEPTANCE[k], f"k={k}: acceptance {rate} ({job['spec']})"
@@ -61,7 +49,7 @@ def test_float32_compiled_mtp_reproduces_greedy(k: int) -> None:
     s = spec(plugin=True, dtype="float32", k=k, jobs=[greedy_job()], enforce_eager=False)
     r = engine_run(s, f"f32_plugin_k{k}_compiled")
     job = r["jobs"]["greedy"]
-    bad = _diverging(job["token_ids"])
+    bad = greedy_differences(job["token_ids"])
     assert not bad, f"float32 k={k} output (compiled) differs from greedy.json:\n" + "\n".join(bad)
     rate = job["acceptance_rate"]
     if k == 0:
@@ -80,7 +68,7 @@ def test_float32_compiled_mtp_reproduces_greedy(k: int) -> None:
 
 def test_float32_without_mtp_reproduces_greedy() -> None:
     r = engine_run(spec(plugin=True, dtype="float32", k=0, jobs=[greedy_job()]), "f32_plugin_k0")
-    bad = _diverging(r["jobs"]["greedy"]["token_ids"])
+    bad = greedy_differences(r["jobs"]["greedy"]["token_ids"])
     assert not bad, "float32 without MTP differs from greedy.json:\n" + "\n".join(bad)
     assert r["jobs"]["greedy"]["spec"]["num_drafts"] == 0
 
@@ -98,7 +86,7 @@ def test_float32_chunked_prefill_mixed_batches_reproduce_greedy() -> None:
     )
     r = engine_run(s, "f32_plugin_k2_chunked")
     job = r["jobs"]["greedy"]
-    bad = _diverging(job["token_ids"])
+    bad = greedy_differences(job["token_ids"])
     assert not bad, "chunked prefill + MTP output differs from greedy.json:\n" + "\n".join(bad)
     assert job["acceptance_rate"] >= MIN_ACCEPTANCE[2]
 
@@ -124,7 +112,7 @@ def test_float32_preemption_keeps_outputs_exact() -> None:
     r = engine_run(s, "f32_plugin_k1_preempt")
     job = r["jobs"]["greedy"]
     assert job["spec"]["num_preemptions"] > 0, "the small KV pool did not force a preemption"
-    bad = _diverging([t[:64] for t in job["token_ids"]])
+    bad = greedy_differences([t[:64] for t in job["token_ids"]])
     assert not bad, "after preemption, outputs differ from greedy.json:\n" + "\n".join(bad)
     c = consistency(str(model_dir()), [g["prompt_ids"] for g in greedy_cases()], job["token_ids"])
     assert c.max_gap <= 0.01, f"after preemption a token is far from the float32 argmax: {c}"

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 import pytest
-from _vllm import engine_run, greedy_cases, greedy_job, model_dir, requires_vllm, spec
+from _vllm import engine_run, greedy_differences, greedy_job, model_dir, requires_vllm, spec
 
 pytestmark = [requires_vllm, pytest.mark.slow]
 
@@ -57,25 +57,11 @@ def _run(k: int):
     return engine_run(_tp_spec(k, **extra), f"f32_plugin_tp{TP}_k{k}")
 
 
-def _diverging(tokens: list[list[int]]) -> list[str]:
-    if len(tokens) != len(greedy_cases()):
-        return [f"{len(tokens)} outputs for {len(greedy_cases())} greedy.json prompts"]
-    bad = []
-    for i, (got, case) in enumerate(zip(tokens, greedy_cases())):
-        want = case["greedy_ids"]
-        if got != want:
-            j = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            bad.append(
-                f"case {i}: first difference at token {j}: got {got[j : j + 4]}, want {want[j : j + 4]}"
-            )
-    return bad
-
-
 @pytest.mark.parametrize("k", [0, 1, 2, 3])
 def test_tp2_float32_reproduces_greedy(k: int) -> None:
     r = _run(k)
     job = r["jobs"]["greedy"]
-    bad = _diverging(job["token_ids"])
+    bad = greedy_differences(job["token_ids"])
     assert not bad, f"TP={TP} float32 k={k} output differs from greedy.json:\n" + "\n".join(bad)
     if k == 0:
         assert job["spec"]["num_drafts"] == 0
@@ -94,7 +80,7 @@ def test_tp2_float32_reproduces_greedy(k: int) -> None:
 def test_tp2_float32_compiled_reproduces_greedy(k: int) -> None:
     r = engine_run(_tp_spec(k, enforce_eager=False), f"f32_plugin_tp{TP}_k{k}_compiled")
     job = r["jobs"]["greedy"]
-    bad = _diverging(job["token_ids"])
+    bad = greedy_differences(job["token_ids"])
     assert not bad, f"TP={TP} float32 k={k} (compiled) differs from greedy.json:\n" + "\n".join(bad)
     if k:  # the compiled draft: its tokens are only proposals, so exact target tokens do not check it
         rate = job["acceptance_rate"]

@@ -125,6 +125,13 @@ def test_config_errors_name_the_checkpoint_vllm_serves():
         from_vllm(bad, "target")
 
 
+def test_expert_parallel_is_refused_by_name():
+    cfg = _vllm_config(k=1)
+    cfg.parallel_config.enable_expert_parallel = True
+    with pytest.raises(ConfigError, match="field 'enable_expert_parallel' = True"):
+        from_vllm(cfg, "target")
+
+
 def test_mamba_state_has_pending_tensor_only_with_mtp():
     """What vLLM sizes the GDN pages from (before the model exists): without MTP the two tensors of vLLM's
     own GDN (conv, ssm); with MTP k a third, pending ``[1 + k, P]`` float32 (``P``: the verify op's

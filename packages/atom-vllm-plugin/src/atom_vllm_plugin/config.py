@@ -118,6 +118,13 @@ def from_vllm(vllm_config: Any, role: Role) -> AtomVllmConfig:
             "the checkpoint has no MTP head; use it without method 'mtp'",
         )
     cache_from_vllm(vllm_config.cache_config)  # rejects a KV cache dtype the plugin cannot store
+    if getattr(vllm_config.parallel_config, "enable_expert_parallel", False):
+        raise ConfigError(
+            "enable_expert_parallel",
+            True,
+            "vllm_config",
+            "the ATOM plugin shards experts over their intermediate dimension only; leave expert parallel off",
+        )
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
     TPLayout.from_config(model, 0, tp)  # ConfigError naming the field the TP size does not divide
     return AtomVllmConfig(
