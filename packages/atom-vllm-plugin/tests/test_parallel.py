@@ -128,7 +128,7 @@ def test_attention_kv_spec_and_gdn_core_take_the_ranks_sizes() -> None:
         gdn = cores.gdn("model.layers.0.linear_attn", 0, cfg.model, layout)
         assert gdn.get_state_shape()[1] == (2, 128, 128)
         whole = TPLayout.from_config(cfg.model, 0, 1)
-        with pytest.raises(ValueError, match="rank 0 of 1 holds 2 / 4"):
+        with pytest.raises(ValueError, match="rank 0 of 1 has 2 / 4"):
             cores.gdn("model.layers.1.linear_attn", 1, cfg.model, whole)
 
 

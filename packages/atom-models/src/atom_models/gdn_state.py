@@ -101,6 +101,16 @@ class GDNGeometry:
         """Per slot ``(1 + k, P)``, or None without speculative decoding."""
         return (self.num_verify_tokens, self.pending_width) if self.has_pending else None
 
+    def check_layout(self, layout, where: str) -> None:
+        """Raise ``ValueError`` (naming ``where``, e.g. the layer and whose state this is) unless this
+        geometry holds the key / value heads of ``layout``'s rank (a :class:`~atom_models.parallel.TPLayout`)."""
+        held = (self.num_k_heads, self.num_v_heads)
+        if held != (layout.linear_num_key_heads, layout.linear_num_value_heads):
+            raise ValueError(
+                f"{where} holds {held[0]} key / {held[1]} value heads, but tensor-parallel rank {layout.rank} "
+                f"of {layout.world_size} has {layout.linear_num_key_heads} / {layout.linear_num_value_heads}"
+            )
+
     def split_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Post-conv ``x[..., C]`` -> ``q[..., Hk, Dk]``, ``k[..., Hk, Dk]``, ``v[..., Hv, Dv]`` (views)."""
         q, k, v = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=-1)

@@ -49,13 +49,7 @@ class VllmCoreFactory:
             raise ValueError(
                 f"{prefix}: the {self.cfg.role} model has no GDN state spec (the MTP draft has no GDN)"
             )
-        geo = self.gdn_state.geometry
-        if (geo.num_k_heads, geo.num_v_heads) != (layout.linear_num_key_heads, layout.linear_num_value_heads):
-            raise ValueError(
-                f"{prefix}: the GDN state reported to vLLM holds {geo.num_k_heads} key / {geo.num_v_heads} "
-                f"value heads, but rank {layout.rank} of {layout.world_size} holds "
-                f"{layout.linear_num_key_heads} / {layout.linear_num_value_heads}"
-            )
+        self.gdn_state.geometry.check_layout(layout, f"{prefix}: the GDN state reported to vLLM")
         core = AtomGDNCore(prefix, self.gdn_state, self.kernels)
         register_layer(prefix, core)
         self.built[prefix] = core

@@ -67,11 +67,5 @@ class EngineCoreFactory:
     def gdn(self, prefix: str, layer_idx: int, config: Qwen3NextConfig, layout: TPLayout) -> nn.Module:
         if layer_idx not in self.caches.gdn:
             raise KeyError(f"{prefix}: no GDN state allocated for layer {layer_idx}")
-        geo = self.caches.gdn_geometry
-        if (geo.num_k_heads, geo.num_v_heads) != (layout.linear_num_key_heads, layout.linear_num_value_heads):
-            raise ValueError(
-                f"{prefix}: the GDN state holds {geo.num_k_heads} key / {geo.num_v_heads} value heads, but this "
-                f"tensor-parallel rank ({layout.rank} of {layout.world_size}) has "
-                f"{layout.linear_num_key_heads} / {layout.linear_num_value_heads}"
-            )
+        self.caches.gdn_geometry.check_layout(layout, f"{prefix}: the engine's GDN state")
         return SlotGDNCore(layer_idx, config, self.caches, self.kernels)
