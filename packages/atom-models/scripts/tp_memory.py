@@ -11,7 +11,6 @@ sizes). The KV cache counts the target's full-attention layers and the MTP layer
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,28 +20,12 @@ from atom_kernels import select_kernels
 from atom_models import DenseCoreFactory, Qwen3NextForCausalLM, Qwen3NextMTP
 from atom_models.gdn_state import GDNGeometry
 from atom_models.loader import convert_mtp_fp8, convert_target_fp8
-
-
-@dataclass(frozen=True)
-class _Rank:
-    """A rank's identity for building its shard; the collectives are never called while building."""
-
-    rank: int
-    world_size: int
-
-    def all_reduce(self, x):
-        return x
-
-    def all_gather(self, x, dim=-1):
-        return x
-
-    def broadcast(self, x, src=0):
-        return x
+from atom_models.parallel import RankWithoutGroup
 
 
 def rank_bytes(cfg: Qwen3NextConfig, tp: int, k: int, kv_bytes: int) -> dict:
     kernels = select_kernels(torch.device("cpu"), torch.bfloat16)
-    par = _Rank(0, tp)
+    par = RankWithoutGroup(0, tp)
     with torch.device("meta"):
         target = Qwen3NextForCausalLM(
             cfg, DenseCoreFactory(kernels), kernels, dtype=torch.bfloat16, parallel=par

@@ -8,7 +8,6 @@ import importlib.util
 import re
 import shutil
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from atom_models import (
 from atom_models import loader as loader_mod
 from atom_models.gdn_state import GDNGeometry
 from atom_models.moe import Fp8Experts
-from atom_models.parallel import TPLayout
+from atom_models.parallel import RankWithoutGroup, TPLayout
 from atom_models.parallel.shard import ROW, LinearShard, check_fp8_shard
 from atom_models.weight_map import map_name
 from safetensors.torch import load_file, save_file
@@ -44,19 +43,6 @@ REPLICATED = (
     r"\.shared_expert_gate\.weight$",
     r"^fc\.weight$",
 )
-
-
-@dataclass(frozen=True)
-class FakeRank:
-    """Rank ``rank`` of ``world_size`` for building and loading only: any collective is an error."""
-
-    rank: int
-    world_size: int
-
-    def all_reduce(self, x):
-        raise AssertionError("building or loading a rank must not communicate")
-
-    all_gather = broadcast = all_reduce
 
 
 def _models(ckpt, kernels, parallel=None, load=False):
@@ -113,7 +99,7 @@ def _table(title: str, full: dict[str, torch.Tensor], ranks: list[dict[str, torc
 
 def test_per_rank_parameter_bytes(model_dir, kernels32):
     full = _params(*_models(model_dir, kernels32))
-    ranks = [_params(*_models(model_dir, kernels32, FakeRank(r, TP))) for r in range(TP)]
+    ranks = [_params(*_models(model_dir, kernels32, RankWithoutGroup(r, TP))) for r in range(TP)]
     _table("float32 target + MTP", full, ranks)
     replicated = sorted({_group(n) for n in full if _replicated(n)})
     print("  replicated:", ", ".join(replicated))
@@ -144,7 +130,7 @@ def test_per_rank_state_and_heads(model_dir, kernels32):
         print(
             f"  rank {r} attention: {layout.num_heads} query heads, KV head {layout.kv_head_start} (1 of {cfg.num_key_value_heads})"
         )
-        target, _ = _models(model_dir, kernels32, FakeRank(r, TP))
+        target, _ = _models(model_dir, kernels32, RankWithoutGroup(r, TP))
         attn = target.model.layers[3].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == (layout.num_heads, layout.num_kv_heads)
         assert target.model.layers[0].linear_attn.core.geometry == GDNGeometry.from_config(cfg, layout=layout)
@@ -193,7 +179,7 @@ def test_loader_reads_only_the_ranks_slices(model_dir, kernels32, monkeypatch):
     log: list[tuple[str, str, int]] = []
     real = loader_mod.safe_open
     monkeypatch.setattr(loader_mod, "safe_open", lambda *a, **k: _SpyFile(real(*a, **k), log))
-    target, mtp = _models(model_dir, kernels32, FakeRank(1, TP), load=True)
+    target, mtp = _models(model_dir, kernels32, RankWithoutGroup(1, TP), load=True)
     ckpt_numel = sum(
         t.numel() for f in sorted(Path(model_dir).glob("*.safetensors")) for t in load_file(str(f)).values()
     )
@@ -222,7 +208,9 @@ def test_mis_shaped_tensor_at_tp2_names_file_tensor_and_full_shape(model_dir, ke
     tensors[name] = tensors[name][:-2]
     save_file(tensors, str(dst / fname))
     cfg = Qwen3NextConfig.from_hf(dst)
-    target = Qwen3NextForCausalLM(cfg, DenseCoreFactory(kernels32), kernels32, parallel=FakeRank(1, TP))
+    target = Qwen3NextForCausalLM(
+        cfg, DenseCoreFactory(kernels32), kernels32, parallel=RankWithoutGroup(1, TP)
+    )
     with pytest.raises(CheckpointError) as e:
         load_target(target, dst)
     msg = str(e.value)
@@ -235,7 +223,7 @@ def test_non_divisible_tp_names_the_field(model_dir, kernels32):
     cfg = Qwen3NextConfig.from_hf(model_dir)
     for cls_args in ((cfg, DenseCoreFactory(kernels32), kernels32),):
         with pytest.raises(ConfigError) as e:
-            Qwen3NextForCausalLM(*cls_args, parallel=FakeRank(0, 4))
+            Qwen3NextForCausalLM(*cls_args, parallel=RankWithoutGroup(0, 4))
         assert "linear_num_key_heads" in str(e.value), str(e.value)
     with pytest.raises(ConfigError, match="num_attention_heads"):
         TPLayout.from_config(cfg, 0, 8)
@@ -246,8 +234,10 @@ def test_layout_of_another_rank_is_refused(model_dir, kernels32):
 
     cfg = Qwen3NextConfig.from_hf(model_dir)
     with pytest.raises(ValueError, match=r"rank 1 of 2 passed with a parallel context of rank 0 of 2"):
-        SparseMoeBlock(cfg, kernels32, layout=TPLayout.from_config(cfg, 1, TP), parallel=FakeRank(0, TP))
-    assert TPLayout.of(cfg, FakeRank(1, TP)) == TPLayout.from_config(cfg, 1, TP)
+        SparseMoeBlock(
+            cfg, kernels32, layout=TPLayout.from_config(cfg, 1, TP), parallel=RankWithoutGroup(0, TP)
+        )
+    assert TPLayout.of(cfg, RankWithoutGroup(1, TP)) == TPLayout.from_config(cfg, 1, TP)
 
 
 def _fp8_dir(model_dir, tmp_path):
@@ -264,7 +254,7 @@ def test_fp8_rank_slices_equal_tp1_slices(model_dir, kernels32, tmp_path):
     (e4m3 bytes compared), and its weights are 1/TP of TP=1's."""
     ckpt = _fp8_dir(model_dir, tmp_path)
     full = _params(*_models(ckpt, kernels32, load=True))
-    ranks = [_params(*_models(ckpt, kernels32, FakeRank(r, TP), load=True)) for r in range(TP)]
+    ranks = [_params(*_models(ckpt, kernels32, RankWithoutGroup(r, TP), load=True)) for r in range(TP)]
     _table("FP8 target + MTP", full, ranks)
     fp8 = [n for n, p in full.items() if p.dtype == torch.float8_e4m3fn]
     assert len(fp8) > 20
@@ -288,17 +278,19 @@ def test_fp8_rank_slices_equal_tp1_slices(model_dir, kernels32, tmp_path):
 
 def test_fp8_slice_straddling_a_block_is_refused():
     # rows [96, 192) of a 384-row weight with 128-row blocks: starts inside block 0, ends in block 1
-    shard = LinearShard("column", FakeRank(1, 4), (384,), ((96, 192),))
+    shard = LinearShard("column", RankWithoutGroup(1, 4), (384,), ((96, 192),))
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj.*96 rows.*128-row block"):
         check_fp8_shard("layers.0.mlp.down_proj", shard, (128, 128))
     # rank 0's own rows [0, 96) lie inside block 0, but it refuses too: every rank reaches the same verdict
     # (a rank that built would wait in its first collective for the rank that raised)
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj.*96 rows.*\[96, 192\)"):
         check_fp8_shard(
-            "layers.0.mlp.down_proj", LinearShard("column", FakeRank(0, 4), (384,), ((0, 96),)), (128, 128)
+            "layers.0.mlp.down_proj",
+            LinearShard("column", RankWithoutGroup(0, 4), (384,), ((0, 96),)),
+            (128, 128),
         )
-    check_fp8_shard("ok", LinearShard(ROW, FakeRank(1, 2), (256,), ((128, 256),)), (128, 128))
-    check_fp8_shard("inside", LinearShard(ROW, FakeRank(1, 2), (64,), ((32, 64),)), (128, 128))
+    check_fp8_shard("ok", LinearShard(ROW, RankWithoutGroup(1, 2), (256,), ((128, 256),)), (128, 128))
+    check_fp8_shard("inside", LinearShard(ROW, RankWithoutGroup(1, 2), (64,), ((32, 64),)), (128, 128))
     # moe_intermediate_size 192 over 2 ranks: rank 1's rows [96, 192) straddle blocks 0 and 1
     with pytest.raises(ValueError, match=r"layers\.5\.mlp\.experts.*96 rows"):
         Fp8Experts(

@@ -54,6 +54,25 @@ class SingleProcess:
         return x
 
 
+@dataclass(frozen=True)
+class RankWithoutGroup:
+    """Rank ``rank`` of ``world_size`` with no process group: for building a rank's shard and loading its
+    slices (neither communicates) without starting the other ranks, e.g. to count a rank's bytes. Any
+    collective raises ``RuntimeError``."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"rank {self.rank} of {self.world_size} has no process group: no collectives")
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return self.all_reduce(x)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return self.all_reduce(x)
+
+
 class TorchDistributed:
     """A ``torch.distributed`` process group (default: the world group, which must be initialised).
 
