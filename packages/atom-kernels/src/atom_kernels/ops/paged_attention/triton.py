@@ -221,6 +221,10 @@ def _num_sms(device: torch.device) -> int:
     return 132
 
 
+def _floor_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
 def plan(
     num_tokens: int,
     num_seqs: int,
@@ -266,10 +270,11 @@ def plan(
     target = 2 * _num_sms(device)
     splits = 1
     if q_blocks < target:
-        # a power of two (few compiled variants of the merge kernel), each split >= 256 keys
-        splits = min(
-            triton.next_power_of_2(-(-target // q_blocks)), triton.next_power_of_2(max(1, max_ctx // 256)), 64
-        )
+        # a power of two (few compiled variants of the merge kernel) that keeps the programs at or under
+        # twice the SM count, each split >= 64 keys, at most 32 (H200 sweep at 16q/2kv heads, D = 256,
+        # benchmarks/results/attention_splits_h200.json: B = 1 ctx 1k 16 splits 10 us vs 4 splits 18 us;
+        # B = 64 ctx 1k-8k 2 splits beat 4 by 2-10%)
+        splits = min(_floor_pow2(target // q_blocks), _floor_pow2(max(1, max_ctx // 64)), 32)
     if config and "num_splits" in config:
         splits = int(config["num_splits"])
     cfg["num_splits"] = max(1, splits)
