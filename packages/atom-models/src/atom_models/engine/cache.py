@@ -89,7 +89,8 @@ class EngineCaches:
     - ``gdn[layer]``: a :class:`~atom_models.gdn_state.GDNLayerState` for every GDN layer, shaped by
       ``gdn_geometry`` (the rank's key / value heads; conv ``[S, C, K - 1 + k]``, ONE committed recurrent state ``[S, Hv, Dv, Dk]`` per
       sequence, and with MTP (k > 0) the float32 pending tokens ``[S, 1 + k, P]`` of the sequence's last
-      verify step).
+      verify step);
+    - ``kv_scales``: the FP8 cache's per-tensor ``(k_scale, v_scale)`` (0-d float32, 1.0), None otherwise.
     """
 
     def __init__(
@@ -122,6 +123,11 @@ class EngineCaches:
             )
             for i in attn_layers
         }
+        # per-tensor K / V scales of an FP8 cache (1.0), held as tensors so that no step creates them
+        quantised = kv_dtype is not None and kv_dtype.itemsize == 1
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = (
+            (torch.ones((), device=device), torch.ones((), device=device)) if quantised else None
+        )
         self.gdn_geometry = GDNGeometry.from_config(config, num_speculative_tokens, layout=layout)
         self.gdn = {
             i: GDNLayerState.allocate(

@@ -23,10 +23,11 @@ class PagedAttentionCore(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         key_cache, value_cache = self.caches.kv[self.layer_idx]
+        ks, vs = self.caches.kv_scales or (None, None)
         m = ctx.attn
-        self.kernels.kv_cache_write(k, v, key_cache, value_cache, m.slot_mapping)
+        self.kernels.kv_cache_write(k, v, key_cache, value_cache, m.slot_mapping, ks, vs)
         return self.kernels.paged_attention(
-            q, key_cache, value_cache, m.block_tables, m.seq_lens, m.query_start_loc, self.scale
+            q, key_cache, value_cache, m.block_tables, m.seq_lens, m.query_start_loc, self.scale, ks, vs
         )
 
 
