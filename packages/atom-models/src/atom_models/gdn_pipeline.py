@@ -189,10 +189,23 @@ def gdn_forward(
 
     Each part of ``step`` takes its rows (a slice, or a gather by index), runs its function and puts its
     outputs back; rows of no part stay zero. One extra scratch row receives the outputs of padding tokens.
+    A step that is one decode or one in-order verify part over all ``T`` rows (a uniform decode / verify
+    batch) returns that part's output as is, without the zeroed buffer and its copy.
     """
     t = mixed_qkv.shape[0]
-    out = mixed_qkv.new_zeros(t + 1, geometry.num_v_heads, geometry.head_v_dim)
     args = (kernels, geometry, weights, state)
+    if step.prefill is None and len(step.decodes) + len(step.verifies) == 1:
+        if step.decodes and step.decodes[0].token_start == 0 and step.decodes[0].num_seqs == t:
+            return gdn_decode(*args, mixed_qkv, b, a, step.decodes[0])
+        ver = step.verifies[0] if step.verifies else None
+        if (
+            ver is not None
+            and ver.gather_index is None
+            and ver.token_start == 0
+            and ver.num_seqs * ver.q_len == t
+        ):
+            return gdn_verify(*args, mixed_qkv, b, a, ver)
+    out = mixed_qkv.new_zeros(t + 1, geometry.num_v_heads, geometry.head_v_dim)
     pre = step.prefill
     if pre is not None and pre.num_tokens > 0:
         if pre.token_index is None:
