@@ -1,12 +1,14 @@
 """Standalone engine: continuous batching over a paged KV cache + GDN state slots, MTP speculative decoding.
 
-A step is schedule -> prepare -> run -> postprocess: the scheduler admits prompts (``scheduler``), the
-batch builder lays out ONE target forward over a flat batch mixing new prompts (prefill), plain decodes
+A step is schedule -> run -> postprocess: the scheduler admits prompts (``scheduler``), the batch
+builder lays out ONE target forward over a flat batch mixing new prompts (prefill), plain decodes
 (1 token) and verifications (the pending token plus k drafts) (``batch``), the target runs, the host
 accepts / emits tokens, then the MTP draft (one pass over the newly accepted positions, then k - 1
 single-row steps) proposes the next drafts. Steps without prompts whose requests hold equal numbers of
 drafts run padded to a batch-size bucket over persistent buffers, replayed from CUDA graphs on a GPU
-(``graphs``); prompts and mixed steps run eagerly. Each sequence holds ONE GDN
+(``graphs``); prompts and mixed steps run eagerly. When those requests are all greedy with drafts, the
+acceptance and the next drafts are computed on the device too, and the host reads them with one copy
+(one host round trip per step), then only books them (:meth:`LLMEngine._accept`). Each sequence holds ONE GDN
 state slot; a verification runs ``gated_delta_rule_verify`` (docs/kernel-api.md, deferred commit): it
 commits the tokens the previous step accepted (their raw inputs wait in the pending pool), verifies the new
 ones without storing their states and stashes them, so rejected drafts are never recomputed. The conv state
