@@ -2,9 +2,9 @@
 
 :class:`StepMetadata` holds the step's metadata on the device as views of ONE allocation, filled from a
 host staging buffer of the same layout (pinned on CUDA) by one ``copy_(non_blocking=True)``. Layout, in
-bytes: int64 ``input_ids`` / ``positions`` / ``slot_mapping`` (``max_tokens`` each), then int32
-``seq_lens`` / ``gdn_slots`` / ``num_accepted`` (``max_batch`` each) and the block tables
-``[max_batch, max_blocks]`` last, so a bucket of ``b`` sequences copies a prefix ending at table row ``b``.
+bytes (each field 64-byte aligned): int64 ``input_ids`` / ``positions`` / ``slot_mapping`` (``max_tokens``
+each), then int32 ``seq_lens`` / ``gdn_slots`` / ``num_accepted`` (``max_batch`` each) and the block
+tables ``[max_batch, max_blocks]`` last, so a bucket of ``b`` sequences copies a prefix ending at table row ``b``.
 The staging buffer is rewritten only after its previous copy has completed (a CUDA event).
 
 :class:`ResultReader` reads a step's packed int64 results back into a pinned host buffer: one
@@ -21,6 +21,17 @@ _INT64 = ("input_ids", "positions", "slot_mapping")
 _INT32 = ("seq_lens", "gdn_slots", "num_accepted")
 
 
+_ALIGN = 64  # bytes: every field starts aligned (kernels may assume aligned pointers)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _nbytes(max_tokens: int, max_batch: int, max_blocks: int) -> int:
+    return 3 * _aligned(8 * max_tokens) + 3 * _aligned(4 * max_batch) + 4 * max_batch * max_blocks
+
+
 class _Views:
     """Named int views of one uint8 buffer in the layout of :class:`StepMetadata`."""
 
@@ -28,10 +39,10 @@ class _Views:
         off = 0
         for name in _INT64:
             setattr(self, name, buf[off : off + 8 * max_tokens].view(torch.int64))
-            off += 8 * max_tokens
+            off += _aligned(8 * max_tokens)
         for name in _INT32:
             setattr(self, name, buf[off : off + 4 * max_batch].view(torch.int32))
-            off += 4 * max_batch
+            off += _aligned(4 * max_batch)
         self.tables_offset = off
         self.tables = (
             buf[off : off + 4 * max_batch * max_blocks].view(torch.int32).view(max_batch, max_blocks)
@@ -48,7 +59,7 @@ class StepMetadata:
 
     def __init__(self, *, max_tokens: int, max_batch: int, max_blocks: int, block_size: int, device):
         self.max_blocks, self.block_size, self.device = max_blocks, block_size, device
-        nbytes = 8 * 3 * max_tokens + 4 * (3 + max_blocks) * max_batch
+        nbytes = _nbytes(max_tokens, max_batch, max_blocks)
         self._staging = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self._device = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.host = _Views(self._staging, max_tokens, max_batch, max_blocks)
