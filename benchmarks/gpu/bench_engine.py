@@ -4,13 +4,15 @@ the step's bandwidth floor; plus the bundled tiny model's tokens/s.
 Model: hidden 2048, GDN 16/32 heads of 128, attention 16/2 heads of 256, 512 experts top-10 (moe_inter 512)
 + a 512 shared expert, vocab 151936, 8 layers (3:1 GDN:attention) + one MTP layer, bf16, random weights.
 For each k in (0, 1, 3) and B in (1, 8, 64, 256): B requests are placed in the running state at context
-``--ctx`` (random tokens, random caches) and the engine steps them (target decode / verify forward, host
-acceptance, MTP drafts). Reported per (k, B):
+``--ctx`` (random tokens, random caches) and the engine steps them (target decode / verify forward,
+acceptance, MTP drafts; graphed greedy steps accept on the device and read their results with one copy).
+Reported per (k, B):
 
 - ``step_ms``: wall time of ``LLMEngine.step`` (host work included), eager (``cuda_graphs`` off) and
   graphed; the median of ``--steps`` steps, each synchronised;
-- ``target_ms`` / ``propose_ms``: GPU time of the target forward / the MTP propose forward alone, eager
-  (the bucketed forward run without a graph) and graphed (graph replay), ``common.time_ms``;
+- ``target_ms`` / ``propose_ms``: GPU time of the target forward / the greedy acceptance + MTP propose
+  forward alone, eager (the bucketed forward run without a graph) and graphed (graph replay),
+  ``common.time_ms``;
 - ``floor_ms``: the bytes the step must move over this run's copy bandwidth: every non-expert weight the
   forward reads (lm_head once per target forward and once per draft), the experts the routing actually
   touched (counted per layer in an eager step), the GDN state (recurrent state read + written, conv

@@ -149,3 +149,43 @@ def test_graph_replays_reproduce_greedy_and_do_not_sync_on_cuda(model_dir, greed
     for r, c, n in zip(res, cases, lens):
         assert r.output_ids == c["greedy_ids"][:n]
     assert eng.graphs.num_captured >= 2 and replays
+
+
+def _request(rid: int, blocks: list[int], slot: int, computed: int, drafts: list[int]):
+    from atom_models.engine.request import Request
+
+    req = Request(rid, list(range(100, 100 + computed)), SamplingParams(), len(drafts))
+    req.blocks, req.slot, req.drafts = blocks, slot, drafts
+    req.num_computed, req.num_accepted, req.output_ids = computed, 2, [50 + rid]
+    return req
+
+
+def test_step_metadata_fill_matches_the_per_token_layout():
+    """StepMetadata.fill (vectorised, one copy) writes what the per-token layout gives: positions from
+    num_computed, KV slots through the block tables (a span crossing a block boundary), padding rows;
+    a table row is rewritten when its request changes."""
+    from atom_models.engine.step_buffers import StepMetadata
+
+    bs, q = 4, 3
+    meta = StepMetadata(
+        max_tokens=8 * q, max_batch=8, max_blocks=5, block_size=bs, device=torch.device("cpu")
+    )
+    r0 = _request(0, [7, 3, 9], slot=2, computed=6, drafts=[12, 13])  # positions 6..8: blocks 3 and 9
+    r1 = _request(1, [5, 1], slot=0, computed=2, drafts=[14, 15])
+    for decodes, b in (((r0, r1), 4), ((r1,), 1)):
+        meta.fill(decodes, b, q)
+        ids, pos, slots = [], [], []
+        for req in decodes:
+            ids += [req.last_token, *req.drafts]
+            pos += range(req.num_computed, req.num_computed + q)
+            slots += [req.blocks[p // bs] * bs + p % bs for p in pos[-q:]]
+        n, pad = len(decodes), b - len(decodes)
+        assert meta.input_ids[: b * q].tolist() == ids + [0] * (pad * q)
+        assert meta.positions[: b * q].tolist() == pos + list(range(q)) * pad
+        assert meta.slot_mapping[: b * q].tolist() == slots + [-1] * (pad * q)
+        assert meta.seq_lens[:b].tolist() == [r.num_computed + q for r in decodes] + [q] * pad
+        assert meta.gdn_slots[:b].tolist() == [r.slot for r in decodes] + [-1] * pad
+        assert meta.num_accepted[:b].tolist() == [2] * n + [1] * pad
+        tables = [r.blocks + [0] * (5 - len(r.blocks)) for r in decodes] + [[0] * 5] * pad
+        assert meta.tables[:b].tolist() == tables
+    assert meta.h2d_copies == 2

@@ -1,12 +1,14 @@
 """Standalone engine: continuous batching over a paged KV cache + GDN state slots, MTP speculative decoding.
 
-A step is schedule -> prepare -> run -> postprocess: the scheduler admits prompts (``scheduler``), the
-batch builder lays out ONE target forward over a flat batch mixing new prompts (prefill), plain decodes
+A step is schedule -> run -> postprocess: the scheduler admits prompts (``scheduler``), the batch
+builder lays out ONE target forward over a flat batch mixing new prompts (prefill), plain decodes
 (1 token) and verifications (the pending token plus k drafts) (``batch``), the target runs, the host
 accepts / emits tokens, then the MTP draft (one pass over the newly accepted positions, then k - 1
 single-row steps) proposes the next drafts. Steps without prompts whose requests hold equal numbers of
 drafts run padded to a batch-size bucket over persistent buffers, replayed from CUDA graphs on a GPU
-(``graphs``); prompts and mixed steps run eagerly. Each sequence holds ONE GDN
+(``graphs``); prompts and mixed steps run eagerly. When those requests are all greedy with drafts, the
+acceptance and the next drafts are computed on the device too, and the host reads them with one copy
+(one host round trip per step), then only books them (:meth:`LLMEngine._accept`). Each sequence holds ONE GDN
 state slot; a verification runs ``gated_delta_rule_verify`` (docs/kernel-api.md, deferred commit): it
 commits the tokens the previous step accepted (their raw inputs wait in the pending pool), verifies the new
 ones without storing their states and stashes them, so rejected drafts are never recomputed. The conv state
@@ -40,7 +42,7 @@ from atom_models.engine.cores import EngineCoreFactory
 from atom_models.engine.graphs import DecodeGraphs
 from atom_models.engine.request import Request, SpecStats
 from atom_models.engine.sampling import SamplingParams, sample, verify_greedy, verify_probs
-from atom_models.engine.scheduler import Scheduler
+from atom_models.engine.scheduler import ScheduledStep, Scheduler
 from atom_models.generation_config import with_generation_eos
 from atom_models.loader import convert_mtp_fp8, convert_target_fp8, load_mtp, load_target
 from atom_models.parallel import SINGLE_PROCESS, ParallelContext, TPLayout
@@ -287,33 +289,18 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # ---- one step: schedule -> prepare/run -> postprocess -> propose ----------------------------------
+    # ---- one step: schedule -> run -> postprocess ---------------------------------------------------
     @torch.no_grad()
     def step(self) -> StepInfo:
         sched = self.scheduler.schedule()
         if sched.empty:
             return StepInfo(0, 0, 0, 0, 0, ())
-        graphed = self.graphs is not None and self.graphs.supports(sched)
-        if graphed:
-            out, spans = self.graphs.run_target(sched.decodes)
-            hidden, logits, best = out.hidden, out.logits, out.best
+        g = self.graphs
+        if g is not None and g.supports(sched) and g.can_propose(sched.decodes):
+            spans, emitted = self._step_greedy_graphed(sched)
         else:
-            batch = self.builder.build(sched)
-            spans = batch.spans
-            hidden = self.target(batch.input_ids, batch.positions, batch.ctx)
-            logits = self.target.compute_logits(hidden[batch.logit_index], torch.float32)
-            best = None
-        new_tokens = self._decide(spans, lambda: self._read_tokens(logits, spans, best))
-        graphed_drafts = graphed and self.graphs.can_propose(sched.decodes)
-        emitted, drafts_in = self._postprocess(spans, new_tokens, None if graphed_drafts else hidden)
+            spans, emitted = self._step_host_decided(sched)
         finished = self.scheduler.finish_step(sched)
-        if graphed_drafts:
-            for sp, drafts in zip(spans, self.graphs.run_propose(spans)):
-                req = sp.request
-                req.drafts = [] if req.finished else drafts[: req.num_spec]
-        elif drafts_in:
-            tables = self.graphs.tables[: len(spans)] if graphed else batch.tables
-            self._propose(drafts_in, tables)
         return StepInfo(
             num_prefills=len(sched.prefills),
             num_decodes=sum(1 for s in spans if not s.is_prefill and s.num_tokens == 1),
@@ -322,6 +309,40 @@ class LLMEngine:
             num_emitted=emitted,
             finished=tuple(r.request_id for r in finished),
         )
+
+    def _step_greedy_graphed(self, sched: ScheduledStep) -> tuple[tuple[SeqSpan, ...], int]:
+        """Greedy requests with equal numbers of drafts, bucketed (:class:`DecodeGraphs`): the target forward,
+        the acceptance and the next drafts all on the device, read with one copy (one host round trip),
+        then per request the host's bookkeeping only. Every tensor-parallel rank computes the same
+        acceptance from the same all-gathered logits."""
+        _, spans = self.graphs.run_target(sched.decodes)
+        emitted = 0
+        for sp, res in zip(spans, self.graphs.run_greedy(spans)):
+            emitted += self._accept(sp, res.tokens)
+            req = sp.request
+            req.drafts = [] if req.finished else res.drafts
+        return spans, emitted
+
+    def _step_host_decided(self, sched: ScheduledStep) -> tuple[tuple[SeqSpan, ...], int]:
+        """Any step (prompts, mixed draft counts, sampled requests): the target forward (bucketed when
+        :meth:`DecodeGraphs.supports` it, else eager), tokens decided on the host (:meth:`_decide`), then
+        the eager MTP draft."""
+        graphed = self.graphs is not None and self.graphs.supports(sched)
+        if graphed:
+            out, spans = self.graphs.run_target(sched.decodes)
+            hidden, logits, best = out.hidden, out.logits, out.best
+            tables = self.graphs.tables[: len(spans)]
+        else:
+            batch = self.builder.build(sched)
+            spans, tables = batch.spans, batch.tables
+            hidden = self.target(batch.input_ids, batch.positions, batch.ctx)
+            logits = self.target.compute_logits(hidden[batch.logit_index], torch.float32)
+            best = None
+        new_tokens = self._decide(spans, lambda: self._read_tokens(logits, spans, best))
+        emitted, drafts_in = self._postprocess(spans, new_tokens, hidden)
+        if drafts_in:
+            self._propose(drafts_in, tables)
+        return spans, emitted
 
     def _read_tokens(
         self, logits: torch.Tensor, spans: Sequence[SeqSpan], best: torch.Tensor | None = None
@@ -397,33 +418,41 @@ class LLMEngine:
         return decide()
 
     def _postprocess(
-        self, spans: Sequence[SeqSpan], new_tokens: Sequence[list[int]], hidden: torch.Tensor | None
+        self, spans: Sequence[SeqSpan], new_tokens: Sequence[list[int]], hidden: torch.Tensor
     ) -> tuple[int, list[DraftInput]]:
         """Accept / emit every sequence's ``new_tokens`` (:meth:`_decide`); returns the tokens emitted and,
-        given the step's target ``hidden``, the first MTP pass's input of every unfinished request with
+        from the step's target ``hidden``, the first MTP pass's input of every unfinished request with
         drafts."""
         drafts_in: list[DraftInput] = []
         emitted = 0
         for i, (sp, new) in enumerate(zip(spans, new_tokens)):
             req = sp.request
-            if sp.is_prefill:
-                accepted_inputs = sp.num_tokens  # the whole prompt, then the first token
-            else:
-                a = len(new) - 1  # accepted drafts
-                if req.drafts:
-                    req.stats.record(len(req.drafts), a)
-                accepted_inputs = a + 1  # the pending token and the accepted drafts
-            req.num_steps += 1
-            req.num_computed = sp.start + accepted_inputs
-            req.num_accepted = 0 if sp.is_prefill else accepted_inputs
-            emitted += self._emit(req, new)
-            if hidden is not None and not req.finished and self.mtp is not None and req.num_spec > 0:
+            emitted += self._accept(sp, new)
+            if not req.finished and self.mtp is not None and req.num_spec > 0:
                 # MTP rows: target hidden h_i with token t_{i+1}, for every newly accepted position i
+                n = req.num_computed - sp.start
                 next_tokens = req.token_slice(sp.start + 1, req.num_computed + 1)
-                rows = hidden[sp.token_offset : sp.token_offset + accepted_inputs]
+                rows = hidden[sp.token_offset : sp.token_offset + n]
                 drafts_in.append(DraftInput(req, sp.start, next_tokens, rows, i))
             req.drafts, req.draft_probs = [], None
         return emitted, drafts_in
+
+    def _accept(self, sp: SeqSpan, new: list[int]) -> int:
+        """Book ``sp``'s new tokens (a prompt's first token; a verification's accepted drafts and its
+        corrected / bonus token): statistics, computed / accepted positions, outputs (stopping at eos or
+        max_tokens). Returns the tokens emitted."""
+        req = sp.request
+        if sp.is_prefill:
+            accepted_inputs = sp.num_tokens  # the whole prompt, then the first token
+        else:
+            a = len(new) - 1  # accepted drafts
+            if req.drafts:
+                req.stats.record(len(req.drafts), a)
+            accepted_inputs = a + 1  # the pending token and the accepted drafts
+        req.num_steps += 1
+        req.num_computed = sp.start + accepted_inputs
+        req.num_accepted = 0 if sp.is_prefill else accepted_inputs
+        return self._emit(req, new)
 
     def _emit(self, req: Request, tokens: list[int]) -> int:
         eos = () if req.params.ignore_eos else self.config.eos_token_id

@@ -6,10 +6,19 @@ metadata is copied into buffers sized for the largest bucket. Two forwards per b
 
 - target (key ``(q, b)``): ``b * q`` tokens -> hidden ``[b*q, H]``, float32 logits ``[b*q, V]`` and their
   argmax ``[b*q]``; GDN as plain decodes (``q == 1``) or verifications;
-- MTP propose (key ``(s, b)``, greedy requests only): the first MTP pass over all ``q`` rows of every
-  sequence (row ``j`` takes the target hidden at position ``start + j`` and the next token; rows past
-  the accepted ones take token 0 and only write MTP KV that later steps overwrite before reading), then
-  ``s - 1`` single-row steps from each sequence's last accepted row -> draft ids ``[b, s]``.
+- greedy acceptance + MTP propose (key ``(s, b)``, greedy requests only): per sequence the number of
+  leading drafts equal to the target argmax ``a`` (:func:`~atom_models.engine.sampling.verify_greedy_rows`)
+  and its emitted tokens (the argmax of its rows ``0 .. a``); then the first MTP pass over all ``q`` rows of
+  every sequence (row ``j`` takes the target hidden at position ``start + j`` and the next token, the
+  argmax of row ``j``, for ``j <= a``; rows past the accepted ones take token 0 and only write MTP KV that
+  later steps overwrite before reading; padding rows take token 0 and read their row 0), then ``s - 1``
+  single-row steps from each sequence's last accepted row ``a`` -> draft ids ``[b, s]``. Its output packs
+  ``[a, tokens[q], drafts[s]]`` per sequence in one int64 ``[b, 1 + q + s]`` tensor, read by the host with
+  one copy (:class:`~atom_models.engine.step_buffers.ResultReader`), so a greedy step has one host round
+  trip. For a request that finishes inside its emitted tokens (eos, max_tokens) the MTP inputs past the
+  stop differ from the request's tokens: its drafts are dropped.
+
+The step's metadata reaches the device with one copy (:class:`~atom_models.engine.step_buffers.StepMetadata`).
 
 Padding rows use GDN slot -1 and KV slot -1 (nothing read from or written to any real slot), block
 table row 0s and ``seq_len = q``; their outputs are ignored. With ``capture`` (CUDA) each forward is
@@ -29,7 +38,9 @@ import torch
 from atom_models.engine.batch import BatchBuilder, SeqSpan
 from atom_models.engine.context import AttentionMeta, StepContext
 from atom_models.engine.request import Request
+from atom_models.engine.sampling import verify_greedy_rows
 from atom_models.engine.scheduler import ScheduledStep
+from atom_models.engine.step_buffers import ResultReader, StepMetadata
 from atom_models.gdn_meta import GDNDecodeMeta, GDNStepMeta, GDNVerifyMeta
 
 
@@ -46,6 +57,15 @@ class TargetOutputs:
     hidden: torch.Tensor  # [b*q, H] post-norm hidden states
     logits: torch.Tensor  # [b*q, V] float32
     best: torch.Tensor  # [b*q] int64 argmax of logits
+
+
+@dataclass(frozen=True)
+class GreedyResult:
+    """The host's copy of one sequence's greedy acceptance and next drafts (:meth:`DecodeGraphs.run_greedy`)."""
+
+    accepted: int  # drafts accepted
+    tokens: list[int]  # the emitted tokens: the accepted drafts, then the corrected / bonus token
+    drafts: list[int]  # the next step's drafts
 
 
 @dataclass
@@ -84,18 +104,20 @@ class DecodeGraphs:
         self.device, self.capture = device, capture
         bmax, qmax = self.buckets[-1], 1 + num_speculative_tokens
         tmax = bmax * qmax
-        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(tmax, **i64)
-        self.positions = torch.zeros(tmax, **i64)
-        self.slot_mapping = torch.full((tmax,), -1, **i64)
-        self.tables = torch.zeros(bmax, max_blocks, **i32)
-        self.seq_lens = torch.ones(bmax, **i32)
-        self.gdn_slots = torch.full((bmax,), -1, **i32)
-        self.num_accepted = torch.ones(bmax, **i32)
-        self.draft_input_ids = torch.zeros(tmax, **i64)
-        self.last_rows = torch.zeros(bmax, **i64)
-        self._host_tables = torch.zeros(bmax, max_blocks, dtype=torch.int32)  # staging for self.tables
-        self._row_owner: list[Request | None] = [None] * bmax  # the request whose blocks a row holds
+        self.meta = StepMetadata(
+            max_tokens=tmax,
+            max_batch=bmax,
+            max_blocks=max_blocks,
+            block_size=builder.block_size,
+            device=device,
+        )
+        m = self.meta  # device views of one allocation, one copy per step
+        self.input_ids, self.positions, self.slot_mapping = m.input_ids, m.positions, m.slot_mapping
+        self.tables, self.seq_lens = m.tables, m.seq_lens
+        self.gdn_slots, self.num_accepted = m.gdn_slots, m.num_accepted
+        self.draft_input_ids = torch.zeros(tmax, dtype=torch.int64, device=device)  # written on the device
+        self.last_rows = torch.zeros(bmax, dtype=torch.int64, device=device)
+        self.reader = ResultReader(bmax * (2 * qmax), device)
         self._targets: dict[tuple[int, int], _Entry] = {}
         self._proposers: dict[tuple[int, int], _Entry] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -129,51 +151,19 @@ class DecodeGraphs:
 
     # ---- target --------------------------------------------------------------------------------------
     def run_target(self, decodes: tuple[Request, ...]) -> tuple[TargetOutputs, tuple[SeqSpan, ...]]:
-        """Fill the buffers from ``decodes`` (padded to their bucket), run (replay) the target forward.
-        Returns its outputs (``b * q`` rows, sequence i at rows ``i*q ..``) and the sequences' spans."""
+        """Fill the buffers from ``decodes`` (padded to their bucket; one host-to-device copy), run (replay)
+        the target forward. Returns its outputs (``b * q`` rows, sequence i at rows ``i*q ..``) and the
+        sequences' spans."""
         n, q = len(decodes), 1 + decodes[0].num_spec
         b = self.bucket(n)
         key = (q, b)
         if key not in self._targets:
             self._capture_bucket(q, b)
-        bs = self.builder.block_size
-        ids, pos, slots = [0] * (b * q), list(range(q)) * b, [-1] * (b * q)
-        seq_lens, gdn_slots, accepted = [q] * b, [-1] * b, [1] * b
-        spans = []
-        for i, req in enumerate(decodes):
-            start, r0 = req.num_computed, i * q
-            ids[r0 : r0 + q] = [req.last_token, *req.drafts]
-            for j in range(q):
-                p = start + j
-                pos[r0 + j] = p
-                slots[r0 + j] = req.blocks[p // bs] * bs + p % bs
-            self._host_table_row(i, req)
-            seq_lens[i], gdn_slots[i], accepted[i] = start + q, req.slot, max(1, req.num_accepted)
-            spans.append(SeqSpan(req, start, q, False, r0, r0))
-        for i in range(len(decodes), b):
-            self._host_table_row(i, None)
-        t = b * q
-        self.input_ids[:t].copy_(torch.tensor(ids))
-        self.positions[:t].copy_(torch.tensor(pos))
-        self.slot_mapping[:t].copy_(torch.tensor(slots))
-        self.tables[:b].copy_(self._host_tables[:b])
-        self.seq_lens[:b].copy_(torch.tensor(seq_lens))
-        self.gdn_slots[:b].copy_(torch.tensor(gdn_slots))
-        self.num_accepted[:b].copy_(torch.tensor(accepted))
+        self.meta.fill(decodes, b, q)
+        spans = tuple(SeqSpan(req, req.num_computed, q, False, i * q, i * q) for i, req in enumerate(decodes))
         self._last_target = self._targets[key]()
         self.target_runs += 1
-        return self._last_target, tuple(spans)
-
-    def _host_table_row(self, i: int, req: Request | None) -> None:
-        """Row ``i`` of the host block tables holds ``req``'s blocks (zeros for padding); a request's
-        blocks are fixed from admission on, so a row is rewritten only when its request changes."""
-        if self._row_owner[i] is req:
-            return
-        row = self._host_tables[i]
-        row.zero_()
-        if req is not None:
-            row[: len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
-        self._row_owner[i] = req
+        return self._last_target, spans
 
     def _attn(self, q: int, b: int) -> AttentionMeta:
         t = b * q
@@ -197,37 +187,35 @@ class DecodeGraphs:
         return TargetOutputs(hidden, logits, logits.argmax(dim=-1))
 
     # ---- MTP propose ---------------------------------------------------------------------------------
-    def run_propose(self, spans: tuple[SeqSpan, ...]) -> list[list[int]]:
-        """Draft ids (``s`` per sequence) after the target forward of the same bucket has run and every
-        span's request has its accepted tokens (``num_computed``) and outputs appended."""
-        reqs = [sp.request for sp in spans]
-        n, s = len(reqs), reqs[0].num_spec
-        q, b = 1 + s, self.bucket(n)
-        ids, last = [0] * (b * q), [i * q for i in range(b)]
-        for i, sp in enumerate(spans):
-            req, r0 = sp.request, i * q
-            accepted = req.num_computed - sp.start
-            nxt = req.token_slice(sp.start + 1, sp.start + 1 + accepted)
-            ids[r0 : r0 + len(nxt)] = nxt
-            last[i] = r0 + accepted - 1
-        self.draft_input_ids[: b * q].copy_(torch.tensor(ids))
-        self.last_rows[:b].copy_(torch.tensor(last))
-        drafts = self._proposers[(s, b)]()
+    def run_greedy(self, spans: tuple[SeqSpan, ...]) -> list[GreedyResult]:
+        """After :meth:`run_target` of the same step (greedy requests with drafts): run (replay) the
+        acceptance + propose forward, read its packed results with one copy and one synchronisation."""
+        n, s = len(spans), spans[0].request.num_spec
+        q = 1 + s
+        packed = self._proposers[(s, self.bucket(n))]()
         self.propose_runs += 1
-        return drafts[:n].tolist()
+        return [GreedyResult(r[0], r[1 : 2 + r[0]], r[1 + q :]) for r in self.reader.read(packed[:n])]
 
-    def _propose_forward(self, s: int, b: int, hidden: torch.Tensor | None) -> torch.Tensor:
-        """``hidden``: the captured target graph's static output, or None (eager: the outputs of the
-        target forward that has just run)."""
+    def _propose_forward(self, s: int, b: int, target: TargetOutputs | None) -> torch.Tensor:
+        """Greedy acceptance, MTP inputs, MTP propose -> packed ``[b, 1 + q + s]`` int64 (module
+        docstring). ``target``: the captured target graph's static outputs, or None (eager: the outputs of
+        the target forward that has just run)."""
         q = 1 + s
         t = b * q
-        if hidden is None:
-            hidden = self._last_target.hidden
-        mtp = self.mtp
+        if target is None:
+            target = self._last_target
+        hidden, mtp = target.hidden, self.mtp
+        accepted, tokens = verify_greedy_rows(target.best[:t], self.input_ids[:t], q)
+        valid = self.gdn_slots[:b] >= 0  # padding rows: nothing accepted, token 0, last row = row 0
+        accepted = torch.where(valid, accepted, 0)
+        cols = torch.arange(q, device=self.device)
+        keep = cols[None, :] <= accepted[:, None]
+        self.draft_input_ids[:t].copy_(torch.where(keep & valid[:, None], tokens, 0).view(-1))
+        self.last_rows[:b].copy_(torch.arange(0, t, q, device=self.device) + accepted)
         out = mtp(self.draft_input_ids[:t], self.positions[:t], hidden, StepContext(attn=self._attn(q, b)))
         last = self.last_rows[:b]
         h, pos = out[last], self.positions[:t][last]
-        tables, valid = self.tables[:b], self.gdn_slots[:b] >= 0
+        tables = self.tables[:b]
         d = mtp.compute_logits(h, torch.float32).argmax(dim=-1)
         drafts = [d]
         for step in range(1, s):
@@ -236,7 +224,7 @@ class DecodeGraphs:
             h = mtp(d, pos, h, ctx, spec_step=step)
             d = mtp.compute_logits(h, torch.float32).argmax(dim=-1)
             drafts.append(d)
-        return torch.stack(drafts, dim=1)
+        return torch.cat([accepted[:, None], tokens, torch.stack(drafts, dim=1)], dim=1)
 
     # ---- buffers and capture -------------------------------------------------------------------------
     def _pad(self, b: int, q: int) -> None:
@@ -259,11 +247,12 @@ class DecodeGraphs:
         target = self._capture(lambda: self._target_forward(q, b))
         self._targets[(q, b)] = target
         if self.mtp is not None and q > 1:
-            hidden = None
+            out = None
             if target.graph is not None:
-                hidden = target.out.hidden
-                hidden.zero_()  # the warm-up reads it: finite values, not whatever the pool held
-            self._proposers[(q - 1, b)] = self._capture(lambda: self._propose_forward(q - 1, b, hidden))
+                out = target.out
+                out.hidden.zero_()  # the warm-up reads them: finite values, not whatever the pool held
+                out.best.zero_()
+            self._proposers[(q - 1, b)] = self._capture(lambda: self._propose_forward(q - 1, b, out))
 
     def _capture(self, body: Callable[[], Any]) -> _Entry:
         if not self.capture:

@@ -93,6 +93,21 @@ def verify_greedy(best: list[int], drafts: list[int]) -> tuple[int, list[int]]:
     return a, drafts[:a] + [best[a]]
 
 
+def verify_greedy_rows(
+    best: torch.Tensor, input_ids: torch.Tensor, q: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify_greedy` of ``b`` sequences at once, on the device (no host sync): sequence ``i`` holds
+    rows ``i*q .. i*q + q - 1`` of ``input_ids[b*q]`` (its pending token, then ``q - 1`` drafts) and of the
+    target argmax ``best[b*q]``. Returns ``accepted[b]`` (int64: leading drafts equal to the argmax of the
+    row before them) and ``tokens[b, q]`` = ``best`` per sequence: its emitted tokens are
+    ``tokens[i, :accepted[i] + 1]`` (the accepted drafts equal their argmax, then the corrected / bonus
+    token)."""
+    tokens = best.view(-1, q)
+    match = input_ids.view(-1, q)[:, 1:] == tokens[:, :-1]  # [b, q - 1]
+    accepted = match.long().cumprod(dim=1).sum(dim=1)
+    return accepted, tokens
+
+
 def verify_probs(
     p: torch.Tensor,
     drafts: list[int],
