@@ -203,7 +203,9 @@ def _fp8_triton():
 @pytest.mark.parametrize("shape", list(SHAPES_80B.values()), ids=list(SHAPES_80B))
 def test_linear_plan_decode(m, shape):
     n, k = shape
-    cfg = _fp8_triton().plan(m, n, k, 128, H200_SMS)
+    fp8_triton = _fp8_triton()
+    assert fp8_triton.plan(m, n, k, 128, H200_SMS)["ONE_LAUNCH"] is (m <= fp8_triton.ONE_LAUNCH_MAX_M)
+    cfg = fp8_triton.plan(m, n, k, 128, H200_SMS, {"ONE_LAUNCH": True})
     assert cfg["ONE_LAUNCH"] is True
     rows = cfg["ROWS"]
     assert rows >= max(2, m) and rows & (rows - 1) == 0 and rows < 2 * max(2, m)
@@ -317,15 +319,12 @@ def _linear_case(device, n, k, m, dtype, bias: bool, seed: int = 11):
     ids=list(SHAPES_80B) + ["odd 200x300 bias", "odd 1000x1100 bias"],
 )
 def test_linear_decode_plan_vs_reference(device, n, k, bias, m, dtype):
-    """The default decode plan (one launch) at the 80B shapes and odd ones, against the float64 reference
-    fed the same quantisation (``act_qdq`` and the dequantised weight)."""
+    """The one-launch plan (its default tiles) at the 80B shapes and odd ones, against the float64
+    reference fed the same quantisation (``act_qdq`` and the dequantised weight)."""
     _gpu(device)
     fp8_triton = _fp8_triton()
     x, w_fp8, scale_inv, b = _linear_case(device, n, k, m, dtype, bias)
-    assert fp8_triton.plan(m, n, k, 128, torch.cuda.get_device_properties(device).multi_processor_count)[
-        "ONE_LAUNCH"
-    ]
-    y = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b)
+    y = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, config={"ONE_LAUNCH": True})
     assert y.shape == (m, n) and y.dtype == dtype
     w64 = w_fp8.double() * scale_inv.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
     expected = act_qdq(x).double() @ w64.t() + (b.double() if bias else 0)
@@ -367,17 +366,18 @@ def test_linear_one_launch_bit_equal_three_launch(device, n, k, bias, block_n, s
 @pytest.mark.parametrize("m", DECODE_MS)
 @pytest.mark.parametrize("shape", list(SHAPES_80B.values()), ids=list(SHAPES_80B))
 def test_linear_default_plans_agree(device, shape, m):
-    """The default one-launch plan against the three-launch plan at the 80B shapes (float32): the same
+    """The one-launch plan against the three-launch plan (default tiles each) at the 80B shapes (float32): the same
     quantised operands, so only the float32 summation order differs; repeated calls are bit-equal
     (the split-K reduction order is fixed)."""
     _gpu(device)
     fp8_triton = _fp8_triton()
     n, k = shape
     x, w_fp8, scale_inv, _ = _linear_case(device, n, k, m, torch.float32, False)
-    y1 = fp8_triton.fp8_linear(x, w_fp8, scale_inv)
+    one = {"ONE_LAUNCH": True}
+    y1 = fp8_triton.fp8_linear(x, w_fp8, scale_inv, config=one)
     y3 = fp8_triton.fp8_linear(x, w_fp8, scale_inv, config={"ONE_LAUNCH": False})
     assert_close(y1, y3, TOL[("plans", torch.float32)], f"one launch vs three launches {n}x{k} M={m}")
-    assert torch.equal(fp8_triton.fp8_linear(x, w_fp8, scale_inv), y1), "repeated call differs"
+    assert torch.equal(fp8_triton.fp8_linear(x, w_fp8, scale_inv, config=one), y1), "repeated call differs"
 
 
 def test_linear_decode_split_k_in_cuda_graph(device):

@@ -6,7 +6,7 @@ IEEE division, clamp, round to nearest e4m3. The e4m3 x e4m3 products run on the
 float32 accumulation), each K tile scaled by the token's group scale and the weight block's scale.
 :func:`plan` picks one of three plans from the shapes:
 
-- decode (M <= 64, ``ONE_LAUNCH``): one launch of ``_fp8_linear_decode_kernel``. Program ``(n tile,
+- decode (M <= ``ONE_LAUNCH_MAX_M``, ``ONE_LAUNCH``): one launch of ``_fp8_linear_decode_kernel``. Program ``(n tile,
   k split)`` quantises, in registers, the groups of its own K range for the ``ROWS >= M`` rows only
   (the same formula and operations as ``_act_quant_kernel``, so operands and scales are bit-identical)
   and multiplies them with its ``BLOCK_N``-column weight tiles. Narrow column tiles give the parallelism;
@@ -14,7 +14,7 @@ float32 accumulation), each K tile scaled by the token's group scale and the wei
   atomic ticket (which it returns to 0, so the counters stay zero between launches: CUDA-graph safe)
   sums them in split order (deterministic) and adds the bias. Split-K allocates its partials
   (``torch.empty``) and its tickets (``torch.zeros``: a memset) per call.
-- decode, ``ONE_LAUNCH=False``: ``_act_quant_kernel`` (one program per token), ``_fp8_gemm_kernel`` with
+- decode up to M = 64 otherwise (``ONE_LAUNCH=False``): ``_act_quant_kernel`` (one program per token), ``_fp8_gemm_kernel`` with
   one row tile of ``16 <= BLOCK_M <= 64`` rows and split-K float32 partials ``[SPLIT_K, M, N]``, summed
   in a fixed order by ``_splitk_reduce_kernel`` (deterministic), which also adds the bias.
 - prefill (M > 64): ``_act_quant_kernel``, then ``_fp8_gemm_kernel`` with 64- or 128-row tiles,
@@ -48,6 +48,9 @@ from atom_kernels.ops.fp8.checks import (
 from atom_kernels.ops.fp8.reference import ACT_SCALE_EPS
 
 E4M3 = torch.float8_e4m3fn
+# Largest M whose default plan is the one-launch kernel: each of its programs quantises M x (its K range),
+# so the redundant quantisation grows with M (the one-launch plan runs at any M when asked for)
+ONE_LAUNCH_MAX_M = 16
 
 
 @triton.jit
@@ -264,17 +267,18 @@ def _num_sms(device_index: int) -> int:
 def plan(m: int, n: int, k: int, bk: int, sms: int, config: dict | None = None) -> dict:
     """Launch plan from shapes alone (``sms``: the device's multiprocessor count); ``config`` overrides keys.
 
-    - ``M <= 64`` (decode): ``ONE_LAUNCH`` (``_fp8_linear_decode_kernel``): ``ROWS = max(2, 2^ceil(log2 M))``
-      rows, column tiles of ``BLOCK_N`` (the widest of 64/32/16 giving two programs per SM; at least 64
-      for M > 16, where each program's quantisation work grows with M), split-K over ``SPLIT_K`` programs
-      only where the column tiles leave SMs idle and each split keeps >= 4 K groups.
-    - ``M <= 64`` with ``ONE_LAUNCH=False`` (or ``bk > 256``): the three-launch plan (act quant, GEMM with
-      one row tile of ``16 <= BLOCK_M <= 64`` rows, split-K float32 partials, ``_splitk_reduce_kernel``).
+    - ``M <= ONE_LAUNCH_MAX_M`` (decode; or ``ONE_LAUNCH=True`` at any M): ``_fp8_linear_decode_kernel``,
+      ``ROWS = max(2, 2^ceil(log2 M))`` rows, column tiles of ``BLOCK_N`` (the widest of 64/32/16 giving
+      two programs per SM; at least 64 for M > 16, where each program's quantisation work grows with M),
+      split-K over ``SPLIT_K`` programs only where the column tiles leave SMs idle and each split keeps
+      >= 4 K groups.
+    - other ``M <= 64`` (or ``ONE_LAUNCH=False``, or ``bk > 256``): the three-launch plan (act quant, GEMM
+      with one row tile of ``16 <= BLOCK_M <= 64`` rows, split-K float32 partials, ``_splitk_reduce_kernel``).
     - ``M > 64`` (prefill): act quant, then whole-K tiles of 64 or 128 rows (64-column tiles where 128
       would leave SMs idle), grouped tile order for L2 reuse.
     """
     block_k = min(128, bk)
-    one_launch = m <= 64 and bk <= 256
+    one_launch = m <= ONE_LAUNCH_MAX_M and bk <= 256
     if config and "ONE_LAUNCH" in config:
         one_launch = bool(config["ONE_LAUNCH"])
     if one_launch:
