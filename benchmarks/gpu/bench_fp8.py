@@ -12,7 +12,7 @@ same run on the same weights:
   (the fastest FP8 GEMM torch offers; it refuses 1x128 / 128x128 block scales);
 - ``cuBLAS bf16``: ``x @ w.T`` with the weight in bf16.
 At M <= 64 a sweep of the one-launch plan (``gemm_sweep`` rows: column tile, split-K, warps, stages,
-each row the one-launch plan's default tiles with the keys shown replaced) is timed too, and
+weight-as-left-operand, each row the one-launch plan's default tiles with the keys shown replaced) is timed too, and
 ``decode_best`` in the JSON (printed at the end) gives, per shape and M, the fastest one-launch config
 beside the one-launch defaults, the three-launch plan and cuBLAS. MoE (``moe_experts_fp8``, 512 experts top-10, H=2048, I=512) against our bf16 fused MoE on the
 same routing. Every case is first checked against the float32 reference (max abs error stored); sweep
@@ -52,7 +52,8 @@ MOE_TOKENS = [1, 8, 64, 256, 4096]
 DECODE_SWEEP = (  # replaced keys of the default one-launch plan
     [dict(BLOCK_N=bn, SPLIT_K=1) for bn in (16, 32, 64, 128)]
     + [dict(BLOCK_N=bn, SPLIT_K=sk) for bn in (16, 32, 64, 128) for sk in (2, 4)]
-    + [dict(num_warps=2), dict(num_warps=8), dict(num_stages=3), dict(num_stages=6)]
+    + [dict(SWAP_AB=sw, BLOCK_N=bn, SPLIT_K=1) for sw in (False, True) for bn in (32, 64)]
+    + [dict(num_warps=2), dict(num_warps=4), dict(num_warps=8), dict(num_stages=3), dict(num_stages=6)]
 )
 SWEEP = {  # tile alternatives to fp8 triton.plan at prefill sizes, timed in the same run
     256: [dict(BLOCK_N=128), dict(BLOCK_N=64), dict(BLOCK_M=128, num_warps=8)],
@@ -141,11 +142,12 @@ def gemm_rows(ceil, device, quick: bool, decode_only: bool) -> tuple[list[dict],
                     times[impl] = _time(rows, fn, bench="gemm", case=case, impl=impl, nbytes=nbytes,
                                         **common_kw, **extra)  # fmt: skip
                 sweep = DECODE_SWEEP if m <= 64 else SWEEP.get(m, [])
-                swept = []
+                swept, seen = [], [one]
                 for cfg in [] if quick else sweep:
                     full = {**(one if m <= 64 else default), **cfg}
-                    if full == one and m <= 64:
+                    if m <= 64 and full in seen:
                         continue
+                    seen.append(full)
                     try:
                         f2 = lambda full=full: fp8_triton.fp8_linear(x, wq, ws, config=full)  # noqa: E731
                         e2 = (f2().float() - got.float()).abs().max().item()

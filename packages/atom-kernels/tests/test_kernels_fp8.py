@@ -210,6 +210,7 @@ def test_linear_plan_decode(m, shape):
     rows = cfg["ROWS"]
     assert rows >= max(2, m) and rows & (rows - 1) == 0 and rows < 2 * max(2, m)
     assert cfg["BLOCK_N"] in (16, 32, 64) and (m <= 16 or cfg["BLOCK_N"] >= 64)
+    assert cfg["SWAP_AB"] is (rows <= 8) and (not cfg["SWAP_AB"] or cfg["BLOCK_N"] >= 32)
     tiles = -(-n // cfg["BLOCK_N"])
     assert 1 <= cfg["SPLIT_K"] <= max(1, (k // 128) // 4)
     if cfg["SPLIT_K"] > 1:  # split only where the column tiles leave SMs idle
@@ -220,9 +221,10 @@ def test_linear_plan_selection():
     plan = _fp8_triton().plan
     # qkvz at M = 1: 384 column tiles of 32, no split-K
     assert plan(1, 12288, 2048, 128, H200_SMS) == dict(
-        ONE_LAUNCH=True, ROWS=2, BLOCK_N=32, SPLIT_K=1, num_warps=4, num_stages=4
+        ONE_LAUNCH=True, ROWS=2, BLOCK_N=32, SPLIT_K=1, SWAP_AB=True, num_warps=2, num_stages=4
     )
-    # k/v at M = 1: 32 tiles of 16 leave SMs idle -> 4 splits of 4 groups
+    assert plan(16, 12288, 2048, 128, H200_SMS)["SWAP_AB"] is False  # 16+ rows: keep the mma tiles
+    # k/v at M = 1: 16 tiles of 32 leave SMs idle -> 4 splits of 4 groups
     assert plan(1, 512, 2048, 128, H200_SMS)["SPLIT_K"] == 4
     # prefill keeps the three-launch plans
     big = plan(4096, 12288, 2048, 128, H200_SMS)
@@ -241,7 +243,7 @@ def test_linear_plan_selection():
 def test_linear_decode_rows_checked():
     fp8_triton = _fp8_triton()
     x, w, s = torch.zeros(3, 256), torch.zeros(64, 256).to(E4M3), torch.ones(1, 2)
-    cfg = dict(ONE_LAUNCH=True, ROWS=2, BLOCK_N=32, SPLIT_K=1, num_warps=4, num_stages=4)
+    cfg = dict(ONE_LAUNCH=True, ROWS=2, BLOCK_N=32, SPLIT_K=1, SWAP_AB=False, num_warps=4, num_stages=4)
     with pytest.raises(ValueError, match=r"ROWS=2 must be a power of two >= M=3"):
         fp8_triton._launch_decode(x, w, s, (128, 128), None, cfg)
 
@@ -256,10 +258,15 @@ def _sm90_compiler():
 
 
 @pytest.mark.parametrize(
-    "rows, block_n, split, even_k, bias",
-    [(2, 32, False, True, False), (4, 16, True, False, True), (64, 64, True, True, False)],
+    "rows, block_n, split, even_k, bias, swap",
+    [
+        (2, 32, False, True, False, True),
+        (4, 16, True, False, True, False),
+        (8, 64, True, False, True, True),
+        (64, 64, True, True, False, False),
+    ],
 )
-def test_linear_decode_kernel_compiles_for_sm90(rows, block_n, split, even_k, bias):
+def test_linear_decode_kernel_compiles_for_sm90(rows, block_n, split, even_k, bias, swap):
     """The one-launch kernel through Triton's whole NVIDIA pipeline (TTIR -> cubin) for sm_90, no GPU
     needed: catches type and layout errors that only a GPU run would otherwise show."""
     ast_source, gpu_target = _sm90_compiler()
@@ -267,8 +274,8 @@ def test_linear_decode_kernel_compiles_for_sm90(rows, block_n, split, even_k, bi
     sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", y_ptr="*bf16", bias_ptr="*bf16",
                part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32",
                stride_wn="i32", stride_wsn="i32", stride_ym="i32", GROUPS_PER_SPLIT="i32", SPLIT_K="i32")  # fmt: skip
-    consts = dict(EPS=1e-10, FMAX=448.0, BN_Q=128, GROUP=128, ROWS=rows, BLOCK_N=block_n, EVEN_K=even_k,
-                  SPLIT=split, HAS_BIAS=bias)  # fmt: skip
+    consts = dict(EPS=1e-10, FMAX=448.0, BN_Q=128, GROUP=128, ROWS=rows, BLOCK_N=block_n, SWAP_AB=swap,
+                  EVEN_K=even_k, SPLIT=split, HAS_BIAS=bias)  # fmt: skip
     src = ast_source(
         fp8_triton._fp8_linear_decode_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
     )
@@ -335,7 +342,8 @@ def test_linear_decode_plan_vs_reference(device, n, k, bias, m, dtype):
 def _matched(block_n: int, split: int) -> tuple[dict, dict]:
     """The two plans with the same tiles (16-row tensor-core tiles, one 128-channel group per K tile,
     the same split-K partition): their outputs must agree bit for bit."""
-    one = dict(ONE_LAUNCH=True, ROWS=16, BLOCK_N=block_n, SPLIT_K=split, num_warps=4, num_stages=4)
+    one = dict(ONE_LAUNCH=True, ROWS=16, BLOCK_N=block_n, SPLIT_K=split, SWAP_AB=False, num_warps=4,
+               num_stages=4)  # fmt: skip
     three = dict(ONE_LAUNCH=False, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, SPLIT_K=split,
                  num_warps=4, num_stages=4)  # fmt: skip
     return one, three
@@ -385,7 +393,7 @@ def test_linear_decode_split_k_in_cuda_graph(device):
     _gpu(device)
     fp8_triton = _fp8_triton()
     x, w_fp8, scale_inv, b = _linear_case(device, 512, 2048, 2, torch.bfloat16, True)
-    cfg = dict(ONE_LAUNCH=True, ROWS=2, BLOCK_N=16, SPLIT_K=4, num_warps=4, num_stages=4)
+    cfg = dict(ONE_LAUNCH=True, ROWS=2, BLOCK_N=16, SPLIT_K=4, SWAP_AB=True, num_warps=4, num_stages=4)
     eager = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, config=cfg)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -143,14 +143,17 @@ def _fp8_linear_decode_kernel(
     x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, M, N, K,
     stride_xm, stride_wn, stride_wsn, stride_ym, GROUPS_PER_SPLIT, SPLIT_K,
     EPS: tl.constexpr, FMAX: tl.constexpr, BN_Q: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     """``y[:M, n-tile] = x @ w.T`` for decode-sized ``M <= ROWS``; program ``(pid_n, pid_k)``
     covers ``BLOCK_N`` columns and K groups ``[pid_k * GROUPS_PER_SPLIT, ...)`` of ``GROUP`` channels.
 
     Each group of the program's K range is quantised here, for the ``ROWS`` rows only, with
     ``_act_quant_kernel``'s formula (bit-identical operands and scales; rows ``>= M`` are masked), and
-    multiplied on the tensor cores (8-bit ``tl.dot`` takes any row count). SPLIT: float32 partials
+    multiplied on the tensor cores (8-bit ``tl.dot`` takes any row count). SWAP_AB: the weight tile is
+    the left operand (``w_tile @ q.T``; a 16-row instruction then covers 16 weight rows, not the few
+    token rows); the products and their order per K tile are unchanged. SPLIT: float32 partials
     ``part[pid_k, M, N]``; the last program of a column tile to arrive (``count[pid_n]`` ticket, which it
     resets to 0) sums them in split order, adds the bias and writes ``y``."""
     pid_n = tl.program_id(0)
@@ -162,26 +165,46 @@ def _fp8_linear_decode_kernel(
     n_ok = offs_n < N
     g0 = pid_k * GROUPS_PER_SPLIT
     g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, tl.cdiv(K, GROUP))
-    x_ptrs = x_ptr + offs_r[:, None].to(tl.int64) * stride_xm + offs_g[None, :]
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_g[:, None]
     ws_ptrs = ws_ptr + (offs_n // BN_Q).to(tl.int64) * stride_wsn
-    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    for g in range(g0, g1):
-        k0 = g * GROUP
-        if EVEN_K:
-            x = tl.load(x_ptrs + k0, mask=r_ok[:, None], other=0.0).to(tl.float32)
-            b = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = (k0 + offs_g) < K
-            x = tl.load(x_ptrs + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            b = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        a_s = tl.maximum(tl.max(tl.abs(x), 1), EPS) / FMAX
-        # div_rn(+-0, s) is +-0: zeros (masked rows, the K tail) skip the division's slow path
-        nz = x != 0.0
-        a = tl.where(nz, tl.math.div_rn(tl.where(nz, x, 1.0), a_s[:, None]), x)
-        a = tl.minimum(tl.maximum(a, -FMAX), FMAX).to(tl.float8e4nv)
-        b_s = tl.load(ws_ptrs + g, mask=n_ok, other=0.0)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    if SWAP_AB:  # y.T tile = w tile @ q.T: the weight is the [BLOCK_N, GROUP] left operand
+        x_ptrs = x_ptr + offs_r[None, :].to(tl.int64) * stride_xm + offs_g[:, None]
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_g[None, :]
+        acc_t = tl.zeros([BLOCK_N, ROWS], tl.float32)
+        for g in range(g0, g1):
+            k0 = g * GROUP
+            if EVEN_K:
+                x = tl.load(x_ptrs + k0, mask=r_ok[None, :], other=0.0).to(tl.float32)
+                b = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = (k0 + offs_g) < K
+                x = tl.load(x_ptrs + k0, mask=k_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+                b = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            a_s = tl.maximum(tl.max(tl.abs(x), 0), EPS) / FMAX
+            nz = x != 0.0  # div_rn(+-0, s) is +-0: zeros skip the division's slow path
+            a = tl.where(nz, tl.math.div_rn(tl.where(nz, x, 1.0), a_s[None, :]), x)
+            a = tl.minimum(tl.maximum(a, -FMAX), FMAX).to(tl.float8e4nv)
+            b_s = tl.load(ws_ptrs + g, mask=n_ok, other=0.0)
+            acc_t += tl.dot(b, a) * a_s[None, :] * b_s[:, None]
+        acc = tl.trans(acc_t)
+    else:
+        x_ptrs = x_ptr + offs_r[:, None].to(tl.int64) * stride_xm + offs_g[None, :]
+        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_g[:, None]
+        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        for g in range(g0, g1):
+            k0 = g * GROUP
+            if EVEN_K:
+                x = tl.load(x_ptrs + k0, mask=r_ok[:, None], other=0.0).to(tl.float32)
+                b = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = (k0 + offs_g) < K
+                x = tl.load(x_ptrs + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                b = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            a_s = tl.maximum(tl.max(tl.abs(x), 1), EPS) / FMAX
+            nz = x != 0.0  # div_rn(+-0, s) is +-0: zeros skip the division's slow path
+            a = tl.where(nz, tl.math.div_rn(tl.where(nz, x, 1.0), a_s[:, None]), x)
+            a = tl.minimum(tl.maximum(a, -FMAX), FMAX).to(tl.float8e4nv)
+            b_s = tl.load(ws_ptrs + g, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
     mask = r_ok[:, None] & n_ok[None, :]
     out = offs_r[:, None].to(tl.int64) * N + offs_n[None, :]
     if SPLIT:
@@ -268,10 +291,13 @@ def plan(m: int, n: int, k: int, bk: int, sms: int, config: dict | None = None) 
     """Launch plan from shapes alone (``sms``: the device's multiprocessor count); ``config`` overrides keys.
 
     - ``M <= ONE_LAUNCH_MAX_M`` (decode; or ``ONE_LAUNCH=True`` at any M): ``_fp8_linear_decode_kernel``,
-      ``ROWS = max(2, 2^ceil(log2 M))`` rows, column tiles of ``BLOCK_N`` (the widest of 64/32/16 giving
-      two programs per SM; at least 64 for M > 16, where each program's quantisation work grows with M),
-      split-K over ``SPLIT_K`` programs only where the column tiles leave SMs idle and each split keeps
-      >= 4 K groups.
+      ``ROWS = max(2, 2^ceil(log2 M))`` rows; up to 8 rows ``SWAP_AB`` (the weight tile is the left
+      operand: each 16-row tensor-core instruction covers 16 weight rows) with 2 warps and column tiles
+      of 64 or 32, at 16+ rows (where the swapped dot would take Hopper's ``wgmma``, whose fp8
+      accumulation differs from the three-launch plan's) 4 warps and tiles of 64, 32 or 16 (at least 64
+      for M > 16: each program's quantisation work grows with M); the widest tile that gives two programs
+      per SM; split-K over ``SPLIT_K`` programs only where the column tiles leave SMs idle and each split
+      keeps >= 4 K groups.
     - other ``M <= 64`` (or ``ONE_LAUNCH=False``, or ``bk > 256``): the three-launch plan (act quant, GEMM
       with one row tile of ``16 <= BLOCK_M <= 64`` rows, split-K float32 partials, ``_splitk_reduce_kernel``).
     - ``M > 64`` (prefill): act quant, then whole-K tiles of 64 or 128 rows (64-column tiles where 128
@@ -282,11 +308,13 @@ def plan(m: int, n: int, k: int, bk: int, sms: int, config: dict | None = None) 
     if config and "ONE_LAUNCH" in config:
         one_launch = bool(config["ONE_LAUNCH"])
     if one_launch:
-        min_bn = 16 if m <= 16 else 64
+        rows = max(2, triton.next_power_of_2(m))
+        swap = rows <= 8
+        min_bn = 32 if swap else (16 if m <= 16 else 64)
         block_n = next((b for b in (64, 32) if b >= min_bn and triton.cdiv(n, b) >= 2 * sms), min_bn)
         split = max(1, min(triton.cdiv(k, bk) // 4, sms // triton.cdiv(n, block_n)))
-        cfg = dict(ONE_LAUNCH=True, ROWS=max(2, triton.next_power_of_2(m)), BLOCK_N=block_n, SPLIT_K=split,
-                   num_warps=4, num_stages=4)  # fmt: skip
+        cfg = dict(ONE_LAUNCH=True, ROWS=rows, BLOCK_N=block_n, SPLIT_K=split, SWAP_AB=swap,
+                   num_warps=2 if swap else 4, num_stages=4)  # fmt: skip
         cfg.update(config or {})
         return cfg
     if m <= 64:
@@ -379,7 +407,7 @@ def _launch_decode(x, w, w_scales, block, bias, cfg) -> torch.Tensor:
         count_ptr=count, M=m, N=n, K=k, stride_xm=x.stride(0), stride_wn=w.stride(0),
         stride_wsn=w_scales.stride(0), stride_ym=out.stride(0), GROUPS_PER_SPLIT=per, SPLIT_K=split,
         EPS=ACT_SCALE_EPS, FMAX=FP8_MAX, BN_Q=bn, GROUP=bk, ROWS=rows, BLOCK_N=cfg["BLOCK_N"],
-        EVEN_K=k % bk == 0, SPLIT=split > 1, HAS_BIAS=has_bias, num_warps=cfg["num_warps"],
+        SWAP_AB=cfg["SWAP_AB"], EVEN_K=k % bk == 0, SPLIT=split > 1, HAS_BIAS=has_bias, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
