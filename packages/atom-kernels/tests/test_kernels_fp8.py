@@ -273,7 +273,8 @@ def test_linear_decode_kernel_compiles_for_sm90(rows, block_n, split, even_k, bi
     fp8_triton = _fp8_triton()
     sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", y_ptr="*bf16", bias_ptr="*bf16",
                part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32",
-               stride_wn="i32", stride_wsn="i32", stride_ym="i32", GROUPS_PER_SPLIT="i32", SPLIT_K="i32")  # fmt: skip
+               stride_wn="i32", stride_wsn="i32", stride_ym="i32", GROUPS_PER_SPLIT="i32",
+               SPLIT_K="i32")  # fmt: skip
     consts = dict(EPS=1e-10, FMAX=448.0, BN_Q=128, GROUP=128, ROWS=rows, BLOCK_N=block_n, SWAP_AB=swap,
                   EVEN_K=even_k, SPLIT=split, HAS_BIAS=bias)  # fmt: skip
     src = ast_source(
@@ -373,8 +374,8 @@ def test_linear_one_launch_bit_equal_three_launch(device, n, k, bias, block_n, s
 @pytest.mark.parametrize("m", DECODE_MS)
 @pytest.mark.parametrize("shape", list(SHAPES_80B.values()), ids=list(SHAPES_80B))
 def test_linear_default_plans_agree(device, shape, m):
-    """The one-launch plan against the three-launch plan (default tiles each) at the 80B shapes (float32): the same
-    quantised operands, so only the float32 summation order differs; repeated calls are bit-equal
+    """The one-launch plan against the three-launch plan (default tiles each) at the 80B shapes (float32):
+    the same quantised operands, so only the float32 summation order differs; repeated calls are bit-equal
     (the split-K reduction order is fixed)."""
     _gpu(device)
     fp8_triton = _fp8_triton()

@@ -6,17 +6,18 @@ IEEE division, clamp, round to nearest e4m3. The e4m3 x e4m3 products run on the
 float32 accumulation), each K tile scaled by the token's group scale and the weight block's scale.
 :func:`plan` picks one of three plans from the shapes:
 
-- decode (M <= ``ONE_LAUNCH_MAX_M``, ``ONE_LAUNCH``): one launch of ``_fp8_linear_decode_kernel``. Program ``(n tile,
-  k split)`` quantises, in registers, the groups of its own K range for the ``ROWS >= M`` rows only
-  (the same formula and operations as ``_act_quant_kernel``, so operands and scales are bit-identical)
+- decode (M <= ``ONE_LAUNCH_MAX_M``, ``ONE_LAUNCH``): one launch of ``_fp8_linear_decode_kernel``. Program
+  ``(n tile, k split)`` quantises, in registers, the groups of its own K range for the ``ROWS >= M`` rows
+  only (the same formula and operations as ``_act_quant_kernel``, so operands and scales are bit-identical)
   and multiplies them with its ``BLOCK_N``-column weight tiles. Narrow column tiles give the parallelism;
   where they leave SMs idle, split-K: float32 partials, and the last program of a column tile to take an
-  atomic ticket (which it returns to 0, so the counters stay zero between launches: CUDA-graph safe)
-  sums them in split order (deterministic) and adds the bias. Split-K allocates its partials
-  (``torch.empty``) and its tickets (``torch.zeros``: a memset) per call.
-- decode up to M = 64 otherwise (``ONE_LAUNCH=False``): ``_act_quant_kernel`` (one program per token), ``_fp8_gemm_kernel`` with
-  one row tile of ``16 <= BLOCK_M <= 64`` rows and split-K float32 partials ``[SPLIT_K, M, N]``, summed
-  in a fixed order by ``_splitk_reduce_kernel`` (deterministic), which also adds the bias.
+  atomic ticket (which it returns to 0, so the counters stay zero between launches: CUDA-graph safe) sums
+  them in split order (deterministic) and adds the bias. Split-K allocates its partials (``torch.empty``)
+  and its tickets (``torch.zeros``: a memset) per call.
+- decode up to M = 64 otherwise (``ONE_LAUNCH=False``): ``_act_quant_kernel`` (one program per token),
+  ``_fp8_gemm_kernel`` with one row tile of ``16 <= BLOCK_M <= 64`` rows and split-K float32 partials
+  ``[SPLIT_K, M, N]``, summed in a fixed order by ``_splitk_reduce_kernel`` (deterministic), which also adds
+  the bias.
 - prefill (M > 64): ``_act_quant_kernel``, then ``_fp8_gemm_kernel`` with 64- or 128-row tiles,
   128-column tiles, grouped tile order for L2 reuse; ``BLOCK_K`` divides the scale block ``bk``.
 
@@ -382,7 +383,8 @@ def _launch_gemm(a, a_scales, w, w_scales, block, out_dtype, bias, cfg) -> torch
 
 
 def _launch_decode(x, w, w_scales, block, bias, cfg) -> torch.Tensor:
-    """One launch of ``_fp8_linear_decode_kernel`` for ``x [M, K]`` (unit last stride), ``M <= cfg["ROWS"]``."""
+    """One launch of ``_fp8_linear_decode_kernel``: ``x [M, K]`` (unit last stride, ``M <= cfg["ROWS"]``)
+    x ``w [N, K]`` e4m3 with float32 block scales -> ``[M, N]`` in x.dtype."""
     m, k = x.shape
     n = w.shape[0]
     bn, bk = block
@@ -407,8 +409,8 @@ def _launch_decode(x, w, w_scales, block, bias, cfg) -> torch.Tensor:
         count_ptr=count, M=m, N=n, K=k, stride_xm=x.stride(0), stride_wn=w.stride(0),
         stride_wsn=w_scales.stride(0), stride_ym=out.stride(0), GROUPS_PER_SPLIT=per, SPLIT_K=split,
         EPS=ACT_SCALE_EPS, FMAX=FP8_MAX, BN_Q=bn, GROUP=bk, ROWS=rows, BLOCK_N=cfg["BLOCK_N"],
-        SWAP_AB=cfg["SWAP_AB"], EVEN_K=k % bk == 0, SPLIT=split > 1, HAS_BIAS=has_bias, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        SWAP_AB=cfg["SWAP_AB"], EVEN_K=k % bk == 0, SPLIT=split > 1, HAS_BIAS=has_bias,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
 
