@@ -145,13 +145,16 @@ def ceilings(out: Path, device: torch.device | None = None) -> dict[str, float]:
 
 
 def bench_setup(
-    doc: str, quick_help: str | None = None
+    doc: str, quick_help: str | None = None, flags: Sequence[tuple[str, str]] = ()
 ) -> tuple[argparse.Namespace, Path, torch.device, dict[str, float]]:
-    """The prologue of a benchmark's ``main()``: parse ``--out`` / ``--quick`` (description: the first line
-    of ``doc``), then the output folder, the CUDA device and this run's ceilings."""
+    """The prologue of a benchmark's ``main()``: parse ``--out`` / ``--quick`` and the script's own
+    on/off ``flags`` (``(name, help)`` pairs; description: the first line of ``doc``), then the output
+    folder, the CUDA device and this run's ceilings."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help=quick_help)
+    for name, help_text in flags:
+        ap.add_argument(name, action="store_true", help=help_text)
     args = ap.parse_args()
     out = out_dir(args.out)
     device = require_cuda()

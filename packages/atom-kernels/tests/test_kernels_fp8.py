@@ -1,6 +1,10 @@
-"""FP8 e4m3: block dequant round trip, activation quant, block-scaled linear, KV quant."""
+"""FP8 e4m3: block dequant round trip, activation quant, block-scaled linear, KV quant; the Triton
+linear's launch plans (selection on CPU, sm_90 compilation where Triton's ptxas is present, conformance
+and plan-against-plan equality on a GPU)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -31,6 +35,9 @@ TOL = {
     ("linear", torch.float32, "triton"): (2e-3, 1e-3),
     ("linear", torch.bfloat16): (2e-2, 1e-2),  # measured 1.5e-02 (rel 2.9e-03: bf16 output rounding)
     ("kv", torch.float32): (0.05 * 2**-10, 2**-4),  # measured 1.6e-01 (rel 4.7e-02)
+    # one-launch vs three-launch plan, same quantised operands: float32 summation order only (split-K
+    # partitions differ); bound 32 partial sums * 2^-24 * |y| <= 5 ~ 1e-5; not yet measured on a GPU
+    ("plans", torch.float32): (2e-5, 1e-5),
 }
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -168,3 +175,232 @@ def test_bad_inputs(impl, device):
         quant(torch.randn(4, 300, device=device), 0)
     with pytest.raises(ValueError, match="scale must be a positive number"):
         kvq(torch.randn(4, device=device), -1.0)
+
+
+# --- Triton fp8_linear launch plans -------------------------------------------------------------------
+# (N, K) of the Qwen3-Next-80B-A3B FP8 checkpoint's block-quantised dense projections
+# (tests/data/qwen3-next-80b-a3b-instruct-fp8.json: hidden 2048, 16 + 16 key / 32 value GDN heads of 128,
+# 16 query / 2 KV attention heads of 256 with an output gate, shared expert intermediate 512)
+SHAPES_80B = {
+    "gdn in_proj_qkvz": (12288, 2048),
+    "gdn out_proj / attn o_proj": (2048, 4096),
+    "attn q_proj (query + gate)": (8192, 2048),
+    "attn k_proj / v_proj": (512, 2048),
+    "shared expert gate_up": (1024, 2048),
+    "shared expert down": (2048, 512),
+}
+DECODE_MS = [1, 2, 8, 16, 64]
+H200_SMS = 132
+
+
+def _fp8_triton():
+    from atom_kernels.ops.fp8 import triton as fp8_triton
+
+    return fp8_triton
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 17, 33, 64])
+@pytest.mark.parametrize("shape", list(SHAPES_80B.values()), ids=list(SHAPES_80B))
+def test_linear_plan_decode(m, shape):
+    n, k = shape
+    fp8_triton = _fp8_triton()
+    assert fp8_triton.plan(m, n, k, 128, H200_SMS)["ONE_LAUNCH"] is (m <= fp8_triton.ONE_LAUNCH_MAX_M)
+    cfg = fp8_triton.plan(m, n, k, 128, H200_SMS, {"ONE_LAUNCH": True})
+    assert cfg["ONE_LAUNCH"] is True
+    rows = cfg["ROWS"]
+    assert rows >= max(2, m) and rows & (rows - 1) == 0 and rows < 2 * max(2, m)
+    assert cfg["BLOCK_N"] in (16, 32, 64) and (m <= 16 or cfg["BLOCK_N"] >= 64)
+    assert cfg["SWAP_AB"] is (rows <= 8) and (not cfg["SWAP_AB"] or cfg["BLOCK_N"] >= 32)
+    tiles = -(-n // cfg["BLOCK_N"])
+    assert 1 <= cfg["SPLIT_K"] <= max(1, (k // 128) // 4)
+    if cfg["SPLIT_K"] > 1:  # split only where the column tiles leave SMs idle
+        assert tiles * cfg["SPLIT_K"] <= H200_SMS
+
+
+def test_linear_plan_selection():
+    plan = _fp8_triton().plan
+    # qkvz at M = 1: 384 column tiles of 32, no split-K
+    assert plan(1, 12288, 2048, 128, H200_SMS) == dict(
+        ONE_LAUNCH=True, ROWS=2, BLOCK_N=32, SPLIT_K=1, SWAP_AB=True, num_warps=2, num_stages=4
+    )
+    assert plan(16, 12288, 2048, 128, H200_SMS)["SWAP_AB"] is False  # 16+ rows: keep the mma tiles
+    # k/v at M = 1: 16 tiles of 32 leave SMs idle -> 4 splits of 4 groups
+    assert plan(1, 512, 2048, 128, H200_SMS)["SPLIT_K"] == 4
+    # prefill keeps the three-launch plans
+    big = plan(4096, 12288, 2048, 128, H200_SMS)
+    assert big["ONE_LAUNCH"] is False and (big["BLOCK_M"], big["BLOCK_N"], big["num_warps"]) == (128, 128, 8)
+    mid = plan(256, 2048, 4096, 128, H200_SMS)
+    assert mid["ONE_LAUNCH"] is False and mid["BLOCK_M"] == 64
+    # the three-launch decode plan on request, and for scale blocks wider than 256 channels
+    three = plan(8, 12288, 2048, 128, H200_SMS, {"ONE_LAUNCH": False})
+    assert three["ONE_LAUNCH"] is False and three["BLOCK_M"] == 16 and three["BLOCK_K"] == 128
+    assert plan(8, 12288, 2048, 512, H200_SMS)["ONE_LAUNCH"] is False
+    # overrides replace single keys
+    cfg = plan(2, 12288, 2048, 128, H200_SMS, {"BLOCK_N": 64, "num_stages": 6})
+    assert (cfg["ONE_LAUNCH"], cfg["ROWS"], cfg["BLOCK_N"], cfg["num_stages"]) == (True, 2, 64, 6)
+
+
+def test_linear_decode_rows_checked():
+    fp8_triton = _fp8_triton()
+    x, w, s = torch.zeros(3, 256), torch.zeros(64, 256).to(E4M3), torch.ones(1, 2)
+    cfg = dict(ONE_LAUNCH=True, ROWS=2, BLOCK_N=32, SPLIT_K=1, SWAP_AB=False, num_warps=4, num_stages=4)
+    with pytest.raises(ValueError, match=r"ROWS=2 must be a power of two >= M=3"):
+        fp8_triton._launch_decode(x, w, s, (128, 128), None, cfg)
+
+
+def _sm90_compiler():
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as exc:
+        pytest.skip(f"Triton's compiler API is not importable here: {exc}")
+    return ASTSource, GPUTarget
+
+
+@pytest.mark.parametrize(
+    "rows, block_n, split, even_k, bias, swap",
+    [
+        (2, 32, False, True, False, True),
+        (4, 16, True, False, True, False),
+        (8, 64, True, False, True, True),
+        (64, 64, True, True, False, False),
+    ],
+)
+def test_linear_decode_kernel_compiles_for_sm90(rows, block_n, split, even_k, bias, swap):
+    """The one-launch kernel through Triton's whole NVIDIA pipeline (TTIR -> cubin) for sm_90, no GPU
+    needed: catches type and layout errors that only a GPU run would otherwise show."""
+    ast_source, gpu_target = _sm90_compiler()
+    fp8_triton = _fp8_triton()
+    sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", y_ptr="*bf16", bias_ptr="*bf16",
+               part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32",
+               stride_wn="i32", stride_wsn="i32", stride_ym="i32", GROUPS_PER_SPLIT="i32",
+               SPLIT_K="i32")  # fmt: skip
+    consts = dict(EPS=1e-10, FMAX=448.0, BN_Q=128, GROUP=128, ROWS=rows, BLOCK_N=block_n, SWAP_AB=swap,
+                  EVEN_K=even_k, SPLIT=split, HAS_BIAS=bias)  # fmt: skip
+    src = ast_source(
+        fp8_triton._fp8_linear_decode_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
+    )
+    import triton
+
+    try:
+        kernel = triton.compile(
+            src, target=gpu_target("cuda", 90, 32), options=dict(num_warps=4, num_stages=4)
+        )
+    except (RuntimeError, FileNotFoundError) as exc:
+        if "ptxas" not in str(exc):
+            raise
+        pytest.skip(f"no usable ptxas for sm_90 here: {exc}")
+    assert kernel.asm["cubin"], "no cubin"
+    assert ("atom.global.gpu.acq_rel.add" in kernel.asm["ptx"]) == split, "split-K ticket"
+
+
+def _gpu(device: torch.device) -> None:
+    if device.type != "cuda":
+        pytest.skip("the Triton FP8 kernels run on a GPU only (Triton's CPU interpreter flushes e4m3 "
+                    "subnormals and does not saturate): run with --device cuda")  # fmt: skip
+
+
+@functools.cache
+def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` e4m3 weight with 128 x 128 block scales (CPU; cached across the M cases)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * k**-0.5
+    bn = -(-n // 128)
+    bk = -(-k // 128)
+    t = torch.nn.functional.pad(w, (0, bk * 128 - k, 0, bn * 128 - n)).reshape(bn, 128, bk, 128)
+    s = t.abs().amax((1, 3)).clamp(min=1e-12) / 448.0
+    q = (t / s[:, None, :, None]).reshape(bn * 128, bk * 128)[:n, :k].to(E4M3)
+    return q, s
+
+
+def _linear_case(device, n, k, m, dtype, bias: bool, seed: int = 11):
+    w_fp8, scale_inv = (t.to(device) for t in _weight(n, k, seed))
+    x = randn(m, k, seed=seed + 1, dtype=dtype, device=device)
+    b = randn(n, seed=seed + 2, dtype=dtype, device=device) if bias else None
+    return x, w_fp8, scale_inv, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", DECODE_MS)
+@pytest.mark.parametrize(
+    "n, k, bias",
+    [(*s, False) for s in SHAPES_80B.values()] + [(200, 300, True), (1000, 1100, True)],
+    ids=list(SHAPES_80B) + ["odd 200x300 bias", "odd 1000x1100 bias"],
+)
+def test_linear_decode_plan_vs_reference(device, n, k, bias, m, dtype):
+    """The one-launch plan (its default tiles) at the 80B shapes and odd ones, against the float64
+    reference fed the same quantisation (``act_qdq`` and the dequantised weight)."""
+    _gpu(device)
+    fp8_triton = _fp8_triton()
+    x, w_fp8, scale_inv, b = _linear_case(device, n, k, m, dtype, bias)
+    y = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, config={"ONE_LAUNCH": True})
+    assert y.shape == (m, n) and y.dtype == dtype
+    w64 = w_fp8.double() * scale_inv.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    expected = act_qdq(x).double() @ w64.t() + (b.double() if bias else 0)
+    key = ("linear", dtype, "triton") if ("linear", dtype, "triton") in TOL else ("linear", dtype)
+    assert_close(y, expected, TOL[key], f"fp8_linear one launch {n}x{k} M={m} {dtype} bias={bias}")
+
+
+def _matched(block_n: int, split: int) -> tuple[dict, dict]:
+    """The two plans with the same tiles (16-row tensor-core tiles, one 128-channel group per K tile,
+    the same split-K partition): their outputs must agree bit for bit."""
+    one = dict(ONE_LAUNCH=True, ROWS=16, BLOCK_N=block_n, SPLIT_K=split, SWAP_AB=False, num_warps=4,
+               num_stages=4)  # fmt: skip
+    three = dict(ONE_LAUNCH=False, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, SPLIT_K=split,
+                 num_warps=4, num_stages=4)  # fmt: skip
+    return one, three
+
+
+@pytest.mark.parametrize("m", [1, 2, 8, 16])
+@pytest.mark.parametrize(
+    "n, k, bias, block_n, split",
+    [(2048, 4096, False, 32, 1), (512, 2048, True, 16, 4), (1000, 1100, True, 32, 3)],
+    ids=["out_proj", "kv split-K bias", "odd split-K bias"],
+)
+def test_linear_one_launch_bit_equal_three_launch(device, n, k, bias, block_n, split, m):
+    """Same tiles and split-K partition in both plans: the in-kernel quantisation must give the operands
+    and scales of ``_act_quant_kernel`` bit for bit, so the outputs are equal (float32, no tolerance)."""
+    _gpu(device)
+    fp8_triton = _fp8_triton()
+    x, w_fp8, scale_inv, b = _linear_case(device, n, k, m, torch.float32, bias)
+    x[0, :128] = 0.0  # an all-zero group (scale floor) and zeros that skip the division
+    x[-1, 5] = 3e4  # one large value: the rest of its group quantises near zero, subnormals included
+    one, three = _matched(block_n, split)
+    y1 = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, config=one)
+    y3 = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, config=three)
+    diff = (y1 - y3).abs().max().item()
+    assert torch.equal(y1, y3), f"one launch != three launches (max |diff| {diff:.3e}) {n}x{k} M={m}"
+
+
+@pytest.mark.parametrize("m", DECODE_MS)
+@pytest.mark.parametrize("shape", list(SHAPES_80B.values()), ids=list(SHAPES_80B))
+def test_linear_default_plans_agree(device, shape, m):
+    """The one-launch plan against the three-launch plan (default tiles each) at the 80B shapes (float32):
+    the same quantised operands, so only the float32 summation order differs; repeated calls are bit-equal
+    (the split-K reduction order is fixed)."""
+    _gpu(device)
+    fp8_triton = _fp8_triton()
+    n, k = shape
+    x, w_fp8, scale_inv, _ = _linear_case(device, n, k, m, torch.float32, False)
+    one = {"ONE_LAUNCH": True}
+    y1 = fp8_triton.fp8_linear(x, w_fp8, scale_inv, config=one)
+    y3 = fp8_triton.fp8_linear(x, w_fp8, scale_inv, config={"ONE_LAUNCH": False})
+    assert_close(y1, y3, TOL[("plans", torch.float32)], f"one launch vs three launches {n}x{k} M={m}")
+    assert torch.equal(fp8_triton.fp8_linear(x, w_fp8, scale_inv, config=one), y1), "repeated call differs"
+
+
+def test_linear_decode_split_k_in_cuda_graph(device):
+    """Split-K one-launch plan captured in a CUDA graph: replays give the eager result (tickets and
+    partials are per call; the last program of each tile resets its ticket)."""
+    _gpu(device)
+    fp8_triton = _fp8_triton()
+    x, w_fp8, scale_inv, b = _linear_case(device, 512, 2048, 2, torch.bfloat16, True)
+    cfg = dict(ONE_LAUNCH=True, ROWS=2, BLOCK_N=16, SPLIT_K=4, SWAP_AB=True, num_warps=4, num_stages=4)
+    eager = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, config=cfg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, config=cfg)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), "graph replay differs from the eager call"

@@ -1,15 +1,25 @@
 """Triton FP8 (e4m3) kernels: per-token-group activation quantisation, the W8A8 block-scaled GEMM
 (``fp8_linear``), block dequantisation and per-tensor KV quantisation.
 
-``fp8_linear`` quantises the activations with ``_act_quant_kernel`` (one program per token and group,
-absmax / 448, IEEE division, round to nearest e4m3) and multiplies with ``_fp8_gemm_kernel``: e4m3 x e4m3
-tiles on the tensor cores (``tl.dot``, float32 accumulation), each K tile scaled by the token's group
-scale and the weight block's scale, so ``BLOCK_K`` divides the scale block ``bk``. Two plans:
+Activations are quantised per token and group of ``bk`` channels: absmax / 448 (floored at 1e-10 / 448),
+IEEE division, clamp, round to nearest e4m3. The e4m3 x e4m3 products run on the tensor cores (``tl.dot``,
+float32 accumulation), each K tile scaled by the token's group scale and the weight block's scale.
+:func:`plan` picks one of three plans from the shapes:
 
-- prefill (M > 64): 64- or 128-row tiles, 128-column tiles, grouped tile order for L2 reuse;
-- decode (M <= 64): one row tile of ``16 <= BLOCK_M <= 64`` rows, narrow column tiles, and split-K over
-  enough programs to stream the weight from every SM: float32 partials ``[SPLIT_K, M, N]`` summed in a
-  fixed order by ``_splitk_reduce_kernel`` (deterministic), which also adds the bias.
+- decode (M <= ``ONE_LAUNCH_MAX_M``, ``ONE_LAUNCH``): one launch of ``_fp8_linear_decode_kernel``. Program
+  ``(n tile, k split)`` quantises, in registers, the groups of its own K range for the ``ROWS >= M`` rows
+  only (the same formula and operations as ``_act_quant_kernel``, so operands and scales are bit-identical)
+  and multiplies them with its ``BLOCK_N``-column weight tiles. Narrow column tiles give the parallelism;
+  where they leave SMs idle, split-K: float32 partials, and the last program of a column tile to take an
+  atomic ticket (which it returns to 0, so the counters stay zero between launches: CUDA-graph safe) sums
+  them in split order (deterministic) and adds the bias. Split-K allocates its partials (``torch.empty``)
+  and its tickets (``torch.zeros``: a memset) per call.
+- decode up to M = 64 otherwise (``ONE_LAUNCH=False``): ``_act_quant_kernel`` (one program per token),
+  ``_fp8_gemm_kernel`` with one row tile of ``16 <= BLOCK_M <= 64`` rows and split-K float32 partials
+  ``[SPLIT_K, M, N]``, summed in a fixed order by ``_splitk_reduce_kernel`` (deterministic), which also adds
+  the bias.
+- prefill (M > 64): ``_act_quant_kernel``, then ``_fp8_gemm_kernel`` with 64- or 128-row tiles,
+  128-column tiles, grouped tile order for L2 reuse; ``BLOCK_K`` divides the scale block ``bk``.
 
 Hopper's e4m3 tensor-core instructions accumulate with less than float32 precision inside one ``tl.dot``
 (Triton's default on sm_90, as in vLLM's block-FP8 kernel); the float32 accumulator takes each K tile's
@@ -39,6 +49,9 @@ from atom_kernels.ops.fp8.checks import (
 from atom_kernels.ops.fp8.reference import ACT_SCALE_EPS
 
 E4M3 = torch.float8_e4m3fn
+# Largest M whose default plan is the one-launch kernel: each of its programs quantises M x (its K range),
+# so the redundant quantisation grows with M (the one-launch plan runs at any M when asked for)
+ONE_LAUNCH_MAX_M = 16
 
 
 @triton.jit
@@ -127,6 +140,95 @@ def _splitk_reduce_kernel(
 
 
 @triton.jit
+def _fp8_linear_decode_kernel(
+    x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, M, N, K,
+    stride_xm, stride_wn, stride_wsn, stride_ym, GROUPS_PER_SPLIT, SPLIT_K,
+    EPS: tl.constexpr, FMAX: tl.constexpr, BN_Q: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """``y[:M, n-tile] = x @ w.T`` for decode-sized ``M <= ROWS``; program ``(pid_n, pid_k)``
+    covers ``BLOCK_N`` columns and K groups ``[pid_k * GROUPS_PER_SPLIT, ...)`` of ``GROUP`` channels.
+
+    Each group of the program's K range is quantised here, for the ``ROWS`` rows only, with
+    ``_act_quant_kernel``'s formula (bit-identical operands and scales; rows ``>= M`` are masked), and
+    multiplied on the tensor cores (8-bit ``tl.dot`` takes any row count). SWAP_AB: the weight tile is
+    the left operand (``w_tile @ q.T``; a 16-row instruction then covers 16 weight rows, not the few
+    token rows); the products and their order per K tile are unchanged. SPLIT: float32 partials
+    ``part[pid_k, M, N]``; the last program of a column tile to arrive (``count[pid_n]`` ticket, which it
+    resets to 0) sums them in split order, adds the bias and writes ``y``."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_r = tl.arange(0, ROWS)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_g = tl.arange(0, GROUP)
+    r_ok = offs_r < M
+    n_ok = offs_n < N
+    g0 = pid_k * GROUPS_PER_SPLIT
+    g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, tl.cdiv(K, GROUP))
+    ws_ptrs = ws_ptr + (offs_n // BN_Q).to(tl.int64) * stride_wsn
+    if SWAP_AB:  # y.T tile = w tile @ q.T: the weight is the [BLOCK_N, GROUP] left operand
+        x_ptrs = x_ptr + offs_r[None, :].to(tl.int64) * stride_xm + offs_g[:, None]
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_g[None, :]
+        acc_t = tl.zeros([BLOCK_N, ROWS], tl.float32)
+        for g in range(g0, g1):
+            k0 = g * GROUP
+            if EVEN_K:
+                x = tl.load(x_ptrs + k0, mask=r_ok[None, :], other=0.0).to(tl.float32)
+                b = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = (k0 + offs_g) < K
+                x = tl.load(x_ptrs + k0, mask=k_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+                b = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            a_s = tl.maximum(tl.max(tl.abs(x), 0), EPS) / FMAX
+            nz = x != 0.0  # div_rn(+-0, s) is +-0: zeros skip the division's slow path
+            a = tl.where(nz, tl.math.div_rn(tl.where(nz, x, 1.0), a_s[None, :]), x)
+            a = tl.minimum(tl.maximum(a, -FMAX), FMAX).to(tl.float8e4nv)
+            b_s = tl.load(ws_ptrs + g, mask=n_ok, other=0.0)
+            acc_t += tl.dot(b, a) * a_s[None, :] * b_s[:, None]
+        acc = tl.trans(acc_t)
+    else:
+        x_ptrs = x_ptr + offs_r[:, None].to(tl.int64) * stride_xm + offs_g[None, :]
+        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_g[:, None]
+        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        for g in range(g0, g1):
+            k0 = g * GROUP
+            if EVEN_K:
+                x = tl.load(x_ptrs + k0, mask=r_ok[:, None], other=0.0).to(tl.float32)
+                b = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = (k0 + offs_g) < K
+                x = tl.load(x_ptrs + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                b = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            a_s = tl.maximum(tl.max(tl.abs(x), 1), EPS) / FMAX
+            nz = x != 0.0  # div_rn(+-0, s) is +-0: zeros skip the division's slow path
+            a = tl.where(nz, tl.math.div_rn(tl.where(nz, x, 1.0), a_s[:, None]), x)
+            a = tl.minimum(tl.maximum(a, -FMAX), FMAX).to(tl.float8e4nv)
+            b_s = tl.load(ws_ptrs + g, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    mask = r_ok[:, None] & n_ok[None, :]
+    out = offs_r[:, None].to(tl.int64) * N + offs_n[None, :]
+    if SPLIT:
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + out, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+        ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+            for s in range(0, SPLIT_K):  # fixed order: deterministic
+                acc += tl.load(part_ptr + s * M.to(tl.int64) * N + out, mask=mask, other=0.0)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + offs_r[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+                     acc.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # reset for the next launch
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_r[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+
+
+@triton.jit
 def _block_dequant_kernel(
     w_ptr, s_ptr, out_ptr, N, K, stride_w, stride_s, stride_o, BN: tl.constexpr, BK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -186,12 +288,36 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def plan(m: int, n: int, k: int, bk: int, device: torch.device, config: dict | None = None) -> dict:
-    """Tile sizes from shapes alone. Decode-sized M (<= 64): one row tile, column tiles and split-K chosen
-    for about two programs per SM. Larger M: whole-K tiles of 64 or 128 rows, 64-column tiles where 128
-    would leave SMs idle."""
+def plan(m: int, n: int, k: int, bk: int, sms: int, config: dict | None = None) -> dict:
+    """Launch plan from shapes alone (``sms``: the device's multiprocessor count); ``config`` overrides keys.
+
+    - ``M <= ONE_LAUNCH_MAX_M`` (decode; or ``ONE_LAUNCH=True`` at any M): ``_fp8_linear_decode_kernel``,
+      ``ROWS = max(2, 2^ceil(log2 M))`` rows; up to 8 rows ``SWAP_AB`` (the weight tile is the left
+      operand: each 16-row tensor-core instruction covers 16 weight rows) with 2 warps and column tiles
+      of 64 or 32, at 16+ rows (where the swapped dot would take Hopper's ``wgmma``, whose fp8
+      accumulation differs from the three-launch plan's) 4 warps and tiles of 64, 32 or 16 (at least 64
+      for M > 16: each program's quantisation work grows with M); the widest tile that gives two programs
+      per SM; split-K over ``SPLIT_K`` programs only where the column tiles leave SMs idle and each split
+      keeps >= 4 K groups.
+    - other ``M <= 64`` (or ``ONE_LAUNCH=False``, or ``bk > 256``): the three-launch plan (act quant, GEMM
+      with one row tile of ``16 <= BLOCK_M <= 64`` rows, split-K float32 partials, ``_splitk_reduce_kernel``).
+    - ``M > 64`` (prefill): act quant, then whole-K tiles of 64 or 128 rows (64-column tiles where 128
+      would leave SMs idle), grouped tile order for L2 reuse.
+    """
     block_k = min(128, bk)
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    one_launch = m <= ONE_LAUNCH_MAX_M and bk <= 256
+    if config and "ONE_LAUNCH" in config:
+        one_launch = bool(config["ONE_LAUNCH"])
+    if one_launch:
+        rows = max(2, triton.next_power_of_2(m))
+        swap = rows <= 8
+        min_bn = 32 if swap else (16 if m <= 16 else 64)
+        block_n = next((b for b in (64, 32) if b >= min_bn and triton.cdiv(n, b) >= 2 * sms), min_bn)
+        split = max(1, min(triton.cdiv(k, bk) // 4, sms // triton.cdiv(n, block_n)))
+        cfg = dict(ONE_LAUNCH=True, ROWS=rows, BLOCK_N=block_n, SPLIT_K=split, SWAP_AB=swap,
+                   num_warps=2 if swap else 4, num_stages=4)  # fmt: skip
+        cfg.update(config or {})
+        return cfg
     if m <= 64:
         block_n = 64 if triton.cdiv(n, 64) >= 2 * sms else 32
         tiles = triton.cdiv(n, block_n)
@@ -206,9 +332,16 @@ def plan(m: int, n: int, k: int, bk: int, device: torch.device, config: dict | N
         )
     else:
         cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=3)
+    cfg["ONE_LAUNCH"] = False
     if config:
         cfg.update(config)
     return cfg
+
+
+def _device_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _check_block(op: str, block: tuple[int, int]) -> tuple[int, int]:
@@ -249,6 +382,39 @@ def _launch_gemm(a, a_scales, w, w_scales, block, out_dtype, bias, cfg) -> torch
     return out
 
 
+def _launch_decode(x, w, w_scales, block, bias, cfg) -> torch.Tensor:
+    """One launch of ``_fp8_linear_decode_kernel``: ``x [M, K]`` (unit last stride, ``M <= cfg["ROWS"]``)
+    x ``w [N, K]`` e4m3 with float32 block scales -> ``[M, N]`` in x.dtype."""
+    m, k = x.shape
+    n = w.shape[0]
+    bn, bk = block
+    rows = cfg["ROWS"]
+    if not m <= rows or rows & (rows - 1):
+        raise ValueError(f"fp8_linear (triton): config ROWS={rows} must be a power of two >= M={m}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    groups = triton.cdiv(k, bk)
+    per = triton.cdiv(groups, max(1, min(int(cfg["SPLIT_K"]), groups)))
+    split = triton.cdiv(groups, per)
+    tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    if split > 1:  # float32 partials, and tickets that the kernel returns to 0 (a memset per call)
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        count = torch.zeros((tiles,), dtype=torch.int32, device=x.device)
+    else:
+        part, count = out, out
+    has_bias = bias is not None
+    _fp8_linear_decode_kernel[(tiles, split)](
+        x_ptr=x, w_ptr=w, ws_ptr=w_scales, y_ptr=out, bias_ptr=bias if has_bias else out, part_ptr=part,
+        count_ptr=count, M=m, N=n, K=k, stride_xm=x.stride(0), stride_wn=w.stride(0),
+        stride_wsn=w_scales.stride(0), stride_ym=out.stride(0), GROUPS_PER_SPLIT=per, SPLIT_K=split,
+        EPS=ACT_SCALE_EPS, FMAX=FP8_MAX, BN_Q=bn, GROUP=bk, ROWS=rows, BLOCK_N=cfg["BLOCK_N"],
+        SWAP_AB=cfg["SWAP_AB"], EVEN_K=k % bk == 0, SPLIT=split > 1, HAS_BIAS=has_bias,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out
+
+
 def fp8_gemm(
     a: torch.Tensor,
     a_scales: torch.Tensor,
@@ -261,7 +427,9 @@ def fp8_gemm(
 ) -> torch.Tensor:
     """``[M, K] e4m3 (group scales [M, ceil(K/bk)]) x [N, K] e4m3 (block scales) -> [M, N] out_dtype``."""
     bn, bk = _check_block("fp8_gemm", block)
-    cfg = plan(a.shape[0], w.shape[0], a.shape[1], bk, a.device, config)
+    cfg = plan(
+        a.shape[0], w.shape[0], a.shape[1], bk, _device_sms(a.device), {**(config or {}), "ONE_LAUNCH": False}
+    )
     return _launch_gemm(a, a_scales, w, w_scales, (bn, bk), out_dtype, bias, cfg)
 
 
@@ -274,8 +442,9 @@ def fp8_linear(
     *,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """W8A8 block-scaled linear (see the reference): act quant + :func:`fp8_gemm`; ``config`` overrides
-    the tile plan (keys of :func:`plan`)."""
+    """W8A8 block-scaled linear (see the reference) ``[..., K] -> [..., N]`` in x.dtype: one launch of
+    ``_fp8_linear_decode_kernel`` at decode-sized M, else act quant + :func:`fp8_gemm`'s kernels;
+    ``config`` overrides the launch plan (keys of :func:`plan`; ``ONE_LAUNCH`` picks the plan)."""
     check_fp8_linear(x, w_fp8, scale_inv, block, bias)
     if w_fp8.stride(-1) != 1:
         raise ValueError("fp8_linear (triton): w_fp8 needs a unit last-dim stride")
@@ -285,9 +454,12 @@ def fp8_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     scales = scale_inv if scale_inv.dtype == torch.float32 else scale_inv.float()
-    cfg = plan(x2.shape[0], w_fp8.shape[0], k, bk, x.device, config)
-    a, a_s = _act_quant_2d(x2, bk)
-    y = _launch_gemm(a, a_s, w_fp8, scales, (bn, bk), x.dtype, bias, cfg)
+    cfg = plan(x2.shape[0], w_fp8.shape[0], k, bk, _device_sms(x.device), config)
+    if cfg["ONE_LAUNCH"]:
+        y = _launch_decode(x2, w_fp8, scales, (bn, bk), bias, cfg)
+    else:
+        a, a_s = _act_quant_2d(x2, bk)
+        y = _launch_gemm(a, a_s, w_fp8, scales, (bn, bk), x.dtype, bias, cfg)
     return y.reshape(*lead, w_fp8.shape[0])
 
 
