@@ -213,17 +213,22 @@ def test_linear_plan_decode(m, shape):
     assert cfg["SWAP_AB"] is (rows <= 8) and (not cfg["SWAP_AB"] or cfg["BLOCK_N"] >= 32)
     tiles = -(-n // cfg["BLOCK_N"])
     assert 1 <= cfg["SPLIT_K"] <= max(1, (k // 128) // 4)
-    if cfg["SPLIT_K"] > 1:  # split only where the column tiles leave SMs idle
+    if cfg["SWAP_AB"]:  # the swept M = 2 plan: up to 4 splits, 64-column tiles only for wide N
+        assert cfg["SPLIT_K"] <= 4 and (cfg["BLOCK_N"] == 64) is (n >= 32 * H200_SMS)
+    elif cfg["SPLIT_K"] > 1:  # split only where the column tiles leave SMs idle
         assert tiles * cfg["SPLIT_K"] <= H200_SMS
 
 
 def test_linear_plan_selection():
     plan = _fp8_triton().plan
-    # qkvz at M = 1: 384 column tiles of 32, no split-K
+    # qkvz at M = 1: 192 column tiles of 64, 4 splits of 4 groups (the H200 sweep's best at M = 2)
     assert plan(1, 12288, 2048, 128, H200_SMS) == dict(
-        ONE_LAUNCH=True, ROWS=2, BLOCK_N=32, SPLIT_K=1, SWAP_AB=True, num_warps=2, num_stages=4
+        ONE_LAUNCH=True, ROWS=2, BLOCK_N=64, SPLIT_K=4, SWAP_AB=True, num_warps=2, num_stages=4
     )
-    assert plan(16, 12288, 2048, 128, H200_SMS)["SWAP_AB"] is False  # 16+ rows: keep the mma tiles
+    assert plan(2, 2048, 4096, 128, H200_SMS)["BLOCK_N"] == 32  # out_proj: narrow tiles, 4 splits
+    assert (
+        plan(16, 12288, 2048, 128, H200_SMS, {"ONE_LAUNCH": True})["SWAP_AB"] is False
+    )  # 16+ rows: mma tiles
     # k/v at M = 1: 16 tiles of 32 leave SMs idle -> 4 splits of 4 groups
     assert plan(1, 512, 2048, 128, H200_SMS)["SPLIT_K"] == 4
     # prefill keeps the three-launch plans
