@@ -62,10 +62,19 @@ def test_loads_stacked_experts_and_fused_rows(model_dir, kernels32):
     assert torch.equal(moe.experts.w13[5, :inter], tensor("model.layers.2.mlp.experts.5.gate_proj.weight"))
     assert torch.equal(moe.experts.w13[5, inter:], tensor("model.layers.2.mlp.experts.5.up_proj.weight"))
     assert torch.equal(moe.experts.w2[7], tensor("model.layers.2.mlp.experts.7.down_proj.weight"))
-    shared = moe.shared_expert.gate_up_proj.weight
-    assert torch.equal(
-        shared[shared.shape[0] // 2 :], tensor("model.layers.2.mlp.shared_expert.up_proj.weight")
-    )
+    # the shared expert (intermediate 128 = 2 x 64) folded in as pseudo-experts E, E + 1: slice j of its
+    # gate / up rows and down columns; its gate row is the router's last row
+    num_experts, m = moe.experts.num_experts, moe.num_shared
+    assert m == 2 and moe.experts.w13.shape[0] == num_experts + m and moe.shared_expert is None
+    pre = "model.layers.2.mlp."
+    for j in range(m):
+        rows = slice(j * inter, (j + 1) * inter)
+        w13, w2 = moe.experts.w13[num_experts + j], moe.experts.w2[num_experts + j]
+        assert torch.equal(w13[:inter], tensor(pre + "shared_expert.gate_proj.weight")[rows])
+        assert torch.equal(w13[inter:], tensor(pre + "shared_expert.up_proj.weight")[rows])
+        assert torch.equal(w2, tensor(pre + "shared_expert.down_proj.weight")[:, rows])
+    assert torch.equal(moe.gate.weight[:num_experts], tensor(pre + "gate.weight"))
+    assert torch.equal(moe.gate.weight[num_experts:], tensor(pre + "shared_expert_gate.weight"))
     # mtp.layers.0 lands in the layer with absolute index num_hidden_layers (4)
     assert torch.equal(
         mtp.layers["4"].self_attn.q_proj.weight, tensor("mtp.layers.0.self_attn.q_proj.weight")

@@ -35,11 +35,11 @@ from safetensors import safe_open
 from torch import nn
 
 from atom_models.modules import Fp8Linear, Linear
-from atom_models.moe import Experts, Fp8Experts
+from atom_models.moe import Experts, Fp8Experts, SparseMoeBlock
 from atom_models.parallel import slices
 from atom_models.parallel.layout import TPLayout
 from atom_models.parallel.shard import check_fp8_shard
-from atom_models.weight_map import LM_HEAD, Target, map_name, sources_for
+from atom_models.weight_map import COLS, LM_HEAD, Target, map_name, sources_for
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -182,9 +182,12 @@ def convert_fp8_modules(module: nn.Module, scope: _Scope, quant, kernels) -> lis
         else:
             local = pname[len(scope.param_prefix) :]
             rows = mod.num_experts if isinstance(mod, Experts) else mod.weight.shape[0]
-            srcs = [scope.to_ckpt(s) for s in sources_for(local, rows)]
+            srcs = [scope.to_ckpt(s) for s in _sources(module, pname, local, rows)]
         if not srcs or name.split(".")[0] in SHARED_MODULES:
             continue
+        folded = _folded_block(module, pname)
+        if folded is not None and mod is folded.gate:
+            continue  # the router with the shared gate row: unquantised (a quantised one is dequantised on load)
         skipped = [_skipped(s.rsplit(".", 1)[0], quant.modules_to_not_convert) for s in srcs]
         if all(skipped):
             continue
@@ -205,6 +208,7 @@ def convert_fp8_modules(module: nn.Module, scope: _Scope, quant, kernels) -> lis
                 intermediate_range=mod.intermediate_range,
                 full_intermediate_size=mod.full_intermediate_size,
                 name=name,
+                num_shared=mod.num_shared,
             )
         else:
             if mod.shard is not None:
@@ -225,6 +229,128 @@ def _dest_view(param: torch.Tensor, t: Target) -> torch.Tensor:
         rows = view.shape[0] // parts
         view = view[part * rows : (part + 1) * rows]
     return view
+
+
+def _folded_block(module: nn.Module, pname: str) -> SparseMoeBlock | None:
+    """The MoE block with the shared expert folded in that parameter ``pname`` (``<block>.<child>.<leaf>``)
+    belongs to, or None."""
+    parent = pname.rsplit(".", 2)[0]
+    if parent == pname or "." not in pname:
+        return None
+    try:
+        block = module.get_submodule(parent)
+    except AttributeError:
+        return None
+    return block if isinstance(block, SparseMoeBlock) and block.num_shared else None
+
+
+def _sources(module: nn.Module, pname: str, local: str, rows: int) -> list[str]:
+    """``weight_map.sources_for`` of parameter ``pname`` (``local``: its scope-relative name): a folded
+    block's stacked experts take ``num_experts`` routed experts plus the shared expert, its router the
+    shared gate row."""
+    block = _folded_block(module, pname)
+    if block is None:
+        return sources_for(local, rows)
+    return sources_for(local, block.experts.num_experts, folded=True)
+
+
+@dataclass(frozen=True)
+class _Folded:
+    """Where one checkpoint tensor goes in a folded MoE block: ``rows`` of the router, or the pseudo-experts
+    of the stacked experts (``shard`` part of dim 0, ``dim`` the shared expert's intermediate dim)."""
+
+    param: str
+    rows: tuple[int, int] | None = None  # router rows [start, end)
+    shard: tuple[int, int] | None = None  # (part, parts) of each pseudo-expert's dim 0 (w13 gate / up)
+    dim: int = 0  # the intermediate dim of the checkpoint tensor (0: gate / up rows, 1: down columns)
+
+
+def _folded_target(
+    block: SparseMoeBlock, scope: _Scope, name: str, target: Target, pname: str
+) -> _Folded | None:
+    """The placement of checkpoint tensor ``name`` (mapped by ``RULES`` to ``target``, expected by parameter
+    ``pname``) in a folded block; None when the ordinary rule places it (a routed expert)."""
+    e = block.experts.num_experts
+    if pname.endswith(".gate.weight"):  # the router: rows [0, E) from mlp.gate, row E the shared gate
+        shared = name.endswith("shared_expert_gate.weight")
+        return _Folded(pname, rows=(e, e + 1) if shared else (0, e))
+    folded = map_name(scope.from_ckpt(name), folded=True)
+    if folded is None:
+        return None
+    return _Folded(pname, shard=folded.shard, dim=1 if folded.tp == COLS else 0)
+
+
+def _plan_folded(
+    f,
+    fname,
+    name,
+    block,
+    t: _Folded,
+    all_params,
+    copies,
+    scales,
+    fp8_block,
+    layout,
+    used_scales,
+    scale_checks,
+) -> list[str]:
+    """Plan the copies of one checkpoint tensor into a folded MoE block (:class:`_Folded`): the router's
+    rows, or one slice per pseudo-expert (this rank's range of slice j of the shared expert's intermediate
+    dim, with the FP8 scale rows / columns that slice uses, copied to every pseudo-expert that uses them).
+    Appends to ``copies`` / ``used_scales`` / ``scale_checks`` as :func:`_plan`; returns the problems."""
+    param = all_params[t.param]
+    shape = tuple(f.get_slice(name).get_shape())
+    is_fp8 = f.get_slice(name).get_dtype() in ("F8_E4M3", "F8_E5M2")
+    fp8_dest = param.dtype in FP8_DTYPES
+    scale = name + SCALE_SUFFIX if fp8_block is not None and name + SCALE_SUFFIX in scales else None
+    places: list[tuple[torch.Tensor, torch.Tensor | None, slices.Pieces | None]] = []
+    if t.rows is not None:
+        full = (t.rows[1] - t.rows[0], param.shape[1])
+        places.append((param[t.rows[0] : t.rows[1]], None, None))
+    else:
+        experts = block.experts
+        e, m, inter = experts.num_experts, experts.num_shared, experts.full_intermediate_size
+        start, end = experts.intermediate_range
+        full = (m * inter, param.shape[2]) if t.dim == 0 else (param.shape[1], m * inter)
+        sparam = all_params.get(t.param + SCALE_SUFFIX) if fp8_dest else None
+        for j in range(m):
+            view = param[e + j]
+            sview = None if sparam is None else sparam[e + j]
+            if t.shard is not None:
+                part, parts = t.shard
+                view = view[part * (view.shape[0] // parts) : (part + 1) * (view.shape[0] // parts)]
+                if sview is not None:
+                    sview = sview[part * (sview.shape[0] // parts) : (part + 1) * (sview.shape[0] // parts)]
+            places.append((view, sview, slices.Pieces(t.dim, ((j * inter + start, j * inter + end),))))
+    if shape != full:
+        note = (
+            "" if layout.world_size == 1 else f"; tensor parallel rank {layout.rank} of {layout.world_size}"
+        )
+        return [
+            f"tensor {name} in {fname} has shape {list(shape)}, expected {list(full)} "
+            f"(for {t.param}, the shared expert folded in{note})"
+        ]
+    planned = []
+    for view, sview, pieces in places:
+        copy = _Copy(name, view, pieces=pieces)
+        if scale is not None:
+            copy.scale, copy.scale_view = scale, sview
+            used_scales.add(scale)
+            copy.scale_pieces = slices.scale_pieces(
+                t.param.rsplit(".", 1)[0], pieces, fp8_block, layout.world_size
+            )
+            want = None if sview is None else tuple(sview.shape)
+            scale_checks.append((scale, shape, want, t.param + SCALE_SUFFIX, copy.scale_pieces))
+        planned.append(copy)
+    if is_fp8 and scale is None:
+        return [f"tensor {name} in {fname} is FP8 but {name + SCALE_SUFFIX} is missing"]
+    if fp8_dest and not is_fp8:
+        return [
+            f"tensor {name} in {fname} has dtype {f.get_slice(name).get_dtype()}, but {t.param} is FP8 "
+            "(quantization_config does not list it in modules_to_not_convert)"
+        ]
+    copies[fname].extend(planned)
+    return []
 
 
 def _plan(
@@ -253,7 +379,7 @@ def _plan(
         else:
             scope = next((s for s in scopes if pname.startswith(s.param_prefix)), None)
             local = pname[len(scope.param_prefix) :] if scope else pname
-            srcs = [scope.to_ckpt(s) for s in sources_for(local, p.shape[0])] if scope else []
+            srcs = [scope.to_ckpt(s) for s in _sources(module, pname, local, p.shape[0])] if scope else []
         if not srcs:
             problems.append(f"parameter {pname} of the {what} has no checkpoint rule (weight_map.RULES)")
         for s in srcs:
@@ -294,6 +420,15 @@ def _plan(
                         target = Target(
                             scope.param_prefix + target.param, target.expert, target.shard, target.tp
                         )
+                    block = _folded_block(module, expected[name]) if name in expected else None
+                    if block is not None:
+                        folded = _folded_target(block, scope, name, target, expected[name])
+                        if folded is not None:
+                            problems += _plan_folded(
+                                f, fname, name, block, folded, all_params, copies, scales, fp8_block, layout,
+                                used_scales, scale_checks,
+                            )  # fmt: skip
+                            continue
                 if target is None or target.param not in params or name not in expected:
                     problems.append(
                         f"unexpected tensor {name} in {fname} (no parameter of the {what} takes it)"
@@ -424,7 +559,7 @@ def _execute(ckpt_dir: str, plan: _Plan, kernels, block: tuple[int, int] | None)
     """Stream every planned tensor into its parameter; each file is opened once (scales read through the
     handle of their file, usually the weight's own). Non-finite values are collected over all files into
     one :class:`CheckpointError`."""
-    n = 0
+    read: set[str] = set()  # a folded shared expert's tensor lands in several pseudo-experts: counted once
     problems: list[str] = []
     with ExitStack() as stack:
         handles: dict[str, object] = {}
@@ -450,11 +585,11 @@ def _execute(ckpt_dir: str, plan: _Plan, kernels, block: tuple[int, int] | None)
                         )
                 c.view.copy_(t)
                 loaded.append(c)
-                n += 1
+                read.add(c.name)
             problems += _non_finite(ckpt_dir, fname, loaded, plan)
     if problems:
         raise CheckpointError(ckpt_dir, problems)
-    return n
+    return len(read)
 
 
 def _fp8_block(config) -> tuple[int, int] | None:
