@@ -137,6 +137,24 @@ def test_moe_experts_matches_per_token_loop(impl, tol, device, dtype, tokens):
     assert_close(out, expected, tol("moe_experts", dtype), f"moe_experts {dtype} T={tokens}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 65])
+def test_moe_experts_with_shared_pseudo_experts(impl, tol, device, dtype, tokens):
+    """The model's folded shared expert: ``moe_router(..., num_shared=2)`` routes every token to experts
+    E and E + 1 as well (K = top_k + 2 columns), one ``moe_experts`` call over E + 2 stacked experts."""
+    router, experts = impl("moe_router", dtype), impl("moe_experts", dtype)
+    num_experts, m, hidden, inter, top_k = 16, 2, 64, 32, 4
+    x = randn(tokens, hidden, seed=12, dtype=dtype, device=device)
+    w13 = randn(num_experts + m, 2 * inter, hidden, seed=13, dtype=dtype, device=device, scale=hidden**-0.5)
+    w2 = randn(num_experts + m, hidden, inter, seed=14, dtype=dtype, device=device, scale=inter**-0.5)
+    logits = randn(tokens, num_experts + 1, seed=15, dtype=dtype, device=device)
+    weights, ids = router(logits, top_k, True, num_shared=m)
+    assert ids.shape == (tokens, top_k + m)
+    out = experts(x, weights, ids, w13, w2)
+    expected = naive_moe(x, weights, ids.cpu(), w13, w2)
+    assert_close(out, expected, tol("moe_experts", dtype), f"moe_experts + shared {dtype} T={tokens}")
+
+
 def test_moe_experts_int32_ids_and_unused_experts(impl, tol, device):
     """Only some experts receive tokens; int32 ids give the same result as int64."""
     experts = impl("moe_experts", torch.float32)

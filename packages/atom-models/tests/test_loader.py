@@ -123,6 +123,29 @@ def test_all_problems_in_one_error_with_file_names(model_dir, tmp_path, kernels3
         assert f"unexpected tensor {name} in model.safetensors" in msg
 
 
+def test_folded_shared_expert_problems_name_tensor_file_and_shape(model_dir, tmp_path, kernels32):
+    """The shared expert's tensors (split over pseudo-experts) and the shared gate row (the router's last
+    row) are checked like any other: wrong shape, missing, each named once."""
+
+    def edit(t):
+        t["model.layers.1.mlp.shared_expert.up_proj.weight"] = torch.zeros(96, 256)
+        t["model.layers.2.mlp.shared_expert.down_proj.weight"] = torch.zeros(256, 64)
+        t.pop("model.layers.3.mlp.shared_expert_gate.weight")
+
+    ckpt = _single_file_copy(model_dir, tmp_path / "ck", edit)
+    target, _ = _build(ckpt, kernels32)
+    with pytest.raises(CheckpointError) as e:
+        load_target(target, ckpt)
+    print(e.value)
+    assert e.value.problems == [
+        "tensor model.layers.1.mlp.shared_expert.up_proj.weight in model.safetensors has shape [96, 256], "
+        "expected [128, 256] (for model.layers.1.mlp.experts.w13, the shared expert folded in)",
+        "tensor model.layers.2.mlp.shared_expert.down_proj.weight in model.safetensors has shape [256, 64], "
+        "expected [256, 128] (for model.layers.2.mlp.experts.w2, the shared expert folded in)",
+        f"missing tensor model.layers.3.mlp.shared_expert_gate.weight (for model.layers.3.mlp.gate.weight) in {ckpt}",
+    ]
+
+
 def test_wrong_shape_in_sharded_checkpoint_names_the_shard(model_dir, tmp_path, kernels32):
     ckpt = tmp_path / "ck"
     shutil.copytree(model_dir, ckpt)
