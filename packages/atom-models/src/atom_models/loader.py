@@ -34,12 +34,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from atom_models import folded_shared
 from atom_models.modules import Fp8Linear, Linear
-from atom_models.moe import Experts, Fp8Experts, SparseMoeBlock
+from atom_models.moe import Experts, Fp8Experts
 from atom_models.parallel import slices
 from atom_models.parallel.layout import TPLayout
 from atom_models.parallel.shard import check_fp8_shard
-from atom_models.weight_map import COLS, LM_HEAD, Target, map_name, sources_for
+from atom_models.weight_map import LM_HEAD, Target, map_name
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -182,10 +183,10 @@ def convert_fp8_modules(module: nn.Module, scope: _Scope, quant, kernels) -> lis
         else:
             local = pname[len(scope.param_prefix) :]
             rows = mod.num_experts if isinstance(mod, Experts) else mod.weight.shape[0]
-            srcs = [scope.to_ckpt(s) for s in _sources(module, pname, local, rows)]
+            srcs = [scope.to_ckpt(s) for s in folded_shared.sources(module, pname, local, rows)]
         if not srcs or name.split(".")[0] in SHARED_MODULES:
             continue
-        folded = _folded_block(module, pname)
+        folded = folded_shared.folded_block(module, pname)
         if folded is not None and mod is folded.gate:
             continue  # the router with the shared gate row: unquantised (a quantised one is dequantised on load)
         skipped = [_skipped(s.rsplit(".", 1)[0], quant.modules_to_not_convert) for s in srcs]
@@ -231,122 +232,47 @@ def _dest_view(param: torch.Tensor, t: Target) -> torch.Tensor:
     return view
 
 
-def _folded_block(module: nn.Module, pname: str) -> SparseMoeBlock | None:
-    """The MoE block with the shared expert folded in that parameter ``pname`` (``<block>.<child>.<leaf>``)
-    belongs to, or None."""
-    parent = pname.rsplit(".", 2)[0]
-    if parent == pname or "." not in pname:
-        return None
-    try:
-        block = module.get_submodule(parent)
-    except AttributeError:
-        return None
-    return block if isinstance(block, SparseMoeBlock) and block.num_shared else None
-
-
-def _sources(module: nn.Module, pname: str, local: str, rows: int) -> list[str]:
-    """``weight_map.sources_for`` of parameter ``pname`` (``local``: its scope-relative name): a folded
-    block's stacked experts take ``num_experts`` routed experts plus the shared expert, its router the
-    shared gate row."""
-    block = _folded_block(module, pname)
-    if block is None:
-        return sources_for(local, rows)
-    return sources_for(local, block.experts.num_experts, folded=True)
-
-
-@dataclass(frozen=True)
-class _Folded:
-    """Where one checkpoint tensor goes in a folded MoE block: ``rows`` of the router, or the pseudo-experts
-    of the stacked experts (``shard`` part of dim 0, ``dim`` the shared expert's intermediate dim)."""
-
-    param: str
-    rows: tuple[int, int] | None = None  # router rows [start, end)
-    shard: tuple[int, int] | None = None  # (part, parts) of each pseudo-expert's dim 0 (w13 gate / up)
-    dim: int = 0  # the intermediate dim of the checkpoint tensor (0: gate / up rows, 1: down columns)
-
-
-def _folded_target(
-    block: SparseMoeBlock, scope: _Scope, name: str, target: Target, pname: str
-) -> _Folded | None:
-    """The placement of checkpoint tensor ``name`` (mapped by ``RULES`` to ``target``, expected by parameter
-    ``pname``) in a folded block; None when the ordinary rule places it (a routed expert)."""
-    e = block.experts.num_experts
-    if pname.endswith(".gate.weight"):  # the router: rows [0, E) from mlp.gate, row E the shared gate
-        shared = name.endswith("shared_expert_gate.weight")
-        return _Folded(pname, rows=(e, e + 1) if shared else (0, e))
-    folded = map_name(scope.from_ckpt(name), folded=True)
-    if folded is None:
-        return None
-    return _Folded(pname, shard=folded.shard, dim=1 if folded.tp == COLS else 0)
-
-
 def _plan_folded(
-    f,
-    fname,
-    name,
-    block,
-    t: _Folded,
-    all_params,
-    copies,
-    scales,
-    fp8_block,
-    layout,
-    used_scales,
-    scale_checks,
-) -> list[str]:
-    """Plan the copies of one checkpoint tensor into a folded MoE block (:class:`_Folded`): the router's
-    rows, or one slice per pseudo-expert (this rank's range of slice j of the shared expert's intermediate
-    dim, with the FP8 scale rows / columns that slice uses, copied to every pseudo-expert that uses them).
-    Appends to ``copies`` / ``used_scales`` / ``scale_checks`` as :func:`_plan`; returns the problems."""
-    param = all_params[t.param]
+    f, fname, name, local, block, pname, all_params, plan_state, fp8_block, layout
+) -> list[str] | None:
+    """Plan the copies of checkpoint tensor ``name`` (``local``: scope-relative) into a MoE block with the
+    shared expert folded in (:mod:`atom_models.folded_shared`): the router's rows, or one slice per
+    pseudo-expert with the FP8 scale rows / columns that slice uses (copied to every pseudo-expert that uses
+    them). ``plan_state`` = ``(copies, scales, used_scales, scale_checks)`` of :func:`_plan`, appended to as
+    there. Returns the problems, or None when the ordinary rule places the tensor (a routed expert)."""
+    placed = folded_shared.places(block, local, pname, all_params, SCALE_SUFFIX)
+    if placed is None:
+        return None
+    full, places = placed
+    copies, scales, used_scales, scale_checks = plan_state
     shape = tuple(f.get_slice(name).get_shape())
-    is_fp8 = f.get_slice(name).get_dtype() in ("F8_E4M3", "F8_E5M2")
-    fp8_dest = param.dtype in FP8_DTYPES
-    scale = name + SCALE_SUFFIX if fp8_block is not None and name + SCALE_SUFFIX in scales else None
-    places: list[tuple[torch.Tensor, torch.Tensor | None, slices.Pieces | None]] = []
-    if t.rows is not None:
-        full = (t.rows[1] - t.rows[0], param.shape[1])
-        places.append((param[t.rows[0] : t.rows[1]], None, None))
-    else:
-        experts = block.experts
-        e, m, inter = experts.num_experts, experts.num_shared, experts.full_intermediate_size
-        start, end = experts.intermediate_range
-        full = (m * inter, param.shape[2]) if t.dim == 0 else (param.shape[1], m * inter)
-        sparam = all_params.get(t.param + SCALE_SUFFIX) if fp8_dest else None
-        for j in range(m):
-            view = param[e + j]
-            sview = None if sparam is None else sparam[e + j]
-            if t.shard is not None:
-                part, parts = t.shard
-                view = view[part * (view.shape[0] // parts) : (part + 1) * (view.shape[0] // parts)]
-                if sview is not None:
-                    sview = sview[part * (sview.shape[0] // parts) : (part + 1) * (sview.shape[0] // parts)]
-            places.append((view, sview, slices.Pieces(t.dim, ((j * inter + start, j * inter + end),))))
     if shape != full:
-        note = (
+        rank = (
             "" if layout.world_size == 1 else f"; tensor parallel rank {layout.rank} of {layout.world_size}"
         )
         return [
             f"tensor {name} in {fname} has shape {list(shape)}, expected {list(full)} "
-            f"(for {t.param}, the shared expert folded in{note})"
+            f"(for {pname}, the shared expert folded in{rank})"
         ]
+    scale = name + SCALE_SUFFIX if fp8_block is not None and name + SCALE_SUFFIX in scales else None
     planned = []
-    for view, sview, pieces in places:
-        copy = _Copy(name, view, pieces=pieces)
+    for place in places:
+        copy = _Copy(name, place.view, pieces=place.pieces)
         if scale is not None:
-            copy.scale, copy.scale_view = scale, sview
+            copy.scale, copy.scale_view = scale, place.scale_view
             used_scales.add(scale)
             copy.scale_pieces = slices.scale_pieces(
-                t.param.rsplit(".", 1)[0], pieces, fp8_block, layout.world_size
+                pname.rsplit(".", 1)[0], place.pieces, fp8_block, layout.world_size
             )
-            want = None if sview is None else tuple(sview.shape)
-            scale_checks.append((scale, shape, want, t.param + SCALE_SUFFIX, copy.scale_pieces))
+            want = None if place.scale_view is None else tuple(place.scale_view.shape)
+            scale_checks.append((scale, shape, want, pname + SCALE_SUFFIX, copy.scale_pieces))
         planned.append(copy)
-    if is_fp8 and scale is None:
+    dtype = f.get_slice(name).get_dtype()
+    if dtype in ("F8_E4M3", "F8_E5M2") and scale is None:
         return [f"tensor {name} in {fname} is FP8 but {name + SCALE_SUFFIX} is missing"]
-    if fp8_dest and not is_fp8:
+    if all_params[pname].dtype in FP8_DTYPES and dtype not in ("F8_E4M3", "F8_E5M2"):
         return [
-            f"tensor {name} in {fname} has dtype {f.get_slice(name).get_dtype()}, but {t.param} is FP8 "
+            f"tensor {name} in {fname} has dtype {dtype}, but {pname} is FP8 "
             "(quantization_config does not list it in modules_to_not_convert)"
         ]
     copies[fname].extend(planned)
@@ -379,7 +305,11 @@ def _plan(
         else:
             scope = next((s for s in scopes if pname.startswith(s.param_prefix)), None)
             local = pname[len(scope.param_prefix) :] if scope else pname
-            srcs = [scope.to_ckpt(s) for s in _sources(module, pname, local, p.shape[0])] if scope else []
+            srcs = (
+                [scope.to_ckpt(s) for s in folded_shared.sources(module, pname, local, p.shape[0])]
+                if scope
+                else []
+            )
         if not srcs:
             problems.append(f"parameter {pname} of the {what} has no checkpoint rule (weight_map.RULES)")
         for s in srcs:
@@ -420,14 +350,15 @@ def _plan(
                         target = Target(
                             scope.param_prefix + target.param, target.expert, target.shard, target.tp
                         )
-                    block = _folded_block(module, expected[name]) if name in expected else None
+                    block = folded_shared.folded_block(module, expected[name]) if name in expected else None
                     if block is not None:
-                        folded = _folded_target(block, scope, name, target, expected[name])
-                        if folded is not None:
-                            problems += _plan_folded(
-                                f, fname, name, block, folded, all_params, copies, scales, fp8_block, layout,
-                                used_scales, scale_checks,
-                            )  # fmt: skip
+                        state = (copies, scales, used_scales, scale_checks)
+                        found = _plan_folded(
+                            f, fname, name, scope.from_ckpt(name), block, expected[name], all_params, state,
+                            fp8_block, layout,
+                        )  # fmt: skip
+                        if found is not None:
+                            problems += found
                             continue
                 if target is None or target.param not in params or name not in expected:
                     problems.append(
