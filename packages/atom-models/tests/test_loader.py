@@ -266,10 +266,14 @@ _NOT_FP8 = (
 def test_fp8_block_checkpoint_is_dequantised_on_load(model_dir, tmp_path, kernels32, golden, monkeypatch):
     quantised = []
 
+    # layer 0's router and shared gate quantised too: the folded router (one Linear) dequantises both
+    routers = ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_expert_gate.weight")
+
     def edit(t):
         for name in list(t):
             w = t[name]
-            if w.dim() == 2 and name.endswith(".weight") and not any(s in name for s in _NOT_FP8):
+            fp8 = not any(s in name for s in _NOT_FP8) or name in routers
+            if w.dim() == 2 and name.endswith(".weight") and fp8:
                 t[name], t[name + "_scale_inv"] = _fp8_block_quant(w)
                 quantised.append(name)
 
@@ -295,8 +299,26 @@ def test_fp8_block_checkpoint_is_dequantised_on_load(model_dir, tmp_path, kernel
     load_mtp(mtp, ckpt, dequantize_fp8=True)
     # per load: the key listing, the header pass and the tensor pass (not one open per FP8 scale)
     assert opened == ["model.safetensors"] * 6, opened
-    assert len(quantised) == 152  # every expert, attention, GDN and shared-expert projection
+    assert len(quantised) == 154  # every expert, attention, GDN and shared-expert projection, 2 routers
     f = load_file(str(ckpt / "model.safetensors"))
+
+    def dequant(name):
+        return kernels32.fp8_block_dequant(
+            f[name], f[name + "_scale_inv"], block=(128, 128), dtype=torch.float32
+        )
+
+    # the shared expert's 64-row / 64-column slices (inside one 128 block) as pseudo-experts 8 and 9
+    moe = target.model.layers[2].mlp
+    for j in range(2):
+        sl = slice(64 * j, 64 * (j + 1))
+        assert torch.equal(
+            moe.experts.w13[8 + j, :64], dequant("model.layers.2.mlp.shared_expert.gate_proj.weight")[sl]
+        )
+        assert torch.equal(
+            moe.experts.w2[8 + j], dequant("model.layers.2.mlp.shared_expert.down_proj.weight")[:, sl]
+        )
+    router = target.model.layers[0].mlp.gate.weight
+    assert torch.equal(router, torch.cat([dequant(n) for n in routers]))
     want = kernels32.fp8_block_dequant(
         f["model.layers.1.mlp.experts.6.up_proj.weight"],
         f["model.layers.1.mlp.experts.6.up_proj.weight_scale_inv"],

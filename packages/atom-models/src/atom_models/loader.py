@@ -3,7 +3,9 @@
 Everything is validated from the safetensors headers first (missing, unexpected and mis-shaped tensors
 are collected into ONE :class:`CheckpointError`); then tensors are streamed one at a time (``safe_open``)
 straight into the parameters (stacked experts and fused gate/up rows are written in place, no second
-full copy). The renames/fuses/stacks come from :mod:`atom_models.weight_map`.
+full copy). The renames/fuses/stacks come from :mod:`atom_models.weight_map`; a MoE block with the shared
+expert folded in gets that expert's tensors as slices of its stacked experts and the shared gate row as
+the router's last row (:mod:`atom_models.folded_shared`).
 
 FP8 block-quantised checkpoints (``quantization_config.quant_method: fp8``): by default the weights stay
 FP8. Before planning, :func:`convert_fp8_modules` replaces every :class:`~atom_models.modules.Linear` and
@@ -167,8 +169,9 @@ def convert_fp8_modules(module: nn.Module, scope: _Scope, quant, kernels) -> lis
 
     A module is quantised unless every checkpoint module behind it (through ``weight_map``: fused gate/up
     rows, stacked experts) matches ``quant.modules_to_not_convert``; a module with some sources listed and
-    some not cannot be represented and raises ``ValueError`` naming it. Linears with a bias and ``lm_head``
-    stay as they are (the MTP draft holds the target's ``lm_head`` module; a quantised ``lm_head`` in the
+    some not cannot be represented and raises ``ValueError`` naming it. Linears with a bias, a folded MoE
+    block's router (its rows come from two checkpoint tensors; quantised ones are dequantised on load) and
+    ``lm_head`` stay as they are (the MTP draft holds the target's ``lm_head`` module; a quantised ``lm_head`` in the
     checkpoint is dequantised on load). The new parameters are created on the old weight's device (uninitialised;
     the loader fills them). Returns the names of the converted modules.
     """
