@@ -15,7 +15,8 @@ Reported per (k, B):
   ``common.time_ms``;
 - ``floor_ms``: the bytes the step must move over this run's copy bandwidth: every non-expert weight the
   forward reads (lm_head once per target forward and once per draft), the experts the routing actually
-  touched (counted per layer in an eager step), the GDN state (recurrent state read + written, conv
+  touched (counted per layer in an eager step; the shared expert is folded into the stacked experts as
+  pseudo-experts that every token uses, so its bytes count once per step), the GDN state (recurrent state read + written, conv
   history, pending tokens) and the KV cache read; ``frac_floor = floor / time``.
 
 Then a torch.profiler table of one graphed step (k=1, B in ``--profile-batches``; CUDA kernel time by
@@ -192,7 +193,8 @@ def clear_running(engine) -> None:
 
 
 def count_touched_experts(engine) -> dict[str, list[int]]:
-    """One eager step with hooks on every MoE: distinct experts routed to, per layer, target and MTP."""
+    """One eager step with hooks on every MoE: distinct experts routed to, per layer, target and MTP (the
+    shared expert's pseudo-experts included: every token routes to them)."""
     from atom_models.moe import Experts, Fp8Experts
 
     touched: dict[str, list[int]] = {"target": [], "mtp": []}
@@ -228,7 +230,7 @@ def floor_bytes(engine, batch: int, ctx: int, touched: dict[str, list[int]]) -> 
     def weights(mod, skip: tuple = ()) -> tuple[float, float]:
         dense, per_expert = 0.0, 0.0
         for m in mod.modules():
-            if isinstance(m, (Experts, Fp8Experts)):  # one expert's slice of every stacked tensor
+            if isinstance(m, (Experts, Fp8Experts)):  # one (pseudo-)expert's slice of every stacked tensor
                 per_expert = sum(p[0].numel() * p.element_size() for p in m.parameters())
         for name, p in mod.named_parameters():
             if "experts." in name or any(s in name for s in skip):

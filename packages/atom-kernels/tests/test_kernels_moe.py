@@ -72,6 +72,43 @@ def test_moe_router_non_finite_logits(impl, device):
         assert_close(weights[[0, 4]], expected, (1e-6, 1e-5), "finite rows")
 
 
+@pytest.mark.parametrize("num_shared", [1, 2])
+def test_moe_router_shared_columns(impl, tol, device, num_shared):
+    """``num_shared = m``: routing over the first E columns exactly as without them, then m columns with
+    ids E + j and weight sigmoid(logits[:, E]). E = 12 (not a power of two), row 1 with a NaN routed logit
+    keeps a finite shared weight, row 2 with a NaN shared logit keeps its routed weights."""
+    fn = impl("moe_router", torch.float32)
+    num_experts, top_k = 12, 4
+    logits = randn(7, num_experts + 1, seed=9, dtype=torch.float32, device=device, scale=2.0)
+    logits[1, 3] = float("nan")
+    logits[2, num_experts] = float("nan")
+    weights, ids = fn(logits, top_k, True, num_shared=num_shared)
+    routed_w, routed_ids = fn(logits[:, :num_experts].contiguous(), top_k, True)
+    assert weights.shape == ids.shape == (7, top_k + num_shared)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert torch.equal(ids[:, :top_k].cpu(), routed_ids.cpu()), "routed ids differ from the router alone"
+    assert_close(
+        weights[[0, 2, 3, 4, 5, 6], :top_k], routed_w[[0, 2, 3, 4, 5, 6]], (0.0, 0.0), "routed weights"
+    )
+    assert bool(weights[1, :top_k].isnan().all()), "row 1: a NaN routed logit gives NaN routed weights"
+    want_ids = torch.arange(num_experts, num_experts + num_shared).expand(7, -1)
+    assert torch.equal(ids[:, top_k:].cpu(), want_ids), f"shared ids: {ids[:, top_k:]}"
+    gate = torch.sigmoid(logits[:, num_experts].double().cpu())[:, None].expand(-1, num_shared)
+    rows = [0, 1, 3, 4, 5, 6]
+    assert_close(weights[rows, top_k:], gate[rows], tol("moe_router", torch.float32), "shared weights")
+    assert bool(weights[2, top_k:].isnan().all()), "row 2: a NaN shared logit gives NaN shared weights"
+
+
+def test_moe_router_shared_bad_inputs(impl, device):
+    router = impl("moe_router", torch.float32)
+    with pytest.raises(ValueError, match=r"num_shared must be an int >= 0, got -1"):
+        router(torch.randn(3, 5, device=device), 2, True, num_shared=-1)
+    with pytest.raises(ValueError, match=r"top_k must be <= E=4, got 5"):
+        router(torch.randn(3, 5, device=device), 5, True, num_shared=1)
+    with pytest.raises(ValueError, match=r"logits must have shape \[T, E \+ 1\], got \(3,\)"):
+        router(torch.randn(3, device=device), 1, True, num_shared=1)
+
+
 def naive_moe(x, weights, ids, w13, w2):
     x, weights, w13, w2 = (t.double().cpu() for t in (x, weights, w13, w2))
     inter = w2.shape[-1]
@@ -98,6 +135,24 @@ def test_moe_experts_matches_per_token_loop(impl, tol, device, dtype, tokens):
     assert out.dtype == dtype and out.shape == x.shape
     expected = naive_moe(x, weights, ids.cpu(), w13, w2)
     assert_close(out, expected, tol("moe_experts", dtype), f"moe_experts {dtype} T={tokens}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 65])
+def test_moe_experts_with_shared_pseudo_experts(impl, tol, device, dtype, tokens):
+    """The model's folded shared expert: ``moe_router(..., num_shared=2)`` routes every token to experts
+    E and E + 1 as well (K = top_k + 2 columns), one ``moe_experts`` call over E + 2 stacked experts."""
+    router, experts = impl("moe_router", dtype), impl("moe_experts", dtype)
+    num_experts, m, hidden, inter, top_k = 16, 2, 64, 32, 4
+    x = randn(tokens, hidden, seed=12, dtype=dtype, device=device)
+    w13 = randn(num_experts + m, 2 * inter, hidden, seed=13, dtype=dtype, device=device, scale=hidden**-0.5)
+    w2 = randn(num_experts + m, hidden, inter, seed=14, dtype=dtype, device=device, scale=inter**-0.5)
+    logits = randn(tokens, num_experts + 1, seed=15, dtype=dtype, device=device)
+    weights, ids = router(logits, top_k, True, num_shared=m)
+    assert ids.shape == (tokens, top_k + m)
+    out = experts(x, weights, ids, w13, w2)
+    expected = naive_moe(x, weights, ids.cpu(), w13, w2)
+    assert_close(out, expected, tol("moe_experts", dtype), f"moe_experts + shared {dtype} T={tokens}")
 
 
 def test_moe_experts_int32_ids_and_unused_experts(impl, tol, device):

@@ -97,8 +97,8 @@ def test_fp8_weights_stay_fp8(fp8_dir, kernels32):
     layer = target.model.layers[3]
     assert isinstance(layer.self_attn.q_proj, Fp8Linear) and layer.self_attn.q_proj.weight.dtype == E4M3
     assert isinstance(layer.mlp.experts, Fp8Experts) and layer.mlp.experts.w13.dtype == E4M3
-    assert isinstance(layer.mlp.shared_expert.gate_up_proj, Fp8Linear)
-    for kept in (layer.mlp.gate, layer.mlp.shared_expert_gate, target.model.layers[0].linear_attn.in_proj_ba,
+    assert layer.mlp.shared_expert is None and layer.mlp.experts.num_shared == 2  # folded in (128 / 64)
+    for kept in (layer.mlp.gate, target.model.layers[0].linear_attn.in_proj_ba,
                  target.lm_head, mtp.fc, mtp.layers["4"].mlp.gate):  # fmt: skip
         assert type(kept) is Linear and kept.weight.dtype == torch.float32
     assert isinstance(target.model.layers[0].linear_attn.in_proj_qkvz, Fp8Linear)
@@ -110,10 +110,22 @@ def test_fp8_weights_stay_fp8(fp8_dir, kernels32):
     up = "model.layers.1.mlp.experts.6.up_proj.weight"
     assert torch.equal(ex.w13[6, 64:].view(torch.uint8), f[up].view(torch.uint8))
     assert torch.equal(ex.w13_scale_inv[6, 1:], f[up + "_scale_inv"])
-    su = "model.layers.2.mlp.shared_expert.up_proj.weight"
-    gu = target.model.layers[2].mlp.shared_expert.gate_up_proj
-    assert torch.equal(gu.weight[128:].view(torch.uint8), f[su].view(torch.uint8))
-    assert torch.equal(gu.weight_scale_inv[1:], f[su + "_scale_inv"])
+    # the shared expert (intermediate 128) as pseudo-experts E and E + 1 (64 rows each): both lie in the one
+    # 128-row scale block, so each holds a copy of its scale row; dequantised weights equal the checkpoint's
+    su, sd = (
+        "model.layers.2.mlp.shared_expert.up_proj.weight",
+        "model.layers.2.mlp.shared_expert.down_proj.weight",
+    )
+    ex2 = target.model.layers[2].mlp.experts
+    e = ex2.num_experts
+    for j in range(2):
+        rows = slice(64 * j, 64 * (j + 1))
+        assert torch.equal(ex2.w13[e + j, 64:].view(torch.uint8), f[su][rows].view(torch.uint8))
+        assert torch.equal(ex2.w13_scale_inv[e + j, 1:], f[su + "_scale_inv"])
+        assert torch.equal(ex2.w2[e + j].view(torch.uint8), f[sd][:, rows].view(torch.uint8))
+        assert torch.equal(ex2.w2_scale_inv[e + j], f[sd + "_scale_inv"])
+    router = target.model.layers[2].mlp.gate.weight
+    assert torch.equal(router[e:], f["model.layers.2.mlp.shared_expert_gate.weight"].float())
 
 
 def test_fp8_model_logits_follow_the_float32_reference(fp8_dir, kernels32, golden):
@@ -175,10 +187,28 @@ def test_non_finite_fp8_weight_or_scale_is_named(fp8_dir, tmp_path, kernels32):
     ]
 
 
-def test_engine_serves_fp8_weights_with_an_fp8_kv_cache(fp8_dir, greedy_cases):
+# The largest target top-2 margin at which a k = 1 token may differ from the k = 0 one (FP8 weights, e4m3
+# KV cache, float32 activations): measured 0.064 at the one difference seen (case 1, token 15); a margin
+# of 0.5 would be a real speculation bug.
+NEAR_TIE = 0.15
+# The largest float32 top-1 margin at which the FP8 model (W8A8, e4m3 KV cache) may first leave the float32
+# greedy continuation: W8A8 moves this model's logits by up to 4.6 (max |diff| over the golden rows, see
+# test_fp8_model_logits_follow_the_float32_reference); measured first departures: case 0 at token 4
+# (margin 1.05), case 1 none in 24 tokens.
+FP8_FLIP = 1.5
+
+
+def test_engine_serves_fp8_weights_with_an_fp8_kv_cache(fp8_dir, greedy_cases, kernels32):
     """The standalone engine on the FP8 checkpoint with an e4m3 KV cache, float32 activations: MTP k = 1
-    emits exactly the k = 0 tokens (speculation is lossless for any weights), the MTP head is accepted,
-    and the tokens mostly follow the bf16 checkpoint's float32 greedy continuation."""
+    emits the k = 0 tokens (speculation is lossless for any weights) up to a near tie of the target, the
+    MTP head is accepted, and the tokens follow the bf16 checkpoint's float32 greedy continuation up to a
+    token whose float32 margin is within the FP8 error (``FP8_FLIP``).
+
+    Near tie: the verify forward (k + 1 tokens per sequence) and the decode forward round float32 sums
+    differently (CPU GEMMs are not batch-invariant), and e4m3 rounding of the KV cache and of the
+    activations can turn that 1e-7 noise into a visible logit change; a first differing token is allowed
+    only where the target's top-2 margin (float32 prefill of the k = 0 sequence) is below
+    ``NEAR_TIE``."""
     from atom_models.engine import EngineConfig, LLMEngine, SamplingParams
 
     cases = greedy_cases["cases"][:2]
@@ -194,8 +224,27 @@ def test_engine_serves_fp8_weights_with_an_fp8_kv_cache(fp8_dir, greedy_cases):
         outs[k] = [r.output_ids for r in results]
         drafts = sum(r.stats.num_drafts for r in results)
         rates[k] = sum(r.stats.num_accepted_tokens for r in results) / max(drafts, 1)
-    assert outs[1] == outs[0], "k=1 must emit the k=0 tokens"
+    target, _ = _build(fp8_dir, kernels32)
+    load_target(target, fp8_dir)
+    for i, (o0, o1) in enumerate(zip(outs[0], outs[1])):
+        j = next((j for j, (a, b) in enumerate(zip(o0, o1)) if a != b), None)
+        if j is None:
+            assert len(o0) == len(o1) == 24, f"case {i}: {len(o0)} / {len(o1)} tokens"
+            continue
+        ids = torch.tensor(prompts[i] + o0[:j])
+        with torch.no_grad():
+            top = target.compute_logits(target(ids, torch.arange(ids.shape[0])))[-1].topk(2).values
+        margin = float(top[0] - top[1])
+        print(f"case {i}: k=1 leaves the k=0 tokens at token {j}, target top-2 margin {margin:.4f}")
+        assert margin < NEAR_TIE, f"case {i}: k=1 differs from k=0 at token {j}, margin {margin:.4f}"
     assert rates[1] > 0.4, f"MTP acceptance {rates[1]:.2f} on the FP8 checkpoint"
     same = [sum(a == b for a, b in zip(o, c["greedy_ids"])) / len(o) for o, c in zip(outs[0], cases)]
     print(f"FP8 weights + FP8 KV: acceptance {rates[1]:.2f}, tokens equal to float32 greedy {same}")
-    assert min(same) > 0.5, same
+    for i, (o, c) in enumerate(zip(outs[0], cases)):
+        j = next((j for j, (a, b) in enumerate(zip(o, c["greedy_ids"])) if a != b), None)
+        if j is not None:
+            margin = c["top1_margin"][j]
+            print(
+                f"case {i}: leaves the float32 greedy tokens at token {j} (float32 top-1 margin {margin:.3f})"
+            )
+            assert margin < FP8_FLIP, f"case {i}: FP8 leaves float32 greedy at token {j}, margin {margin:.3f}"

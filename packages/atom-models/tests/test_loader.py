@@ -62,10 +62,19 @@ def test_loads_stacked_experts_and_fused_rows(model_dir, kernels32):
     assert torch.equal(moe.experts.w13[5, :inter], tensor("model.layers.2.mlp.experts.5.gate_proj.weight"))
     assert torch.equal(moe.experts.w13[5, inter:], tensor("model.layers.2.mlp.experts.5.up_proj.weight"))
     assert torch.equal(moe.experts.w2[7], tensor("model.layers.2.mlp.experts.7.down_proj.weight"))
-    shared = moe.shared_expert.gate_up_proj.weight
-    assert torch.equal(
-        shared[shared.shape[0] // 2 :], tensor("model.layers.2.mlp.shared_expert.up_proj.weight")
-    )
+    # the shared expert (intermediate 128 = 2 x 64) folded in as pseudo-experts E, E + 1: slice j of its
+    # gate / up rows and down columns; its gate row is the router's last row
+    num_experts, m = moe.experts.num_experts, moe.num_shared
+    assert m == 2 and moe.experts.w13.shape[0] == num_experts + m and moe.shared_expert is None
+    pre = "model.layers.2.mlp."
+    for j in range(m):
+        rows = slice(j * inter, (j + 1) * inter)
+        w13, w2 = moe.experts.w13[num_experts + j], moe.experts.w2[num_experts + j]
+        assert torch.equal(w13[:inter], tensor(pre + "shared_expert.gate_proj.weight")[rows])
+        assert torch.equal(w13[inter:], tensor(pre + "shared_expert.up_proj.weight")[rows])
+        assert torch.equal(w2, tensor(pre + "shared_expert.down_proj.weight")[:, rows])
+    assert torch.equal(moe.gate.weight[:num_experts], tensor(pre + "gate.weight"))
+    assert torch.equal(moe.gate.weight[num_experts:], tensor(pre + "shared_expert_gate.weight"))
     # mtp.layers.0 lands in the layer with absolute index num_hidden_layers (4)
     assert torch.equal(
         mtp.layers["4"].self_attn.q_proj.weight, tensor("mtp.layers.0.self_attn.q_proj.weight")
@@ -112,6 +121,29 @@ def test_all_problems_in_one_error_with_file_names(model_dir, tmp_path, kernels3
         "model.bogus.weight",
     ):
         assert f"unexpected tensor {name} in model.safetensors" in msg
+
+
+def test_folded_shared_expert_problems_name_tensor_file_and_shape(model_dir, tmp_path, kernels32):
+    """The shared expert's tensors (split over pseudo-experts) and the shared gate row (the router's last
+    row) are checked like any other: wrong shape, missing, each named once."""
+
+    def edit(t):
+        t["model.layers.1.mlp.shared_expert.up_proj.weight"] = torch.zeros(96, 256)
+        t["model.layers.2.mlp.shared_expert.down_proj.weight"] = torch.zeros(256, 64)
+        t.pop("model.layers.3.mlp.shared_expert_gate.weight")
+
+    ckpt = _single_file_copy(model_dir, tmp_path / "ck", edit)
+    target, _ = _build(ckpt, kernels32)
+    with pytest.raises(CheckpointError) as e:
+        load_target(target, ckpt)
+    print(e.value)
+    assert e.value.problems == [
+        "tensor model.layers.1.mlp.shared_expert.up_proj.weight in model.safetensors has shape [96, 256], "
+        "expected [128, 256] (for model.layers.1.mlp.experts.w13, the shared expert folded in)",
+        "tensor model.layers.2.mlp.shared_expert.down_proj.weight in model.safetensors has shape [256, 64], "
+        "expected [256, 128] (for model.layers.2.mlp.experts.w2, the shared expert folded in)",
+        f"missing tensor model.layers.3.mlp.shared_expert_gate.weight (for model.layers.3.mlp.gate.weight) in {ckpt}",
+    ]
 
 
 def test_wrong_shape_in_sharded_checkpoint_names_the_shard(model_dir, tmp_path, kernels32):
@@ -234,10 +266,14 @@ _NOT_FP8 = (
 def test_fp8_block_checkpoint_is_dequantised_on_load(model_dir, tmp_path, kernels32, golden, monkeypatch):
     quantised = []
 
+    # layer 0's router and shared gate quantised too: the folded router (one Linear) dequantises both
+    routers = ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_expert_gate.weight")
+
     def edit(t):
         for name in list(t):
             w = t[name]
-            if w.dim() == 2 and name.endswith(".weight") and not any(s in name for s in _NOT_FP8):
+            fp8 = not any(s in name for s in _NOT_FP8) or name in routers
+            if w.dim() == 2 and name.endswith(".weight") and fp8:
                 t[name], t[name + "_scale_inv"] = _fp8_block_quant(w)
                 quantised.append(name)
 
@@ -263,8 +299,26 @@ def test_fp8_block_checkpoint_is_dequantised_on_load(model_dir, tmp_path, kernel
     load_mtp(mtp, ckpt, dequantize_fp8=True)
     # per load: the key listing, the header pass and the tensor pass (not one open per FP8 scale)
     assert opened == ["model.safetensors"] * 6, opened
-    assert len(quantised) == 152  # every expert, attention, GDN and shared-expert projection
+    assert len(quantised) == 154  # every expert, attention, GDN and shared-expert projection, 2 routers
     f = load_file(str(ckpt / "model.safetensors"))
+
+    def dequant(name):
+        return kernels32.fp8_block_dequant(
+            f[name], f[name + "_scale_inv"], block=(128, 128), dtype=torch.float32
+        )
+
+    # the shared expert's 64-row / 64-column slices (inside one 128 block) as pseudo-experts 8 and 9
+    moe = target.model.layers[2].mlp
+    for j in range(2):
+        sl = slice(64 * j, 64 * (j + 1))
+        assert torch.equal(
+            moe.experts.w13[8 + j, :64], dequant("model.layers.2.mlp.shared_expert.gate_proj.weight")[sl]
+        )
+        assert torch.equal(
+            moe.experts.w2[8 + j], dequant("model.layers.2.mlp.shared_expert.down_proj.weight")[:, sl]
+        )
+    router = target.model.layers[0].mlp.gate.weight
+    assert torch.equal(router, torch.cat([dequant(n) for n in routers]))
     want = kernels32.fp8_block_dequant(
         f["model.layers.1.mlp.experts.6.up_proj.weight"],
         f["model.layers.1.mlp.experts.6.up_proj.weight_scale_inv"],

@@ -157,3 +157,25 @@ def test_mamba_state_has_pending_tensor_only_with_mtp():
         page = MambaSpec(shapes=shapes_k, dtypes=dtypes_k, block_size=1).page_size_bytes
         without = MambaSpec(shapes=shapes_k[:2], dtypes=dtypes_k[:2], block_size=1).page_size_bytes
         assert page - without == (1 + k) * p * 4, (k, page, without)
+
+
+def test_draft_expects_exactly_the_checkpoint_mtp_tensors():
+    """The names the draft's missing-MTP error lists are the checkpoint's ``mtp.*`` tensors: the shared
+    expert folded into the stacked experts and the router included, no pseudo-expert as a routed one."""
+    from atom_core import Qwen3NextConfig
+    from atom_core.paths import default_model_dir
+    from atom_kernels import select_kernels
+    from atom_models import DenseCoreFactory, Qwen3NextForCausalLM, Qwen3NextMTP, checkpoint_files
+    from atom_vllm_plugin.models.draft import AtomQwen3NextMTP
+
+    ckpt = default_model_dir()
+    cfg = Qwen3NextConfig.from_hf(ckpt)
+    kern = select_kernels("cpu", torch.float32, backend="reference")
+    with torch.device("meta"):
+        target = Qwen3NextForCausalLM(cfg, DenseCoreFactory(kern), kern)
+        mtp = Qwen3NextMTP(cfg, DenseCoreFactory(kern), kern, target.model.embed_tokens, target.lm_head)
+    assert mtp.layers[str(cfg.num_hidden_layers)].mlp.num_shared == 2  # the tiny model folds Is = 2 I
+    draft = SimpleNamespace(atom_config=SimpleNamespace(model=cfg), model=mtp)
+    names = AtomQwen3NextMTP.expected_checkpoint_names(draft)
+    assert len(names) == len(set(names))
+    assert set(names) == {n for n in checkpoint_files(ckpt) if n.startswith("mtp.")}

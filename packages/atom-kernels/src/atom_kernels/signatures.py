@@ -42,9 +42,11 @@ class SiluAndMul(Protocol):
 
 
 class MoeRouter(Protocol):
-    """``moe_router``: Softmax (float32) over experts, top-k, optionally renormalised to sum 1. Spec: :func:`atom_kernels.ops.moe.reference.moe_router`."""
+    """``moe_router``: Softmax (float32) over the routed experts, top-k, optionally renormalised to sum 1; with ``num_shared = m > 0`` also ``m`` shared columns gated by ``sigmoid(logits[:, E])``. Spec: :func:`atom_kernels.ops.moe.reference.moe_router`."""
 
-    def __call__(self, logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]: ...
+    def __call__(
+        self, logits: Tensor, top_k: int, renormalize: bool, num_shared: int = 0
+    ) -> tuple[Tensor, Tensor]: ...
 
 
 class MoeExperts(Protocol):

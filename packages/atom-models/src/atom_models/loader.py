@@ -3,7 +3,9 @@
 Everything is validated from the safetensors headers first (missing, unexpected and mis-shaped tensors
 are collected into ONE :class:`CheckpointError`); then tensors are streamed one at a time (``safe_open``)
 straight into the parameters (stacked experts and fused gate/up rows are written in place, no second
-full copy). The renames/fuses/stacks come from :mod:`atom_models.weight_map`.
+full copy). The renames/fuses/stacks come from :mod:`atom_models.weight_map`; a MoE block with the shared
+expert folded in gets that expert's tensors as slices of its stacked experts and the shared gate row as
+the router's last row (:mod:`atom_models.folded_shared`).
 
 FP8 block-quantised checkpoints (``quantization_config.quant_method: fp8``): by default the weights stay
 FP8. Before planning, :func:`convert_fp8_modules` replaces every :class:`~atom_models.modules.Linear` and
@@ -34,12 +36,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from atom_models import folded_shared
 from atom_models.modules import Fp8Linear, Linear
 from atom_models.moe import Experts, Fp8Experts
 from atom_models.parallel import slices
 from atom_models.parallel.layout import TPLayout
 from atom_models.parallel.shard import check_fp8_shard
-from atom_models.weight_map import LM_HEAD, Target, map_name, sources_for
+from atom_models.weight_map import LM_HEAD, Target, map_name
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -166,8 +169,9 @@ def convert_fp8_modules(module: nn.Module, scope: _Scope, quant, kernels) -> lis
 
     A module is quantised unless every checkpoint module behind it (through ``weight_map``: fused gate/up
     rows, stacked experts) matches ``quant.modules_to_not_convert``; a module with some sources listed and
-    some not cannot be represented and raises ``ValueError`` naming it. Linears with a bias and ``lm_head``
-    stay as they are (the MTP draft holds the target's ``lm_head`` module; a quantised ``lm_head`` in the
+    some not cannot be represented and raises ``ValueError`` naming it. Linears with a bias, a folded MoE
+    block's router (its rows come from two checkpoint tensors; quantised ones are dequantised on load) and
+    ``lm_head`` stay as they are (the MTP draft holds the target's ``lm_head`` module; a quantised ``lm_head`` in the
     checkpoint is dequantised on load). The new parameters are created on the old weight's device (uninitialised;
     the loader fills them). Returns the names of the converted modules.
     """
@@ -182,9 +186,12 @@ def convert_fp8_modules(module: nn.Module, scope: _Scope, quant, kernels) -> lis
         else:
             local = pname[len(scope.param_prefix) :]
             rows = mod.num_experts if isinstance(mod, Experts) else mod.weight.shape[0]
-            srcs = [scope.to_ckpt(s) for s in sources_for(local, rows)]
+            srcs = [scope.to_ckpt(s) for s in folded_shared.sources(module, pname, local, rows)]
         if not srcs or name.split(".")[0] in SHARED_MODULES:
             continue
+        folded = folded_shared.folded_block(module, pname)
+        if folded is not None and mod is folded.gate:
+            continue  # the router with the shared gate row: unquantised (a quantised one is dequantised on load)
         skipped = [_skipped(s.rsplit(".", 1)[0], quant.modules_to_not_convert) for s in srcs]
         if all(skipped):
             continue
@@ -205,6 +212,7 @@ def convert_fp8_modules(module: nn.Module, scope: _Scope, quant, kernels) -> lis
                 intermediate_range=mod.intermediate_range,
                 full_intermediate_size=mod.full_intermediate_size,
                 name=name,
+                num_shared=mod.num_shared,
             )
         else:
             if mod.shard is not None:
@@ -225,6 +233,53 @@ def _dest_view(param: torch.Tensor, t: Target) -> torch.Tensor:
         rows = view.shape[0] // parts
         view = view[part * rows : (part + 1) * rows]
     return view
+
+
+def _plan_folded(
+    f, fname, name, local, block, pname, all_params, plan_state, fp8_block, layout
+) -> list[str] | None:
+    """Plan the copies of checkpoint tensor ``name`` (``local``: scope-relative) into a MoE block with the
+    shared expert folded in (:mod:`atom_models.folded_shared`): the router's rows, or one slice per
+    pseudo-expert with the FP8 scale rows / columns that slice uses (copied to every pseudo-expert that uses
+    them). ``plan_state`` = ``(copies, scales, used_scales, scale_checks)`` of :func:`_plan`, appended to as
+    there. Returns the problems, or None when the ordinary rule places the tensor (a routed expert)."""
+    placed = folded_shared.places(block, local, pname, all_params, SCALE_SUFFIX)
+    if placed is None:
+        return None
+    full, places = placed
+    copies, scales, used_scales, scale_checks = plan_state
+    shape = tuple(f.get_slice(name).get_shape())
+    if shape != full:
+        rank = (
+            "" if layout.world_size == 1 else f"; tensor parallel rank {layout.rank} of {layout.world_size}"
+        )
+        return [
+            f"tensor {name} in {fname} has shape {list(shape)}, expected {list(full)} "
+            f"(for {pname}, the shared expert folded in{rank})"
+        ]
+    scale = name + SCALE_SUFFIX if fp8_block is not None and name + SCALE_SUFFIX in scales else None
+    planned = []
+    for place in places:
+        copy = _Copy(name, place.view, pieces=place.pieces)
+        if scale is not None:
+            copy.scale, copy.scale_view = scale, place.scale_view
+            used_scales.add(scale)
+            copy.scale_pieces = slices.scale_pieces(
+                pname.rsplit(".", 1)[0], place.pieces, fp8_block, layout.world_size
+            )
+            want = None if place.scale_view is None else tuple(place.scale_view.shape)
+            scale_checks.append((scale, shape, want, pname + SCALE_SUFFIX, copy.scale_pieces))
+        planned.append(copy)
+    dtype = f.get_slice(name).get_dtype()
+    if dtype in ("F8_E4M3", "F8_E5M2") and scale is None:
+        return [f"tensor {name} in {fname} is FP8 but {name + SCALE_SUFFIX} is missing"]
+    if all_params[pname].dtype in FP8_DTYPES and dtype not in ("F8_E4M3", "F8_E5M2"):
+        return [
+            f"tensor {name} in {fname} has dtype {dtype}, but {pname} is FP8 "
+            "(quantization_config does not list it in modules_to_not_convert)"
+        ]
+    copies[fname].extend(planned)
+    return []
 
 
 def _plan(
@@ -253,7 +308,11 @@ def _plan(
         else:
             scope = next((s for s in scopes if pname.startswith(s.param_prefix)), None)
             local = pname[len(scope.param_prefix) :] if scope else pname
-            srcs = [scope.to_ckpt(s) for s in sources_for(local, p.shape[0])] if scope else []
+            srcs = (
+                [scope.to_ckpt(s) for s in folded_shared.sources(module, pname, local, p.shape[0])]
+                if scope
+                else []
+            )
         if not srcs:
             problems.append(f"parameter {pname} of the {what} has no checkpoint rule (weight_map.RULES)")
         for s in srcs:
@@ -294,6 +353,16 @@ def _plan(
                         target = Target(
                             scope.param_prefix + target.param, target.expert, target.shard, target.tp
                         )
+                    block = folded_shared.folded_block(module, expected[name]) if name in expected else None
+                    if block is not None:
+                        state = (copies, scales, used_scales, scale_checks)
+                        found = _plan_folded(
+                            f, fname, name, scope.from_ckpt(name), block, expected[name], all_params, state,
+                            fp8_block, layout,
+                        )  # fmt: skip
+                        if found is not None:
+                            problems += found
+                            continue
                 if target is None or target.param not in params or name not in expected:
                     problems.append(
                         f"unexpected tensor {name} in {fname} (no parameter of the {what} takes it)"
@@ -424,7 +493,7 @@ def _execute(ckpt_dir: str, plan: _Plan, kernels, block: tuple[int, int] | None)
     """Stream every planned tensor into its parameter; each file is opened once (scales read through the
     handle of their file, usually the weight's own). Non-finite values are collected over all files into
     one :class:`CheckpointError`."""
-    n = 0
+    read: set[str] = set()  # a folded shared expert's tensor lands in several pseudo-experts: counted once
     problems: list[str] = []
     with ExitStack() as stack:
         handles: dict[str, object] = {}
@@ -450,11 +519,11 @@ def _execute(ckpt_dir: str, plan: _Plan, kernels, block: tuple[int, int] | None)
                         )
                 c.view.copy_(t)
                 loaded.append(c)
-                n += 1
+                read.add(c.name)
             problems += _non_finite(ckpt_dir, fname, loaded, plan)
     if problems:
         raise CheckpointError(ckpt_dir, problems)
-    return n
+    return len(read)
 
 
 def _fp8_block(config) -> tuple[int, int] | None:

@@ -12,12 +12,18 @@ from atom_models.parallel.shard import check_every_rank
 
 
 class Experts(nn.Module):
-    """Routed experts stacked: ``w13[E, 2I, H]`` (rows ``[gate; up]``) and ``w2[E, H, I]``.
+    """Routed experts stacked: ``w13[E + m, 2I, H]`` (rows ``[gate; up]``) and ``w2[E + m, H, I]``.
 
     ``I`` is this rank's ``intermediate_size``: rows ``intermediate_range`` (``[start, end)`` of the full
     ``moe_intermediate_size``) of every expert's gate and up projections, the same columns of its down
     projection (tensor parallel over the intermediate dimension; default: the whole of it). The output is
     this rank's partial sum; the MoE block all-reduces it.
+
+    ``num_shared = m`` pseudo-experts ``E .. E + m - 1`` hold the shared expert (full intermediate size
+    ``m * full_intermediate_size``): pseudo-expert j holds its gate and up rows and its down columns
+    ``[j * I_full, (j + 1) * I_full)``, of which this rank holds ``intermediate_range`` shifted by
+    ``j * I_full``. Their outputs sum to the shared expert's (SiLU-and-mul is per channel, down a sum over
+    channels). ``num_experts`` is ``E``, the routed experts only.
     """
 
     def __init__(
@@ -28,9 +34,11 @@ class Experts(nn.Module):
         dtype: torch.dtype | None = None,
         intermediate_range: tuple[int, int] | None = None,
         full_intermediate_size: int | None = None,
+        num_shared: int = 0,
     ):
         super().__init__()
         self.num_experts = num_experts
+        self.num_shared = num_shared
         self.intermediate_range = (0, intermediate_size) if intermediate_range is None else intermediate_range
         self.full_intermediate_size = (
             intermediate_size if full_intermediate_size is None else full_intermediate_size
@@ -39,11 +47,12 @@ class Experts(nn.Module):
             raise ValueError(
                 f"Experts: range {self.intermediate_range} does not hold {intermediate_size} rows"
             )
+        rows = num_experts + num_shared
         self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False
+            torch.empty(rows, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False
         )
         self.w2 = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
+            torch.empty(rows, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
         )
 
     def forward(self, kernels, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -51,11 +60,13 @@ class Experts(nn.Module):
 
 
 class Fp8Experts(nn.Module):
-    """Routed experts with FP8 block-scaled weights, stacked: ``w13[E, 2I, H]`` and ``w2[E, H, I]``
-    float8_e4m3fn; ``w13_scale_inv[E, 2 * ceil(I/bn), ceil(H/bk)]`` (the gate's row blocks, then the up
-    projection's, each as in its checkpoint tensor) and ``w2_scale_inv[E, ceil(H/bn), ceil(I/bk)]`` float32.
-    ``I`` and ``intermediate_range`` as in :class:`Experts`; every rank's range must start on a block
-    boundary or lie inside one block (``ValueError`` otherwise, naming ``name``, on every rank).
+    """Routed experts with FP8 block-scaled weights, stacked: ``w13[E + m, 2I, H]`` and ``w2[E + m, H, I]``
+    float8_e4m3fn; ``w13_scale_inv[E + m, 2 * ceil(I/bn), ceil(H/bk)]`` (the gate's row blocks, then the up
+    projection's, each as in its checkpoint tensor) and ``w2_scale_inv[E + m, ceil(H/bn), ceil(I/bk)]``
+    float32. ``I``, ``intermediate_range`` and the ``num_shared = m`` pseudo-experts as in :class:`Experts`;
+    a pseudo-expert whose rows lie inside one scale block of the shared expert's tensor holds a copy of that
+    block's scales. Every rank's range (of every pseudo-expert too) must start on a block boundary or lie
+    inside one block (``ValueError`` otherwise, naming ``name``, on every rank).
     """
 
     def __init__(
@@ -68,9 +79,11 @@ class Fp8Experts(nn.Module):
         intermediate_range: tuple[int, int] | None = None,
         full_intermediate_size: int | None = None,
         name: str = "experts",
+        num_shared: int = 0,
     ):
         super().__init__()
         self.num_experts = num_experts
+        self.num_shared = num_shared
         self.intermediate_range = (0, intermediate_size) if intermediate_range is None else intermediate_range
         self.full_intermediate_size = (
             intermediate_size if full_intermediate_size is None else full_intermediate_size
@@ -84,9 +97,13 @@ class Fp8Experts(nn.Module):
         full = self.full_intermediate_size  # every rank's range checked: the same verdict on every rank
         check_every_rank(name, full, intermediate_size, int(block[0]), "rows", world_size)  # gate / up rows
         check_every_rank(name, full, intermediate_size, int(block[1]), "columns", world_size)  # down columns
+        if num_shared:  # every rank's range of every pseudo-expert, in the shared expert's tensors
+            shared = full * num_shared
+            check_every_rank(name, shared, intermediate_size, int(block[0]), "rows", world_size)
+            check_every_rank(name, shared, intermediate_size, int(block[1]), "columns", world_size)
         self.block = (int(block[0]), int(block[1]))
         bn, bk = self.block
-        e, h, i = num_experts, hidden_size, intermediate_size
+        e, h, i = num_experts + num_shared, hidden_size, intermediate_size
 
         def param(*shape, dtype):
             return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -103,14 +120,32 @@ class Fp8Experts(nn.Module):
         )
 
 
+def shared_pseudo_experts(config: Qwen3NextConfig) -> int:
+    """``m = shared_expert_intermediate_size / moe_intermediate_size`` when the shared expert can be stored
+    as ``m`` pseudo-experts after the routed ones; 0 when there is none or the sizes do not divide (then
+    :class:`SparseMoeBlock` keeps a separate :class:`GatedMLP`)."""
+    shared, inter = config.shared_expert_intermediate_size, config.moe_intermediate_size
+    if shared <= 0 or inter <= 0 or shared % inter:
+        return 0
+    return shared // inter
+
+
 class SparseMoeBlock(nn.Module):
     """``experts(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)`` (HF ``Qwen3NextSparseMoeBlock``).
 
-    Tensor parallel (``layout``): the router ``gate`` and ``shared_expert_gate`` are replicated (every rank
-    routes every token, the same way); the routed experts and the shared expert are sharded over their
-    intermediate dimension, so each rank's output is a partial sum of both; they are added (the sigmoid
-    gate is a per-token scalar, so it applies to partial sums) and all-reduced ONCE per block. No token
-    is moved between ranks (no all-to-all); expert parallelism is not implemented.
+    Folded form (``num_shared = m > 0``, :func:`shared_pseudo_experts`): the shared expert is ``m``
+    pseudo-experts after the routed ones (:class:`Experts`), and the router ``gate`` is one Linear
+    ``H -> E + 1`` (the routed experts' rows, then ``shared_expert_gate``'s row):
+    ``moe_router(gate(x), top_k, renormalize, num_shared=m)`` routes every token to the pseudo-experts with
+    weight ``sigmoid(logit E)``, and one ``moe_experts`` call computes routed and shared experts together.
+    Otherwise (``Is % I != 0``) the shared expert is a separate :class:`GatedMLP` with its own
+    ``shared_expert_gate``; without a shared expert (``Is == 0``) only the routed experts.
+
+    Tensor parallel (``layout``): the router is replicated (every rank routes every token, the same way);
+    the routed experts and the shared expert are sharded over their intermediate dimension (each
+    pseudo-expert as a routed one), so each rank's output is a partial sum (the sigmoid gate is a
+    per-token scalar, so it applies to partial sums), all-reduced ONCE per block. No token is moved between
+    ranks (no all-to-all); expert parallelism is not implemented.
     """
 
     def __init__(
@@ -127,8 +162,11 @@ class SparseMoeBlock(nn.Module):
         self.parallel = parallel
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
-        # HF names the router "gate" (a Linear H -> E without bias).
-        self.gate = Linear(config.hidden_size, config.num_experts, dtype=dtype)
+        self.num_shared = shared_pseudo_experts(config)
+        # HF names the router "gate" (a Linear H -> E without bias); folded: H -> E + 1.
+        self.gate = Linear(
+            config.hidden_size, config.num_experts + (1 if self.num_shared else 0), dtype=dtype
+        )
         self.experts = Experts(
             config.num_experts,
             config.hidden_size,
@@ -136,7 +174,9 @@ class SparseMoeBlock(nn.Module):
             dtype=dtype,
             intermediate_range=layout.row_range(config.moe_intermediate_size),
             full_intermediate_size=config.moe_intermediate_size,
+            num_shared=self.num_shared,
         )
+        separate = config.shared_expert_intermediate_size > 0 and not self.num_shared
         self.shared_expert = (
             GatedMLP(
                 config.hidden_size,
@@ -146,16 +186,19 @@ class SparseMoeBlock(nn.Module):
                 parallel=parallel,
                 reduce_results=False,
             )
-            if config.shared_expert_intermediate_size > 0
+            if separate
             else None
         )
-        self.shared_expert_gate = (
-            Linear(config.hidden_size, 1, dtype=dtype) if self.shared_expert is not None else None
-        )
+        self.shared_expert_gate = Linear(config.hidden_size, 1, dtype=dtype) if separate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.kernels
-        weights, ids = k.moe_router(self.gate(x), self.top_k, self.renormalize)
+        if self.num_shared:
+            weights, ids = k.moe_router(
+                self.gate(x), self.top_k, self.renormalize, num_shared=self.num_shared
+            )
+        else:
+            weights, ids = k.moe_router(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(k, x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

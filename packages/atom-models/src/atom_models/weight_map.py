@@ -104,6 +104,18 @@ RULES: tuple[Rule, ...] = (
     Rule(_L + "mlp.down_proj.weight", _L + "mlp.down_proj.weight", tp=COLS),
 )
 
+# The shared expert folded into the routed experts (``SparseMoeBlock.num_shared = m > 0``): its gate / up
+# rows and down columns go to the m pseudo-experts stacked after the E routed ones (slice j of the
+# intermediate dim to pseudo-expert E + j, each split over tensor-parallel ranks as a routed expert), and
+# ``shared_expert_gate`` is the router's last row; the loader places the slices (``loader._plan_folded``).
+# These apply instead of RULES' shared-expert rows where the model has no ``mlp.shared_expert`` module.
+FOLDED_SHARED_RULES: tuple[Rule, ...] = (
+    Rule(_L + "mlp.shared_expert.gate_proj.weight", _L + "mlp.experts.w13", shard=(0, 2), tp=ROWS),
+    Rule(_L + "mlp.shared_expert.up_proj.weight", _L + "mlp.experts.w13", shard=(1, 2), tp=ROWS),
+    Rule(_L + "mlp.shared_expert.down_proj.weight", _L + "mlp.experts.w2", tp=COLS),
+    Rule(_L + "mlp.shared_expert_gate.weight", _L + "mlp.gate.weight"),
+)
+
 # The untied LM head (outside the trunk's scope): vocabulary rows, as embed_tokens.
 LM_HEAD = Rule("lm_head.weight", "lm_head.weight", tp=ROWS)
 
@@ -118,6 +130,8 @@ def _regex(template: str) -> re.Pattern[str]:
 
 _SRC = tuple((_regex(r.src), r) for r in RULES)
 _DST = tuple((_regex(r.dst), r) for r in RULES)
+_FOLDED_SRC = tuple((_regex(r.src), r) for r in FOLDED_SHARED_RULES)
+_FOLDED_DST = tuple((_regex(r.dst), r) for r in FOLDED_SHARED_RULES)
 
 
 @dataclass(frozen=True)
@@ -130,9 +144,11 @@ class Target:
     tp: str | None = None
 
 
-def map_name(name: str) -> Target | None:
-    """Checkpoint name (scope-relative) -> destination, or None if no rule knows it."""
-    for rx, rule in _SRC:
+def map_name(name: str, folded: bool = False) -> Target | None:
+    """Checkpoint name (scope-relative) -> destination, or None if no rule knows it; ``folded``: the
+    destination in a MoE block with the shared expert folded in (``FOLDED_SHARED_RULES``), None for names
+    those rules do not know."""
+    for rx, rule in _FOLDED_SRC if folded else _SRC:
         m = rx.match(name)
         if m:
             groups = m.groupdict()
@@ -142,13 +158,15 @@ def map_name(name: str) -> Target | None:
     return None
 
 
-def sources_for(param: str, num_rows: int) -> list[str]:
+def sources_for(param: str, num_rows: int, folded: bool = False) -> list[str]:
     """The checkpoint names (scope-relative) that together fill parameter ``param``.
 
-    ``num_rows`` is ``param.shape[0]`` (the number of experts for stacked expert parameters).
+    ``num_rows`` is ``param.shape[0]`` (the number of routed experts for stacked expert parameters).
+    ``folded``: ``param`` belongs to a MoE block with the shared expert folded in; the shared expert's
+    tensors (``FOLDED_SHARED_RULES``) are sources too.
     """
     names: list[str] = []
-    for rx, rule in _DST:
+    for rx, rule in _DST + (_FOLDED_DST if folded else ()):
         m = rx.match(param)
         if not m:
             continue

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from atom_core import ConfigError
 from atom_models import CheckpointError, Qwen3NextMTP, checkpoint_files, load_mtp
-from atom_models.weight_map import sources_for
+from atom_models.folded_shared import sources
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 
@@ -157,7 +157,7 @@ class AtomQwen3NextMTP(nn.Module):
         for pname, p in self.model.named_parameters():
             if pname.split(".")[0] in ("embed_tokens", "lm_head"):
                 continue
-            for src in sources_for(pname, p.shape[0]):
+            for src in sources(self.model, pname, pname, p.shape[0]):  # a folded shared expert's too
                 src = re.sub(r"^layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) - offset}.", src)
                 names.append("mtp." + src)
         return names

@@ -5,12 +5,22 @@ import torch
 from atom_kernels.ops._checks import FLOAT_DTYPES, FP8_DTYPES, Checker
 
 
-def check_moe_router(logits: torch.Tensor, top_k: int, renormalize: bool) -> None:
+def check_moe_router(logits: torch.Tensor, top_k: int, renormalize: bool, num_shared: int = 0) -> int:
+    """Returns the number of routed experts ``E`` (``logits`` is ``[T, E]``, or ``[T, E + 1]`` with
+    ``num_shared > 0``)."""
     c = Checker("moe_router")
-    c.tensor("logits", logits, ("T", "E"), FLOAT_DTYPES)
+    ok = isinstance(num_shared, int) and not isinstance(num_shared, bool) and num_shared >= 0
+    c.require(ok, f"num_shared must be an int >= 0, got {num_shared!r}")
+    c.tensor("logits", logits, ("T", "E + 1" if num_shared else "E"), FLOAT_DTYPES)
+    num_experts = logits.shape[1] - (1 if num_shared else 0)
+    c.require(
+        num_experts >= 1, f"logits must hold at least one routed expert column, got {tuple(logits.shape)}"
+    )
+    c.dims["E"] = num_experts
     c.positive_int("top_k", top_k)
     c.require(top_k <= c.dim("E"), f"top_k must be <= E={c.dim('E')}, got {top_k}")
     c.require(isinstance(renormalize, bool), f"renormalize must be a bool, got {renormalize!r}")
+    return num_experts
 
 
 def check_moe_experts(

@@ -11,26 +11,39 @@ from atom_kernels.ops.fp8.reference import fp8_act_quant
 from atom_kernels.ops.moe.checks import check_moe_experts, check_moe_experts_fp8, check_moe_router
 
 
-def moe_router(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax (float32) over experts, top-k, optionally renormalised to sum 1.
+def moe_router(
+    logits: torch.Tensor, top_k: int, renormalize: bool, num_shared: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax (float32) over the routed experts, top-k, optionally renormalised to sum 1; with
+    ``num_shared = m > 0`` also ``m`` shared columns gated by ``sigmoid(logits[:, E])``.
 
     Args:
-        logits: ``[T, E]`` router logits.
-        top_k: experts per token.
+        logits: ``[T, E]`` router logits, or ``[T, E + 1]`` with ``num_shared > 0``: the routed experts'
+            logits, then the shared expert's gate logit.
+        top_k: routed experts per token.
         renormalize: divide the top-k weights by their sum (Qwen3-Next ``norm_topk_prob``).
+        num_shared: pseudo-experts ``E .. E + m - 1`` (a shared expert stored as ``m`` slices of the
+            routed experts' intermediate size) that every token uses; 0: none.
 
     Returns:
-        ``(weights [T, top_k] float32, ids [T, top_k] int64)``, weights in descending order. A row with
-        a NaN or +inf logit gets NaN weights and ``top_k`` distinct ids in ``[0, E)``.
+        ``(weights [T, top_k + m] float32, ids [T, top_k + m] int64)``: the routed weights in descending
+        order (softmax over ``logits[:, :E]`` only), then columns ``top_k + j`` with id ``E + j`` and weight
+        ``sigmoid(logits[:, E])`` (float32). A row with a NaN or +inf routed logit gets NaN routed weights
+        and ``top_k`` distinct ids in ``[0, E)``.
     """
-    check_moe_router(logits, top_k, renormalize)
-    probs = torch.softmax(logits.float(), dim=-1)
+    num_experts = check_moe_router(logits, top_k, renormalize, num_shared)
+    probs = torch.softmax(logits[:, :num_experts].float(), dim=-1)
     # A NaN or +inf logit makes its row NaN: NaN ranks as -inf (as in the triton backend), the ids stay
     # distinct experts in [0, E) and the weights keep the NaN.
     _, ids = torch.topk(probs.masked_fill(probs.isnan(), float("-inf")), top_k, dim=-1)
     weights = probs.gather(-1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if num_shared:
+        gate = torch.sigmoid(logits[:, num_experts:].float())  # [T, 1]
+        shared_ids = torch.arange(num_experts, num_experts + num_shared, device=ids.device)
+        weights = torch.cat([weights, gate.expand(-1, num_shared)], dim=-1)
+        ids = torch.cat([ids, shared_ids.expand(ids.shape[0], -1)], dim=-1)
     return weights, ids
 
 

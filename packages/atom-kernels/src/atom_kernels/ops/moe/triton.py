@@ -20,9 +20,10 @@ Weights stay in the checkpoint layout (``w13 [E, 2I, H]``, ``w2 [E, H, I]``, red
 ``BLOCK_K`` divides 128 and ``BLOCK_N`` divides 128, so FP8 block-scaled weights (128 x 128 scale
 blocks) can later load one scale per tile without changing the layout.
 
-The Qwen3-Next shared expert (intermediate 512 = the routed experts') can ride along as expert ``E``:
-stack its weights after the routed ones once at load time and append the column ``(E, sigmoid(gate))``
-to ``(ids, weights)``; see ``benchmarks/gpu/bench_moe.py`` ("routed+shared").
+The Qwen3-Next shared expert rides along as pseudo-experts ``E .. E + m - 1`` (its intermediate size
+split into ``m`` slices of the routed experts'): the model stacks its weights after the routed ones at
+load time and ``moe_router(..., num_shared=m)`` appends the columns ``(E + j, sigmoid(gate))`` to
+``(ids, weights)``; see ``benchmarks/gpu/bench_moe.py`` ("routed+shared").
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from atom_kernels.ops.moe.checks import check_moe_experts, check_moe_router
 @triton.jit
 def _moe_router_kernel(
     logits_ptr, w_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-    E_P2: tl.constexpr, K_P2: tl.constexpr,
+    E_P2: tl.constexpr, K_P2: tl.constexpr, NUM_SHARED: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_P2)
@@ -62,8 +63,15 @@ def _moe_router_kernel(
         free = free & (offs != i)
     if RENORM:
         top_w = top_w / tl.sum(tl.where(slots < TOP_K, top_w, 0.0), 0)
-    tl.store(w_ptr + t * TOP_K + slots, top_w, mask=slots < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + slots, top_i, mask=slots < TOP_K)
+    row = TOP_K + NUM_SHARED  # output columns per token: routed, then shared
+    tl.store(w_ptr + t * row + slots, top_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + t * row + slots, top_i, mask=slots < TOP_K)
+    if NUM_SHARED > 0:  # the shared gate logit sits after the routed ones: sigmoid, one weight per slice
+        g = tl.load(logits_ptr + t * stride_l + num_experts).to(tl.float32)
+        gate = tl.sigmoid(g)
+        for j in tl.static_range(NUM_SHARED):
+            tl.store(w_ptr + t * row + TOP_K + j, gate)
+            tl.store(ids_ptr + t * row + TOP_K + j, (num_experts + j).to(tl.int64))
 
 
 @triton.jit
@@ -223,18 +231,23 @@ def _moe_sum_kernel(
     tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def moe_router(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax (float32) over experts, top-k, optional renormalisation: one launch, one program per token."""
-    check_moe_router(logits, top_k, renormalize)
-    num_tokens, num_experts = logits.shape
+def moe_router(
+    logits: torch.Tensor, top_k: int, renormalize: bool, num_shared: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax (float32) over the routed experts, top-k, optional renormalisation, and ``num_shared``
+    shared columns (``sigmoid(logits[:, E])``, ids ``E + j``): one launch, one program per token."""
+    num_experts = check_moe_router(logits, top_k, renormalize, num_shared)
+    num_tokens = logits.shape[0]
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=logits.device)
+    cols = top_k + num_shared
+    weights = torch.empty((num_tokens, cols), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((num_tokens, cols), dtype=torch.int64, device=logits.device)
     if num_tokens:
         _moe_router_kernel[(num_tokens,)](
             logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k, RENORM=bool(renormalize),
-            E_P2=triton.next_power_of_2(num_experts), K_P2=triton.next_power_of_2(top_k), num_warps=4,
+            E_P2=triton.next_power_of_2(num_experts), K_P2=triton.next_power_of_2(top_k),
+            NUM_SHARED=num_shared, num_warps=4,
         )  # fmt: skip
     return weights, ids
 

@@ -1,0 +1,84 @@
+"""Where the loader writes the shared expert of a MoE block that folds it into the routed experts
+(:class:`~atom_models.moe.SparseMoeBlock` with ``num_shared = m > 0``).
+
+The checkpoint keeps HF's layout (``mlp.gate.weight [E, H]``, ``mlp.shared_expert_gate.weight [1, H]``,
+``mlp.shared_expert.{gate,up}_proj.weight [Is, H]``, ``down_proj.weight [H, Is]``); the block holds a router
+``[E + 1, H]`` (rows ``[0, E)`` then row ``E``) and stacked experts whose rows ``E + j`` hold slice j
+(``[jI, (j+1)I)`` of the intermediate dim, I the full ``moe_intermediate_size``) of the shared expert's
+gate / up rows and down columns. A tensor-parallel rank holds ``intermediate_range`` of each slice, so it
+reads ``[jI + start, jI + end)``. The names come from ``weight_map.FOLDED_SHARED_RULES``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from atom_models.moe import SparseMoeBlock
+from atom_models.parallel.slices import Pieces
+from atom_models.weight_map import COLS, map_name, sources_for
+
+
+def folded_block(module: nn.Module, pname: str) -> SparseMoeBlock | None:
+    """The MoE block with the shared expert folded in that parameter ``pname`` (``<block>.<child>.<leaf>``,
+    relative to ``module``) belongs to, or None."""
+    if pname.count(".") < 2:
+        return None
+    try:
+        block = module.get_submodule(pname.rsplit(".", 2)[0])
+    except AttributeError:
+        return None
+    return block if isinstance(block, SparseMoeBlock) and block.num_shared else None
+
+
+def sources(module: nn.Module, pname: str, local: str, rows: int) -> list[str]:
+    """``weight_map.sources_for`` of parameter ``pname`` (``local``: its scope-relative name; ``rows``: its
+    expert / row count): a folded block's stacked experts take its ``num_experts`` routed experts plus the
+    shared expert's tensors, its router also the shared gate row."""
+    block = folded_block(module, pname)
+    if block is None:
+        return sources_for(local, rows)
+    return sources_for(local, block.experts.num_experts, folded=True)
+
+
+@dataclass(frozen=True)
+class Place:
+    """One destination of a checkpoint tensor: ``view`` of the parameter (``scale_view`` of its FP8 block
+    scales, if the parameter is FP8) and the ``pieces`` of the checkpoint tensor to read (None: all of it)."""
+
+    view: torch.Tensor
+    scale_view: torch.Tensor | None
+    pieces: Pieces | None
+
+
+def places(
+    block: SparseMoeBlock, local: str, pname: str, params: dict[str, torch.Tensor], scale_suffix: str
+) -> tuple[tuple[int, ...], list[Place]] | None:
+    """``(checkpoint shape expected, destinations)`` of checkpoint tensor ``local`` (scope-relative) bound
+    for parameter ``pname`` of the folded ``block``; None when the ordinary rule places it (a routed
+    expert). ``params``: every parameter by name (FP8 scales included, named ``<weight>{scale_suffix}``)."""
+    param = params[pname]
+    e = block.experts.num_experts
+    if pname.rsplit(".", 2)[1] == "gate":  # the router: rows [0, E) from mlp.gate, row E the shared gate
+        rows = (e, e + 1) if local.endswith("shared_expert_gate.weight") else (0, e)
+        return (rows[1] - rows[0], param.shape[1]), [Place(param[rows[0] : rows[1]], None, None)]
+    rule = map_name(local, folded=True)
+    if rule is None:
+        return None
+    experts = block.experts
+    m, inter = experts.num_shared, experts.full_intermediate_size
+    start, end = experts.intermediate_range
+    dim = 1 if rule.tp == COLS else 0  # the shared expert's intermediate dim: gate / up rows, down columns
+    full = (m * inter, param.shape[2]) if dim == 0 else (param.shape[1], m * inter)
+    scales = params.get(pname + scale_suffix) if param.dtype == torch.float8_e4m3fn else None
+    out = []
+    for j in range(m):
+        view, sview = param[e + j], None if scales is None else scales[e + j]
+        if rule.shard is not None:  # gate or up half of w13 (and of its scale rows)
+            part, parts = rule.shard
+            view = view.chunk(parts)[part]
+            sview = None if sview is None else sview.chunk(parts)[part]
+        out.append(Place(view, sview, Pieces(dim, ((j * inter + start, j * inter + end),))))
+    return full, out

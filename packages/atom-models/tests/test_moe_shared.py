@@ -1,0 +1,150 @@
+"""The Qwen3-Next MoE block's shared expert: folded into the routed experts as ``m = Is / I`` pseudo-experts
+(bf16/float32 and FP8 block-scaled weights), or a separate gated MLP when ``Is % I != 0``; both against the
+HF formula ``experts(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)`` computed from the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from atom_core import Qwen3NextConfig
+from atom_kernels import select_kernels
+from atom_models.modules import GatedMLP
+from atom_models.moe import Experts, Fp8Experts, SparseMoeBlock, shared_pseudo_experts
+
+# (what) -> (atol, rtol) against the float64 formula; measured max abs error in the comments.
+TOL = {
+    "float32": (1e-5, 1e-5),  # measured 1.4e-06 (folded), 2.5e-06 (separate)
+    # FP8: the folded block against the unfused shared expert (fp8_linear) on the same e4m3 weights, both
+    # with activation groups of 128 channels (I = 128): only float32 summation order differs
+    "fp8": (1e-6, 1e-6),  # measured 3.0e-08
+}
+
+
+def _config(hidden: int, inter: int, shared: int, experts: int = 4, top_k: int = 2) -> Qwen3NextConfig:
+    raw = {
+        "model_type": "qwen3_next", "hidden_size": hidden, "num_hidden_layers": 1,
+        "layer_types": ["linear_attention"], "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4, "intermediate_size": 64, "max_position_embeddings": 128, "vocab_size": 64,
+        "num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": inter,
+        "shared_expert_intermediate_size": shared,
+    }  # fmt: skip
+    return Qwen3NextConfig.from_hf(raw)
+
+
+@pytest.fixture
+def kernels():
+    return select_kernels("cpu", torch.float32, backend="reference")
+
+
+def _hf_formula(x, router, routed, shared, shared_gate, top_k):
+    """float64: softmax top-k (renormalised) over ``router``, ``routed`` = (w13 [E, 2I, H], w2 [E, H, I]),
+    ``shared`` = (gate [Is, H], up [Is, H], down [H, Is]), ``shared_gate`` [1, H]."""
+    x = x.double()
+    probs = torch.softmax(x @ router.double().t(), -1)
+    w, ids = probs.topk(top_k, -1)
+    w = w / w.sum(-1, keepdim=True)
+    w13, w2 = (t.double() for t in routed)
+    inter = w2.shape[-1]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(top_k):
+            h = w13[ids[t, j]] @ x[t]
+            out[t] += w[t, j] * (w2[ids[t, j]] @ (F.silu(h[:inter]) * h[inter:]))
+    g, u, d = (t.double() for t in shared)
+    return out + torch.sigmoid(x @ shared_gate.double().t()) * ((F.silu(x @ g.t()) * (x @ u.t())) @ d.t())
+
+
+def _randomize(block: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+def test_shared_expert_folds_into_pseudo_experts(kernels):
+    """Is = 2 I: two pseudo-experts after the routed ones, the router one Linear H -> E + 1; the output is
+    the HF formula with the shared expert's gate / up rows and down columns the concatenated slices."""
+    cfg = _config(hidden=32, inter=16, shared=32)
+    assert shared_pseudo_experts(cfg) == 2
+    block = SparseMoeBlock(cfg, kernels, dtype=torch.float32)
+    assert block.shared_expert is None and block.shared_expert_gate is None
+    assert block.gate.weight.shape == (5, 32) and block.experts.w13.shape == (6, 32, 32)
+    _randomize(block, 0)
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(1))
+    e, i = 4, 16
+    w13, w2 = block.experts.w13, block.experts.w2
+    shared = (
+        torch.cat([w13[e + j, :i] for j in range(2)]),
+        torch.cat([w13[e + j, i:] for j in range(2)]),
+        torch.cat([w2[e + j] for j in range(2)], dim=1),
+    )
+    want = _hf_formula(x, block.gate.weight[:e], (w13[:e], w2[:e]), shared, block.gate.weight[e:], 2)
+    with torch.no_grad():
+        got = block(x)
+    torch.testing.assert_close(got.double(), want, atol=TOL["float32"][0], rtol=TOL["float32"][1])
+
+
+def test_shared_expert_stays_separate_when_sizes_do_not_divide(kernels):
+    """Is = 24 is not a multiple of I = 16: a separate GatedMLP and shared_expert_gate, router H -> E."""
+    cfg = _config(hidden=32, inter=16, shared=24)
+    assert shared_pseudo_experts(cfg) == 0
+    block = SparseMoeBlock(cfg, kernels, dtype=torch.float32)
+    assert isinstance(block.shared_expert, GatedMLP) and block.shared_expert_gate is not None
+    assert block.gate.weight.shape == (4, 32) and block.experts.w13.shape == (4, 32, 32)
+    _randomize(block, 2)
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(3))
+    gu = block.shared_expert.gate_up_proj.weight
+    shared = (gu[:24], gu[24:], block.shared_expert.down_proj.weight)
+    routed = (block.experts.w13, block.experts.w2)
+    want = _hf_formula(x, block.gate.weight, routed, shared, block.shared_expert_gate.weight, 2)
+    with torch.no_grad():
+        got = block(x)
+    torch.testing.assert_close(got.double(), want, atol=TOL["float32"][0], rtol=TOL["float32"][1])
+
+
+def test_no_shared_expert(kernels):
+    cfg = _config(hidden=32, inter=16, shared=0)
+    block = SparseMoeBlock(cfg, kernels, dtype=torch.float32)
+    assert block.num_shared == 0 and block.shared_expert is None and block.gate.weight.shape == (4, 32)
+    assert isinstance(block.experts, Experts) and block.experts.w13.shape[0] == 4
+
+
+def test_fp8_folded_shared_expert_equals_the_unfused_one(kernels):
+    """FP8 block-scaled weights, I = 128, Is = 256 (m = 2): the folded block equals routed experts plus
+    ``sigmoid(gate) * fp8_linear`` shared expert whose weights and [128, 128] scales are the pseudo-experts'
+    concatenated (activation groups of 128 channels line up with the pseudo-expert boundary)."""
+    h, i, e, k = 256, 128, 4, 2
+    cfg = _config(hidden=h, inter=i, shared=2 * i, experts=e, top_k=k)
+    block = SparseMoeBlock(cfg, kernels, dtype=torch.float32)
+    block.experts = Fp8Experts(e, h, i, (128, 128), num_shared=2)
+    gen = torch.Generator().manual_seed(4)
+    ex = block.experts
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.randn(e + 1, h, generator=gen) * 0.1)
+        for w in (ex.w13, ex.w2):
+            w.copy_((torch.randn(w.shape, generator=gen) * 0.5).to(torch.float8_e4m3fn))
+        for s in (ex.w13_scale_inv, ex.w2_scale_inv):
+            s.copy_(torch.rand(s.shape, generator=gen) * 0.1 + 0.02)
+    x = torch.randn(9, h, generator=gen)
+    with torch.no_grad():
+        got = block(x)
+        logits = block.gate(x)
+        weights, ids = kernels.moe_router(logits[:, :e], k, True)
+        routed = kernels.moe_experts_fp8(
+            x, weights, ids, ex.w13[:e], ex.w13_scale_inv[:e], ex.w2[:e], ex.w2_scale_inv[:e], (128, 128)
+        )
+        nb = ex.w13_scale_inv.shape[1] // 2  # scale rows of one half (gate or up)
+        gu = torch.cat([ex.w13[e + j, :i] for j in range(2)] + [ex.w13[e + j, i:] for j in range(2)])
+        gu_s = torch.cat(
+            [ex.w13_scale_inv[e + j, :nb] for j in range(2)]
+            + [ex.w13_scale_inv[e + j, nb:] for j in range(2)]
+        )
+        down = torch.cat([ex.w2[e + j] for j in range(2)], dim=1)
+        down_s = torch.cat([ex.w2_scale_inv[e + j] for j in range(2)], dim=1)
+        act = kernels.silu_and_mul(kernels.fp8_linear(x, gu, gu_s, (128, 128), None))
+        shared = kernels.fp8_linear(act, down, down_s, (128, 128), None)
+        want = routed + torch.sigmoid(logits[:, e:]) * shared
+    torch.testing.assert_close(got, want, atol=TOL["fp8"][0], rtol=TOL["fp8"][1])
