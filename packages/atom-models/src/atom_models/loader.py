@@ -23,6 +23,7 @@ with its path and size.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -294,13 +295,7 @@ def _plan(
                         continue
                     target = map_name(scope.from_ckpt(name))
                     if target is not None:
-                        target = Target(
-                            scope.param_prefix + target.param,
-                            target.expert,
-                            target.shard,
-                            target.tp,
-                            target.regroup,
-                        )
+                        target = dataclasses.replace(target, param=scope.param_prefix + target.param)
                 if target is None or target.param not in params or name not in expected:
                     problems.append(
                         f"unexpected tensor {name} in {fname} (no parameter of the {what} takes it)"
