@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from atom_kernels.testing import assert_close, randn
+from atom_kernels.testing import assert_close, randn, row_strided
 
 # (what, dtype) -> (atol, rtol) against a float64 oracle; measured max abs error in the comments.
 TOL = {
@@ -91,6 +91,35 @@ def test_varlen_no_bias_no_activation_equals_each_alone(impl, tol, device):
         o1 = fn(x[s:e], weight, None, cu1, pool_alone, slots[n : n + 1], has_init[:1], None)
         assert_close(out[s:e], o1, tol("conv_self", torch.float32), f"varlen vs alone seq {n}")
     assert torch.equal(pool, pool_alone)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_strided_x_equals_contiguous(impl, device, dtype):
+    """``x`` as the GDN layer passes it, a column slice of the wider projection output (row stride > C,
+    NaN around it): varlen and update (decode Q = 1, verify Q = 1 + SPEC) give the contiguous call's outputs
+    and states exactly."""
+    varlen, update = impl("causal_conv1d_varlen", dtype), impl("causal_conv1d_update", dtype)
+    weight, bias = (
+        randn(C, K, seed=40, dtype=dtype, device=device),
+        randn(C, seed=41, dtype=dtype, device=device),
+    )
+    x = randn(9, C, seed=42, dtype=dtype, device=device)
+    cu = torch.tensor([0, 1, 6, 9], dtype=torch.int32, device=device)
+    slots = torch.tensor([2, -1, 0], dtype=torch.int32, device=device)
+    has_init = torch.tensor([True, False, True], device=device)
+    pools = [make_pool(4, dtype, device, seed=43, transposed=True) for _ in range(2)]
+    outs = [
+        varlen(t, weight, bias, cu, p, slots, has_init, "silu") for t, p in zip((x, row_strided(x)), pools)
+    ]
+    assert torch.equal(outs[1], outs[0]), "varlen: strided x vs contiguous"
+    assert torch.equal(pools[1], pools[0]), "varlen: states, strided x vs contiguous"
+    for q_len, accepted in ((1, None), (1 + SPEC, torch.tensor([2, 1, 3], dtype=torch.int32, device=device))):
+        x = randn(3 * q_len, C, seed=44 + q_len, dtype=dtype, device=device)
+        xs = [t.view(3, q_len, C) for t in (x, row_strided(x))]
+        outs = [update(t, weight, bias, p, slots, accepted, "silu") for t, p in zip(xs, pools)]
+        assert xs[1].stride(0) > q_len * C, "the strided input is not row-strided"
+        assert torch.equal(outs[1], outs[0]), f"update Q={q_len}: strided x"
+        assert torch.equal(pools[1], pools[0]), f"update Q={q_len}: states, strided x vs contiguous"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

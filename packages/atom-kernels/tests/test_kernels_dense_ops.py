@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from atom_kernels.testing import assert_close, randn
+from atom_kernels.testing import assert_close, randn, row_strided
 
 # (op, dtype) -> (atol, rtol) against a float64 oracle. Measured max abs error (CPU, reference) in comments.
 TOL = {
@@ -80,6 +80,20 @@ def test_gated_rms_norm(impl, tol, device, dtype):
     assert y.dtype == dtype and y.shape == x.shape
     expected = rms_oracle(x, 1e-6) * w.double().cpu() * F.silu(z.double().cpu())
     assert_close(y, expected, tol("gated_rms_norm", dtype), f"gated_rms_norm {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm_row_strided_z(impl, device, dtype):
+    """``z[T, Hv, Dv]`` as the GDN layer passes it, a view of the wider projection output (row stride >
+    Hv * Dv, NaN around it), for T = 1, 3, 65: exactly the contiguous call's output."""
+    fn = impl("gated_rms_norm", dtype)
+    w = 1.0 + randn(64, seed=12, dtype=torch.float32, device=device, scale=0.1)
+    for t in (1, 3, 65):
+        x = randn(t, 4, 64, seed=13, dtype=dtype, device=device, scale=2.0)
+        z = randn(t, 4 * 64, seed=14, dtype=dtype, device=device)
+        zs = row_strided(z).unflatten(1, (4, 64))
+        assert zs.stride()[1:] == (64, 1) and (t == 1 or zs.stride(0) == 4 * 64 + 10)
+        assert torch.equal(fn(x, zs, w, 1e-6), fn(x, z.view(t, 4, 64), w, 1e-6)), f"T={t}: strided z"
 
 
 def test_gated_rms_norm_is_not_zero_centred(impl, tol, device):

@@ -37,6 +37,10 @@ TOL = {
     ("hf", torch.float32): (2e-5, 1e-5),  # measured 0 (chunk) and 2.4e-07 (recurrent) vs transformers
     # Fused gating (A_log/dt_bias given) vs the reference gdn_gating op + the unfused call, outputs and
     # states; keyed by q/k/v dtype, "_bf16_state" for a bf16 pool. The reference is the same code.
+    # Fused gating with row-strided a/b (views of one [b | a] projection output) vs contiguous copies:
+    # the reference's float32 gate differs by an ulp (CPU: vectorised vs scalar exp loops), Triton's not at all
+    ("strided_ab", torch.float32): (1e-6, 1e-6),  # measured 1.2e-07 (reference, CPU), 0 (interpreter)
+    ("strided_ab", torch.bfloat16): (2e-2, 2e-2),  # measured 0; a g ulp may flip one bf16 rounding (|S| ~ 2)
     ("fused_gating", torch.float32): (0.0, 0.0),  # measured 0
     ("fused_gating", torch.bfloat16): (0.0, 0.0),  # measured 0
     ("fused_gating_bf16_state", torch.bfloat16): (0.0, 0.0),  # measured 0
@@ -84,6 +88,22 @@ def test_gdn_gating(impl, tol, device):
         assert_close(beta, torch.sigmoid(b.double()), tol("gating", dtype), f"gdn_gating beta {dtype}")
         with pytest.raises(ValueError, match=r"dt_bias must have shape \[Hv=4\]"):
             fn(a_log, a, dt_bias[:3], b)
+
+
+def test_gdn_gating_row_strided(impl, tol, device):
+    """``a``/``b`` as the GDN layer passes them (``[b | a]`` column slices of one projection output): the
+    contiguous call's ``g``/``beta``."""
+    fn = impl("gdn_gating", torch.float32)
+    ba = randn(33, 2 * HV, seed=5, dtype=torch.float32, device=device, scale=3.0)
+    a_log, dt_bias = (
+        randn(HV, seed=6, dtype=torch.float32, device=device),
+        randn(HV, seed=7, dtype=torch.float32, device=device),
+    )
+    want = fn(a_log, ba[:, HV:].contiguous(), dt_bias, ba[:, :HV].contiguous())
+    got = fn(a_log, ba[:, HV:], dt_bias, ba[:, :HV])
+    assert ba[:, HV:].stride(0) == 2 * HV
+    for name, x, y in zip(("g", "beta"), got, want):
+        assert_close(x, y, tol("strided_ab", torch.float32), f"gdn_gating {name}: strided a/b vs contiguous")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -228,6 +248,11 @@ def test_recurrent_fused_gating_equals_unfused(impl, tol, device, dtype, state_d
     o_u = fn(q, k, v, g, beta, pool_u, slots, SCALE)
     o_f = fn(q, k, v, a, b, pool_f, slots, SCALE, A_log=A_log, dt_bias=dt_bias)
     t = tol("fused_gating" if state_dtype == torch.float32 else "fused_gating_bf16_state", dtype)
+    pool_c = pool.clone()  # a/b are row-strided views (gate_inputs); contiguous copies give the same
+    o_c = fn(q, k, v, a.contiguous(), b.contiguous(), pool_c, slots, SCALE, A_log=A_log, dt_bias=dt_bias)
+    ts = tol("strided_ab", dtype)
+    assert_close(o_f, o_c, ts, f"fused gating, Q={q_len}, state {state_dtype}: strided a/b vs contiguous")
+    assert_close(pool_f.float(), pool_c.float(), ts, f"fused gating, Q={q_len}: states, strided a/b")
     assert o_f.dtype == dtype and o_f.shape == v.shape
     assert_close(o_f, o_u, t, f"fused vs unfused outputs, q {dtype}, state {state_dtype}, Q={q_len}")
     assert_close(pool_f.float(), pool_u.float(), t, f"fused vs unfused state pool, state {state_dtype}")

@@ -41,6 +41,10 @@ TOL = {
     ("vs_per_token_bf16_io", torch.bfloat16, "triton"): (2e-2, 2e-2),  # as the bf16 pool above
     # Fused gating vs the reference gating op + the unfused call over three steps: outputs, the whole
     # state pool and the whole pending pool. The reference is the same code.
+    # Fused gating with row-strided a/b (views of one [b | a] projection output) vs contiguous copies:
+    # the reference's float32 gate differs by an ulp (CPU: vectorised vs scalar exp loops), Triton's not at all
+    ("strided_ab", torch.float32): (1e-6, 1e-6),  # measured 1.2e-07 (reference, CPU), 0 (interpreter)
+    ("strided_ab", torch.bfloat16): (2e-2, 2e-2),  # measured 0; a g ulp may flip one bf16 rounding (|S| ~ 2)
     ("fused_gating", torch.float32): (0.0, 0.0),  # measured 0
     ("fused_gating", torch.bfloat16): (0.0, 0.0),  # measured 0
     ("fused_gating_bf16_state", torch.bfloat16): (0.0, 0.0),  # measured 0
@@ -282,7 +286,18 @@ def test_verify_fused_gating_equals_unfused(impl, tol, device, backend, dtype, s
         a, b, A_log, dt_bias = gate_inputs((n, q_len), 515 + 10 * step, dtype, device, HV)
         g, beta = reference_gates(a, b, A_log, dt_bias)
         o_u = fn(q, k, v, g, beta, *pools["unfused"], slots, acc, SCALE)
+        before = tuple(p.clone() for p in pools["fused"])  # a/b: row-strided views (gate_inputs)
         o_f = fused(q, k, v, a, b, *pools["fused"], slots, acc, SCALE, A_log=A_log, dt_bias=dt_bias)
+        o_c = fused(
+            q, k, v, a.contiguous(), b.contiguous(), *before, slots, acc, SCALE, A_log=A_log, dt_bias=dt_bias
+        )
+        ts, what_s = (
+            tol("strided_ab", dtype),
+            f"fused gating, step {step}, Q={q_len}: strided a/b vs contiguous",
+        )
+        assert_close(o_f, o_c, ts, what_s)
+        for x, y, part in zip(pools["fused"], before, ("states", "pending")):
+            assert_close(x.float(), y.float(), ts, f"{what_s} ({part})")
         what = f"step {step}, q {dtype}, state {state_dtype}, Q={q_len}"
         assert_close(o_f, o_u, t, f"fused vs unfused outputs, {what}")
         assert_close(pools["fused"][0].float(), pools["unfused"][0].float(), t, f"state pool, {what}")

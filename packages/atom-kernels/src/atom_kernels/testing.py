@@ -47,6 +47,17 @@ def randn(
     return (torch.randn(*shape, generator=gen(seed)) * scale).to(device=device, dtype=dtype)
 
 
+def row_strided(x: torch.Tensor, pad: int = 5) -> torch.Tensor:
+    """``x [R, W]`` (same values) as a view ``buf[:, pad : pad + W]`` of a wider ``[R, W + 2 pad]`` buffer
+    whose other columns hold NaN: row stride ``W + 2 pad``, unit last stride, like a column slice of a fused
+    projection output; a kernel that reads outside the view sees NaN."""
+    rows, width = x.shape
+    buf = torch.full((rows, width + 2 * pad), float("nan"), dtype=x.dtype, device=x.device)
+    view = buf[:, pad : pad + width]
+    view.copy_(x)
+    return view
+
+
 def gdn_inputs(
     shape: tuple[int, ...],
     seed: int,

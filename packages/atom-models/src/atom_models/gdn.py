@@ -34,18 +34,23 @@ class GatedRMSNormWeights(nn.Module):
 class GatedDeltaNet(nn.Module):
     """in_proj -> (core: conv1d, gating, L2 norm, gated delta rule with state) -> gated RMSNorm(z) -> out_proj.
 
-    Checkpoint layout (kept as is): ``in_proj_qkvz`` rows are grouped per key head g,
+    Checkpoint layout: ``in_proj_qkvz`` rows are grouped per key head g,
     ``[q_g (Dk) | k_g (Dk) | v_g (r*Dv) | z_g (r*Dv)]`` with ``r = Hv / Hk``, and ``in_proj_ba`` rows are
-    ``[b_g (r) | a_g (r)]`` per key head (HF ``fix_query_key_value_ordering``). The core receives the
-    pre-conv ``mixed_qkv = [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]``, ``b``, ``a`` as ``[T, Hv]``, the
-    :class:`GDNWeights` it needs (:meth:`gdn_weights`) and ``ctx``; it returns ``o[T, Hv, Dv]``.
+    ``[b_g (r) | a_g (r)]`` per key head (HF ``fix_query_key_value_ordering``). Stored layout: the loader
+    regroups the rows part-major (``weight_map`` rules with ``regroup``), ``in_proj_qkvz`` as
+    ``[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv) | z (Hv*Dv)]`` and ``in_proj_ba`` as ``[b (Hv) | a (Hv)]``, so the
+    projection outputs split into views (row-strided, unit last stride), no copy: the core receives the
+    pre-conv ``mixed_qkv = y[:, :conv_dim]`` (``[q | k | v]``), ``b`` and ``a`` as ``[T, Hv]`` views of the
+    ``in_proj_ba`` output, the :class:`GDNWeights` it needs (:meth:`gdn_weights`) and ``ctx``; it returns
+    ``o[T, Hv, Dv]``; the norm's gate is ``z = y[:, conv_dim:]`` viewed ``[T, Hv, Dv]``.
 
     Tensor parallel (``layout``): a rank holds ``Hk / tp`` key-head groups with their value heads. The
-    per-group layout makes its rows of ``in_proj_qkvz`` and ``in_proj_ba`` one contiguous range each
-    (column-parallel); ``conv1d`` holds its q, k and v channels (three ranges of the checkpoint's),
-    ``A_log`` / ``dt_bias`` its value heads; the norm weight (per channel of one head) is replicated and
-    ``out_proj`` is row-parallel (its all-reduce is the block's one collective). Head counts and dims
-    below are this rank's; the core gets this rank's ``mixed_qkv`` / ``b`` / ``a``.
+    per-group checkpoint layout makes its rows of ``in_proj_qkvz`` and ``in_proj_ba`` one contiguous range
+    each (column-parallel), regrouped part-major on the rank after reading; ``conv1d`` holds its q, k and v
+    channels (three ranges of the checkpoint's), ``A_log`` / ``dt_bias`` its value heads; the norm weight
+    (per channel of one head) is replicated and ``out_proj`` is row-parallel (its all-reduce is the block's
+    one collective). Head counts and dims below are this rank's; the core gets this rank's ``mixed_qkv`` /
+    ``b`` / ``a``.
     """
 
     def __init__(
@@ -85,15 +90,11 @@ class GatedDeltaNet(nn.Module):
         self.core = core
 
     def split_projections(self, qkvz: torch.Tensor, ba: torch.Tensor):
-        """HF's per-key-head-group layout -> ``(mixed_qkv[T, C], z[T, Hv, Dv], b[T, Hv], a[T, Hv])``."""
-        t = qkvz.shape[0]
-        hk, dk, dv, r = self.num_k_heads, self.head_k_dim, self.head_v_dim, self.heads_per_group
-        qkvz = qkvz.view(t, hk, 2 * dk + 2 * r * dv)
-        q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
-        ba = ba.view(t, hk, 2 * r)
-        b, a = torch.split(ba, [r, r], dim=-1)
-        mixed_qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
-        return mixed_qkv, z.reshape(t, self.num_v_heads, dv), b.reshape(t, -1), a.reshape(t, -1)
+        """The stored (part-major) layout -> ``(mixed_qkv[T, C], z[T, Hv, Dv], b[T, Hv], a[T, Hv])``, all
+        views of ``qkvz[T, C + Hv*Dv]`` / ``ba[T, 2*Hv]`` (row stride the projection's width, no copy)."""
+        hv = self.num_v_heads
+        z = qkvz[:, self.conv_dim :].unflatten(-1, (hv, self.head_v_dim))
+        return qkvz[:, : self.conv_dim], z, ba[:, :hv], ba[:, hv:]
 
     def gdn_weights(self) -> GDNWeights:
         """The parameters the core's pipeline reads (conv weight as ``[C, K]``)."""
@@ -109,6 +110,6 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv, z, b, a = self.split_projections(
             self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
         )
-        o = self.core(mixed_qkv, b.contiguous(), a.contiguous(), self.gdn_weights(), ctx)
-        o = self.kernels.gated_rms_norm(o, z.contiguous(), self.norm.weight, self.norm.eps)
+        o = self.core(mixed_qkv, b, a, self.gdn_weights(), ctx)
+        o = self.kernels.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(t, self.value_dim))

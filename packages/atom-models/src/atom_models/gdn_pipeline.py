@@ -11,7 +11,10 @@ parity core all call :func:`gdn_forward` (or one of the part functions) with
 - ``geometry``: :class:`~atom_models.gdn_state.GDNGeometry` (heads, dims, scale);
 - ``weights``: :class:`~atom_models.gdn_meta.GDNWeights` of the layer;
 - ``state``: :class:`~atom_models.gdn_state.GDNLayerState` of the layer (conv, ssm, pending);
-- the flat batch's pre-conv ``mixed_qkv[T, C]`` (``[q | k | v]``), ``b[T, Hv]``, ``a[T, Hv]``;
+- the flat batch's pre-conv ``mixed_qkv[T, C]`` (``[q | k | v]``), ``b[T, Hv]``, ``a[T, Hv]``: views of the
+  layer's projection outputs (any row stride, unit last stride), handed to the kernels as they are (their
+  stride contract: docs/kernel-api.md, "Strides"); only a gather by index (prefill ``token_index``, verify
+  ``gather_index``) copies rows;
 - ``step``: :class:`~atom_models.gdn_meta.GDNStepMeta`, built once per step.
 
 :func:`gdn_decode` and :func:`gdn_verify` do no host work beyond reading shapes: no value of a device

@@ -3,9 +3,10 @@
 Everything is validated from the safetensors headers first (missing, unexpected and mis-shaped tensors
 are collected into ONE :class:`CheckpointError`); then tensors are streamed one at a time (``safe_open``)
 straight into the parameters (stacked experts and fused gate/up rows are written in place, no second
-full copy). The renames/fuses/stacks come from :mod:`atom_models.weight_map`; a MoE block with the shared
-expert folded in gets that expert's tensors as slices of its stacked experts and the shared gate row as
-the router's last row (:mod:`atom_models.folded_shared`).
+full copy). The renames/fuses/stacks, and the part-major regrouping of the GDN input projections' rows
+(with their FP8 block scales), come from :mod:`atom_models.weight_map`; a MoE block with the shared expert
+folded in gets that expert's tensors as slices of its stacked experts and the shared gate row as the
+router's last row (:mod:`atom_models.folded_shared`).
 
 FP8 block-quantised checkpoints (``quantization_config.quant_method: fp8``): by default the weights stay
 FP8. Before planning, :func:`convert_fp8_modules` replaces every :class:`~atom_models.modules.Linear` and
@@ -24,6 +25,7 @@ with its path and size.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -42,7 +44,7 @@ from atom_models.moe import Experts, Fp8Experts
 from atom_models.parallel import slices
 from atom_models.parallel.layout import TPLayout
 from atom_models.parallel.shard import check_fp8_shard
-from atom_models.weight_map import LM_HEAD, Target, map_name
+from atom_models.weight_map import LM_HEAD, Target, group_parts, map_name
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -151,6 +153,8 @@ class _Copy:
     scale_view: torch.Tensor | None = None  # where they go (FP8 parameters); None: dequantise into ``view``
     pieces: slices.Pieces | None = None  # the part this tensor-parallel rank reads (None: all of it)
     scale_pieces: slices.Pieces | None = None  # the block scales that part uses
+    rows: tuple[int, ...] | None = None  # weight_map regroup: the parts of a group (rows), else None
+    scale_rows: tuple[int, ...] | None = None  # the same in block-scale rows (FP8 parameters)
 
 
 @dataclass
@@ -350,9 +354,7 @@ def _plan(
                         continue
                     target = map_name(scope.from_ckpt(name))
                     if target is not None:
-                        target = Target(
-                            scope.param_prefix + target.param, target.expert, target.shard, target.tp
-                        )
+                        target = dataclasses.replace(target, param=scope.param_prefix + target.param)
                     block = folded_shared.folded_block(module, expected[name]) if name in expected else None
                     if block is not None:
                         state = (copies, scales, used_scales, scale_checks)
@@ -380,6 +382,9 @@ def _plan(
                 fp8_dest = params[target.param].dtype in FP8_DTYPES
                 is_fp8 = f.get_slice(name).get_dtype() in ("F8_E4M3", "F8_E5M2")
                 copy = _Copy(name, view, pieces=slices.rank_pieces(target.tp, shape, layout, config))
+                parts = None if target.regroup is None else group_parts(target.regroup, config)
+                if parts is not None:
+                    copy.rows = tuple(n for _, n in parts)
                 if name + SCALE_SUFFIX in scales and fp8_block is not None:
                     copy.scale = name + SCALE_SUFFIX
                     used_scales.add(copy.scale)
@@ -390,6 +395,12 @@ def _plan(
                     copy.scale_pieces = slices.scale_pieces(
                         target.param.rsplit(".", 1)[0], copy.pieces, fp8_block, layout.world_size
                     )
+                    if fp8_dest and parts is not None:
+                        try:
+                            copy.scale_rows = slices.regroup_scale_parts(name, parts, fp8_block[0])
+                        except ValueError as e:
+                            problems.append(str(e))
+                            continue
                     scale_checks.append((copy.scale, shape, want, sparam, copy.scale_pieces))
                 elif is_fp8:
                     problems.append(f"tensor {name} in {fname} is FP8 but {name + SCALE_SUFFIX} is missing")
@@ -512,12 +523,14 @@ def _execute(ckpt_dir: str, plan: _Plan, kernels, block: tuple[int, int] | None)
                     sfile = plan.scale_files[c.scale]
                     scale = _read(ckpt_dir, sfile, handle(sfile), c.scale, c.scale_pieces)
                     if c.scale_view is not None:  # FP8 parameter: weight and block scales as they are
-                        c.scale_view.copy_(scale)
+                        c.scale_view.copy_(
+                            scale if c.scale_rows is None else slices.regroup_rows(scale, c.scale_rows)
+                        )
                     else:  # dequantise (weight-only) into the parameter's dtype
                         t = kernels.fp8_block_dequant(
                             t.to(c.view.device), scale.to(c.view.device), block=block, dtype=c.view.dtype
                         )
-                c.view.copy_(t)
+                c.view.copy_(t if c.rows is None else slices.regroup_rows(t, c.rows))
                 loaded.append(c)
                 read.add(c.name)
             problems += _non_finite(ckpt_dir, fname, loaded, plan)

@@ -15,6 +15,12 @@ holds only that part; the loader reads it with ``get_slice``):
   is read by every rank that replicates it);
 - ``CONV_QKV_ROWS``: the GDN conv channels ``[q | k | v]``, each of the three split in equal ranges, rank r
   reads the r-th of each (three slices, stacked).
+
+The ``regroup`` column names a row layout transform the loader applies to the part a rank read: those rows
+are G groups of the same parts (:func:`group_parts`), stored part-major (the first part of every group,
+then the second, ...). ``GDN_QKVZ``: ``[q_g | k_g | v_g | z_g]`` per key head g becomes ``[q | k | v | z]``;
+``GDN_BA``: ``[b_g | a_g]`` becomes ``[b | a]``. FP8 block scales move with their rows (whole row blocks,
+so every part must be a multiple of the block's rows).
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ COLS = "cols"
 KV_ROWS = "kv_rows"
 CONV_QKV_ROWS = "conv_qkv_rows"
 TP_SPLITS = (ROWS, COLS, KV_ROWS, CONV_QKV_ROWS)
+GDN_QKVZ = "gdn_qkvz"
+GDN_BA = "gdn_ba"
+REGROUPS = (GDN_QKVZ, GDN_BA)
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,7 @@ class Rule:
     dst: str  # parameter name template (relative to the module's scope)
     shard: tuple[int, int] | None = None  # (part, parts) of dim 0 of the destination (after expert indexing)
     tp: str | None = None  # what rank r reads of the checkpoint tensor (module docstring); None: all of it
+    regroup: str | None = None  # row layout transform of the rank's part (module docstring); None: as read
 
     @property
     def stacks_experts(self) -> bool:
@@ -64,18 +74,19 @@ RULES: tuple[Rule, ...] = (
     Rule(_L + "self_attn.o_proj.bias", _L + "self_attn.o_proj.bias"),
     Rule(_L + "self_attn.q_norm.weight", _L + "self_attn.q_norm.weight"),
     Rule(_L + "self_attn.k_norm.weight", _L + "self_attn.k_norm.weight"),
-    # --- Gated DeltaNet (in_proj_qkvz / in_proj_ba keep HF's per-key-head-group layout: a rank's groups
-    #     are contiguous rows; the norm weight is per channel of one head: replicated) ---------------------
+    # --- Gated DeltaNet (in_proj_qkvz / in_proj_ba: HF's per-key-head-group layout makes a rank's groups
+    #     contiguous rows, regrouped part-major after reading so that the projection outputs split into
+    #     views; the norm weight is per channel of one head: replicated) -----------------------------------
     *(
-        Rule(_L + f"linear_attn.{n}", _L + f"linear_attn.{n}", tp=tp)
-        for n, tp in (
-            ("in_proj_qkvz.weight", ROWS),
-            ("in_proj_ba.weight", ROWS),
-            ("conv1d.weight", CONV_QKV_ROWS),
-            ("A_log", ROWS),
-            ("dt_bias", ROWS),
-            ("norm.weight", None),
-            ("out_proj.weight", COLS),
+        Rule(_L + f"linear_attn.{n}", _L + f"linear_attn.{n}", tp=tp, regroup=rg)
+        for n, tp, rg in (
+            ("in_proj_qkvz.weight", ROWS, GDN_QKVZ),
+            ("in_proj_ba.weight", ROWS, GDN_BA),
+            ("conv1d.weight", CONV_QKV_ROWS, None),
+            ("A_log", ROWS, None),
+            ("dt_bias", ROWS, None),
+            ("norm.weight", None, None),
+            ("out_proj.weight", COLS, None),
         )
     ),
     # --- MoE: router replicated, per-expert tensors stacked and split over the intermediate dim, shared
@@ -136,12 +147,14 @@ _FOLDED_DST = tuple((_regex(r.dst), r) for r in FOLDED_SHARED_RULES)
 
 @dataclass(frozen=True)
 class Target:
-    """Where one checkpoint tensor goes: ``param[expert][shard rows]``; ``tp``: the part a rank reads."""
+    """Where one checkpoint tensor goes: ``param[expert][shard rows]``; ``tp``: the part a rank reads;
+    ``regroup``: the row layout transform of that part."""
 
     param: str
     expert: int | None
     shard: tuple[int, int] | None
     tp: str | None = None
+    regroup: str | None = None
 
 
 def map_name(name: str, folded: bool = False) -> Target | None:
@@ -154,8 +167,21 @@ def map_name(name: str, folded: bool = False) -> Target | None:
             groups = m.groupdict()
             dst = rule.dst.format(layer=groups.get("layer"))
             expert = int(groups["expert"]) if "expert" in groups else None
-            return Target(dst, expert, rule.shard, rule.tp)
+            return Target(dst, expert, rule.shard, rule.tp, rule.regroup)
     return None
+
+
+def group_parts(regroup: str, config) -> tuple[tuple[str, int], ...]:
+    """The parts of one group of a ``regroup`` layout, in checkpoint order: ``(what, rows)`` pairs, ``what``
+    naming the config dims the row count comes from (``config``: a ``Qwen3NextConfig``)."""
+    r = config.linear_num_value_heads // config.linear_num_key_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    if regroup == GDN_QKVZ:
+        k, v = f"linear_key_head_dim={dk}", f"(Hv/Hk)*linear_value_head_dim={r * dv}"
+        return (("q: " + k, dk), ("k: " + k, dk), ("v: " + v, r * dv), ("z: " + v, r * dv))
+    if regroup == GDN_BA:
+        return (("b: Hv/Hk", r), ("a: Hv/Hk", r))
+    raise ValueError(f"unknown regroup {regroup!r} (weight_map.RULES); known: {REGROUPS}")
 
 
 def sources_for(param: str, num_rows: int, folded: bool = False) -> list[str]:

@@ -1,5 +1,6 @@
 """The part of a checkpoint tensor one tensor-parallel rank reads (the ``tp`` column of
-:data:`atom_models.weight_map.RULES`), its FP8 block scales' part, and the sliced read itself."""
+:data:`atom_models.weight_map.RULES`), its FP8 block scales' part, the sliced read itself, and the
+part-major regrouping of its rows (the ``regroup`` column)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,32 @@ def read(f, name: str, pieces: Pieces | None) -> torch.Tensor:
     sl = f.get_slice(name)
     parts = [sl[s:e] if pieces.dim == 0 else sl[:, s:e] for s, e in pieces.ranges]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=pieces.dim)
+
+
+def regroup_rows(t: torch.Tensor, parts: tuple[int, ...]) -> torch.Tensor:
+    """Rows of ``t`` as G groups of ``parts`` (row counts, in order) -> part-major: the first part of every
+    group, then the second, ... (``[q_0 k_0 q_1 k_1]`` -> ``[q_0 q_1 k_0 k_1]``); other dims as they are."""
+    width = sum(parts)
+    if width <= 0 or t.shape[0] % width:
+        raise ValueError(f"regroup_rows: {t.shape[0]} rows are not whole groups of parts {list(parts)}")
+    groups = t.unflatten(0, (t.shape[0] // width, width))
+    out, start = [], 0
+    for n in parts:
+        out.append(groups[:, start : start + n].flatten(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+def regroup_scale_parts(name: str, parts: tuple[tuple[str, int], ...], block_rows: int) -> tuple[int, ...]:
+    """The block-scale rows of each part of a regrouped FP8 weight (``parts``: ``(what, rows)`` pairs of
+    :func:`atom_models.weight_map.group_parts`). Exact only when every part is whole row blocks; otherwise
+    ``ValueError`` naming the tensor, the parts that are not, and the block."""
+    bad = [f"{what}" for what, n in parts if n % block_rows]
+    if bad:
+        raise ValueError(
+            f"tensor {name}: its rows are regrouped part-major on load (weight_map regroup), which moves the FP8 "
+            f"block scales in whole blocks of {block_rows} rows, but {', '.join(bad)} "
+            f"{'is' if len(bad) == 1 else 'are'} not a multiple of {block_rows} (weight_block_size); load with "
+            "dequantize_fp8=True, or use a checkpoint that lists this module in modules_to_not_convert"
+        )
+    return tuple(n // block_rows for _, n in parts)

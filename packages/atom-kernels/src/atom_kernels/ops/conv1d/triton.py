@@ -246,7 +246,7 @@ def causal_conv1d_varlen(
     if x.device.type == "cpu":  # reads values: only under the interpreter (no device sync on a GPU)
         check_slot_values("causal_conv1d_varlen", "state_indices", state_indices, conv_state.shape[0])
         check_cu_seqlens_values("causal_conv1d_varlen", cu_seqlens, T)
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous whatever x's row stride
     if N == 0:
         return out
     init = has_initial_state.to(torch.int8)
@@ -319,7 +319,7 @@ def causal_conv1d_update(
         limit = conv_state.shape[2] - K + 2
         check_slot_values("causal_conv1d_update", "state_indices", state_indices, conv_state.shape[0])
         check_num_accepted_values("causal_conv1d_update", num_accepted, limit, f"W - K + 2 = {limit}")
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous whatever x's row stride
     if N == 0 or Q == 0:
         return out
     BC = 256

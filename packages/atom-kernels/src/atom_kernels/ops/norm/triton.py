@@ -58,20 +58,28 @@ def _gated_rms_norm_kernel(
     w_ptr,
     y_ptr,
     num_rows,
+    inner,
     D,
     eps,
-    stride_x,
-    stride_z,
+    s_xa,
+    s_xb,
+    s_za,
+    s_zb,
     stride_y,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """Row ``r`` of x / z is ``[r // inner, r % inner]`` of their ``[A, inner, D]`` views (any row strides,
+    unit last stride), so a row-strided ``z[T, Hv, Dv]`` (a view of the projection output) needs no copy."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     rows64 = rows.to(tl.int64)
+    ra, rb = rows64 // inner, rows64 % inner
     mask = (rows < num_rows)[:, None] & (cols < D)[None, :]
-    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + rows64[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    p_x = x_ptr + (ra * s_xa + rb * s_xb)[:, None] + cols[None, :]
+    p_z = z_ptr + (ra * s_za + rb * s_zb)[:, None] + cols[None, :]
+    x = tl.load(p_x, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(p_z, mask=mask, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     y = x * inv[:, None] * w[None, :] * (z * tl.sigmoid(z))
@@ -82,6 +90,13 @@ def _rows_2d(t: torch.Tensor) -> torch.Tensor:
     """``[..., H]`` as ``[R, H]`` with a unit last stride (a view where possible)."""
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _rows_3d(t: torch.Tensor) -> torch.Tensor:
+    """``[..., B, H]`` as ``[A, B, H]`` with a unit last stride: a view unless the leading dims do not merge
+    or the last stride is not 1 (then a copy); ``[H]`` as ``[1, 1, H]``."""
+    t3 = t.reshape(-1, t.shape[-2] if t.dim() >= 2 else 1, t.shape[-1])
+    return t3 if t3.stride(-1) == 1 else t3.contiguous()
 
 
 def _launch_shape(num_rows: int, width: int) -> tuple[int, int, int, int]:
@@ -118,17 +133,20 @@ def rms_norm(
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """GDN output norm (NOT zero-centred): ``weight * x_hat * silu(z)``."""
+    """GDN output norm (NOT zero-centred): ``weight * x_hat * silu(z)``. ``x`` / ``z`` may have any row
+    strides (e.g. ``z[T, Hv, Dv]`` a view of a wider projection output); the last dim needs stride 1
+    (otherwise a copy)."""
     check_gated_rms_norm(x, z, weight, eps)
     width = x.shape[-1]
-    x2, z2 = _rows_2d(x), _rows_2d(z)
+    x3, z3 = _rows_3d(x), _rows_3d(z)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y2 = y.view(-1, width)
-    num_rows = x2.shape[0]
+    num_rows = y2.shape[0]
     if num_rows:
         block, rows, warps, grid = _launch_shape(num_rows, width)
         _gated_rms_norm_kernel[(grid,)](
-            x2, z2, weight, y2, num_rows, width, float(eps), x2.stride(0), z2.stride(0), y2.stride(0),
-            ROWS=rows, BLOCK_D=block, num_warps=warps,
+            x_ptr=x3, z_ptr=z3, w_ptr=weight, y_ptr=y2, num_rows=num_rows, inner=x3.shape[1], D=width,
+            eps=float(eps), s_xa=x3.stride(0), s_xb=x3.stride(1), s_za=z3.stride(0), s_zb=z3.stride(1),
+            stride_y=y2.stride(0), ROWS=rows, BLOCK_D=block, num_warps=warps,
         )  # fmt: skip
     return y
