@@ -116,3 +116,59 @@ def test_moe_many_rows_per_expert(device, dtype):
     out = moe.moe_experts(x, weights, ids, w13, w2)
     expected = reference("moe_experts", device, dtype)(x, weights, ids, w13, w2)
     assert_close(out, expected, TOL[("moe", dtype)], f"moe 128-row plan {dtype}")
+
+
+def distinct_ids(tokens: int, top_k: int, num_experts: int, seed: int) -> torch.Tensor:
+    """``[tokens, top_k]`` distinct expert ids per token; the last expert is in every other row."""
+    g = gen(seed)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    ids[::2, 0] = num_experts - 1
+    ids[::2, 1:] = torch.where(ids[::2, 1:] == num_experts - 1, 0, ids[::2, 1:])
+    return ids
+
+
+@pytest.mark.parametrize(("num_experts", "tokens", "block_m"), [(129, 200, 16), (257, 3, 16), (513, 2, 16),
+                                                                 (513, 300, 128), (8, 5, 16)])  # fmt: skip
+def test_moe_align_layout(device, num_experts, tokens, block_m):
+    """Segments of each expert in id order, padded to ``block_m`` rows (padding holds ``P``), the expert
+    of every block (-1 past the last segment), for expert counts past a power of two (several
+    ``ALIGN_E_BLOCK`` chunks)."""
+    moe = triton_op("moe_experts", device, torch.float32)
+    top_k = 4
+    ids = distinct_ids(tokens, top_k, num_experts, seed=num_experts + tokens)
+    flat = ids.reshape(-1)
+    num_pairs = flat.numel()
+    sorted_ids, block_expert = moe.moe_align(flat.to(device), num_experts, block_m)
+    sorted_ids, block_expert = sorted_ids.cpu(), block_expert.cpu()
+    max_blocks = num_pairs // block_m + min(num_pairs, num_experts) + 1
+    assert sorted_ids.shape == (max_blocks * block_m,) and block_expert.shape == (max_blocks,)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = padded.cumsum(0) - padded
+    expected_owner = torch.full((max_blocks,), -1, dtype=torch.int32)
+    for e in range(num_experts):
+        seg = sorted_ids[starts[e] : starts[e] + padded[e]]
+        pairs = (flat == e).nonzero().flatten().to(torch.int32)
+        assert torch.equal(seg[: counts[e]].sort().values, pairs), f"expert {e}: pair indices"
+        assert bool((seg[counts[e] :] == num_pairs).all()), f"expert {e}: padding rows"
+        expected_owner[starts[e] // block_m : (starts[e] + padded[e]) // block_m] = e
+    total = int(padded.sum())
+    assert bool((sorted_ids[total:] == num_pairs).all()), "rows past the last segment"
+    assert torch.equal(block_expert, expected_owner), "block_expert"
+
+
+@pytest.mark.parametrize(("num_experts", "tokens"), [(257, 3), (513, 2), (129, 100)])
+def test_moe_expert_count_past_power_of_two(device, num_experts, tokens):
+    """Routed experts plus shared pseudo-experts push E just past a power of two (512 + 1)."""
+    moe = triton_op("moe_experts", device, torch.float32)
+    top_k, hidden, inter = 4, 32, 16
+    x = randn(tokens, hidden, seed=41, dtype=torch.float32, device=device)
+    w13 = randn(
+        num_experts, 2 * inter, hidden, seed=42, dtype=torch.float32, device=device, scale=hidden**-0.5
+    )
+    w2 = randn(num_experts, hidden, inter, seed=43, dtype=torch.float32, device=device, scale=inter**-0.5)
+    ids = distinct_ids(tokens, top_k, num_experts, seed=44).to(device)
+    weights = torch.rand(tokens, top_k, generator=gen(45)).to(device)
+    out = moe.moe_experts(x, weights, ids, w13, w2)
+    expected = reference("moe_experts", device, torch.float32)(x, weights, ids, w13, w2)
+    assert_close(out, expected, TOL[("moe", torch.float32)], f"moe E={num_experts} T={tokens}")

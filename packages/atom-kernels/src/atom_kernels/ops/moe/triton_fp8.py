@@ -4,7 +4,7 @@ The structure of :mod:`atom_kernels.ops.moe.triton` (same align, same tile plans
 with e4m3 operands:
 
 1. ``_act_quant_kernel`` quantises x per token and group of ``bk`` channels;
-2. ``_moe_align_kernel`` sorts the (token, expert) pairs into ``BLOCK_M``-row blocks of one expert;
+2. ``moe_align`` (``_moe_align_kernel``) sorts the (token, expert) pairs into ``BLOCK_M``-row blocks of one expert;
 3. ``_moe_gemm1_fp8_kernel``: gate and up tiles ``x_q @ w13[e].T`` (e4m3 ``tl.dot``, float32 accumulation),
    each K tile scaled by the token's group scale and the weight block's scale; the gate's scale rows
    are ``w13_scale[e, :ceil(I/bn)]`` and the up projection's ``w13_scale[e, ceil(I/bn):]``; SiLU-and-mul
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from atom_kernels.ops.fp8.triton import _act_quant_2d
 from atom_kernels.ops.moe.checks import check_moe_experts_fp8
-from atom_kernels.ops.moe.triton import _moe_align_kernel, _moe_sum_kernel, check_ids_on_cpu, plan
+from atom_kernels.ops.moe.triton import _moe_sum_kernel, check_ids_on_cpu, moe_align, plan
 
 
 @triton.jit
@@ -149,14 +149,8 @@ def moe_experts_fp8(
     dev = x.device
     flat_ids = ids.reshape(-1).contiguous()
     flat_w = weights.reshape(-1).contiguous()
-    max_blocks = num_pairs // bm + min(num_pairs, num_experts) + 1
-    sorted_ids = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    _moe_align_kernel[(1,)](
-        flat_ids, sorted_ids, block_expert, cursor, num_pairs, num_experts, max_blocks,
-        E_P2=triton.next_power_of_2(num_experts), BLOCK_M=bm, CHUNK=1024, BCHUNK=16, num_warps=8,
-    )  # fmt: skip
+    sorted_ids, block_expert = moe_align(flat_ids, num_experts, bm)
+    max_blocks = block_expert.numel()
     xq, xs = _act_quant_2d(x, bk)
     act = torch.empty((max_blocks * bm, inter), dtype=x.dtype, device=dev)
     _moe_gemm1_fp8_kernel[(max_blocks, triton.cdiv(inter, cfg["N1"]))](
