@@ -76,10 +76,13 @@ def test_moe_router_non_finite_logits(impl, device):
 def test_moe_router_shared_columns(impl, tol, device, num_shared):
     """``num_shared = m``: routing over the first E columns exactly as without them, then m columns with
     ids E + j and weight sigmoid(logits[:, E]). E = 12 (not a power of two), row 1 with a NaN routed logit
-    keeps a finite shared weight, row 2 with a NaN shared logit keeps its routed weights."""
+    keeps a finite shared weight, row 2 with a NaN shared logit keeps its routed weights. The logits are a
+    row-strided view of 16-column rows (as the model's aligned router gives them), NaN past column E."""
     fn = impl("moe_router", torch.float32)
     num_experts, top_k = 12, 4
-    logits = randn(7, num_experts + 1, seed=9, dtype=torch.float32, device=device, scale=2.0)
+    wide = randn(7, 16, seed=9, dtype=torch.float32, device=device, scale=2.0)
+    wide[:, num_experts + 1 :] = float("nan")
+    logits = wide[:, : num_experts + 1]
     logits[1, 3] = float("nan")
     logits[2, num_experts] = float("nan")
     weights, ids = fn(logits, top_k, True, num_shared=num_shared)

@@ -74,7 +74,10 @@ def test_loads_stacked_experts_and_fused_rows(model_dir, kernels32):
         assert torch.equal(w13[inter:], tensor(pre + "shared_expert.up_proj.weight")[rows])
         assert torch.equal(w2, tensor(pre + "shared_expert.down_proj.weight")[:, rows])
     assert torch.equal(moe.gate.weight[:num_experts], tensor(pre + "gate.weight"))
-    assert torch.equal(moe.gate.weight[num_experts:], tensor(pre + "shared_expert_gate.weight"))
+    rest = moe.gate.weight[num_experts:]  # the shared gate row, repeated up to a multiple of 8 rows
+    assert rest.shape[0] == 8 - num_experts % 8 and torch.equal(
+        rest, tensor(pre + "shared_expert_gate.weight").expand_as(rest)
+    )
     # mtp.layers.0 lands in the layer with absolute index num_hidden_layers (4)
     assert torch.equal(
         mtp.layers["4"].self_attn.q_proj.weight, tensor("mtp.layers.0.self_attn.q_proj.weight")
@@ -318,7 +321,8 @@ def test_fp8_block_checkpoint_is_dequantised_on_load(model_dir, tmp_path, kernel
             moe.experts.w2[8 + j], dequant("model.layers.2.mlp.shared_expert.down_proj.weight")[:, sl]
         )
     router = target.model.layers[0].mlp.gate.weight
-    assert torch.equal(router, torch.cat([dequant(n) for n in routers]))
+    gate, shared_gate = (dequant(n) for n in routers)  # the shared gate row repeated up to 8-row alignment
+    assert torch.equal(router, torch.cat([gate, shared_gate.expand(router.shape[0] - gate.shape[0], -1)]))
     want = kernels32.fp8_block_dequant(
         f["model.layers.1.mlp.experts.6.up_proj.weight"],
         f["model.layers.1.mlp.experts.6.up_proj.weight_scale_inv"],

@@ -65,13 +65,14 @@ def _randomize(block: torch.nn.Module, seed: int) -> None:
 
 
 def test_shared_expert_folds_into_pseudo_experts(kernels):
-    """Is = 2 I: two pseudo-experts after the routed ones, the router one Linear H -> E + 1; the output is
-    the HF formula with the shared expert's gate / up rows and down columns the concatenated slices."""
+    """Is = 2 I: two pseudo-experts after the routed ones, the router one Linear H -> E + 1 rounded up to 8
+    rows (random values in the rows past E + 1: only row E may be read); the output is the HF formula with
+    the shared expert's gate / up rows and down columns the concatenated slices."""
     cfg = _config(hidden=32, inter=16, shared=32)
     assert shared_pseudo_experts(cfg) == 2
     block = SparseMoeBlock(cfg, kernels, dtype=torch.float32)
     assert block.shared_expert is None and block.shared_expert_gate is None
-    assert block.gate.weight.shape == (5, 32) and block.experts.w13.shape == (6, 32, 32)
+    assert block.gate.weight.shape == (8, 32) and block.experts.w13.shape == (6, 32, 32)
     _randomize(block, 0)
     x = torch.randn(7, 32, generator=torch.Generator().manual_seed(1))
     e, i = 4, 16
@@ -81,7 +82,7 @@ def test_shared_expert_folds_into_pseudo_experts(kernels):
         torch.cat([w13[e + j, i:] for j in range(2)]),
         torch.cat([w2[e + j] for j in range(2)], dim=1),
     )
-    want = _hf_formula(x, block.gate.weight[:e], (w13[:e], w2[:e]), shared, block.gate.weight[e:], 2)
+    want = _hf_formula(x, block.gate.weight[:e], (w13[:e], w2[:e]), shared, block.gate.weight[e : e + 1], 2)
     with torch.no_grad():
         got = block(x)
     torch.testing.assert_close(got.double(), want, atol=TOL["float32"][0], rtol=TOL["float32"][1])
@@ -123,7 +124,7 @@ def test_fp8_folded_shared_expert_equals_the_unfused_one(kernels):
     gen = torch.Generator().manual_seed(4)
     ex = block.experts
     with torch.no_grad():
-        block.gate.weight.copy_(torch.randn(e + 1, h, generator=gen) * 0.1)
+        block.gate.weight.copy_(torch.randn(block.gate.weight.shape, generator=gen) * 0.1)
         for w in (ex.w13, ex.w2):
             w.copy_((torch.randn(w.shape, generator=gen) * 0.5).to(torch.float8_e4m3fn))
         for s in (ex.w13_scale_inv, ex.w2_scale_inv):
@@ -146,5 +147,5 @@ def test_fp8_folded_shared_expert_equals_the_unfused_one(kernels):
         down_s = torch.cat([ex.w2_scale_inv[e + j] for j in range(2)], dim=1)
         act = kernels.silu_and_mul(kernels.fp8_linear(x, gu, gu_s, (128, 128), None))
         shared = kernels.fp8_linear(act, down, down_s, (128, 128), None)
-        want = routed + torch.sigmoid(logits[:, e:]) * shared
+        want = routed + torch.sigmoid(logits[:, e : e + 1]) * shared
     torch.testing.assert_close(got, want, atol=TOL["fp8"][0], rtol=TOL["fp8"][1])

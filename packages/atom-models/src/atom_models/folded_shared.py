@@ -3,7 +3,8 @@
 
 The checkpoint keeps HF's layout (``mlp.gate.weight [E, H]``, ``mlp.shared_expert_gate.weight [1, H]``,
 ``mlp.shared_expert.{gate,up}_proj.weight [Is, H]``, ``down_proj.weight [H, Is]``); the block holds a router
-``[E + 1, H]`` (rows ``[0, E)`` then row ``E``) and stacked experts whose rows ``E + j`` hold slice j
+``[R, H]`` (rows ``[0, E)``, then the shared gate row in every row from ``E`` on: ``moe.router_rows``) and
+stacked experts whose rows ``E + j`` hold slice j
 (``[jI, (j+1)I)`` of the intermediate dim, I the full ``moe_intermediate_size``) of the shared expert's
 gate / up rows and down columns. A tensor-parallel rank holds ``intermediate_range`` of each slice, so it
 reads ``[jI + start, jI + end)``. The names come from ``weight_map.FOLDED_SHARED_RULES``.
@@ -61,9 +62,10 @@ def places(
     expert). ``params``: every parameter by name (FP8 scales included, named ``<weight>{scale_suffix}``)."""
     param = params[pname]
     e = block.experts.num_experts
-    if pname.rsplit(".", 2)[1] == "gate":  # the router: rows [0, E) from mlp.gate, row E the shared gate
-        rows = (e, e + 1) if local.endswith("shared_expert_gate.weight") else (0, e)
-        return (rows[1] - rows[0], param.shape[1]), [Place(param[rows[0] : rows[1]], None, None)]
+    if pname.rsplit(".", 2)[1] == "gate":  # the router: rows [0, E) from mlp.gate, then the shared gate
+        if local.endswith("shared_expert_gate.weight"):  # [1, H] into every row from E on (broadcast)
+            return (1, param.shape[1]), [Place(param[e:], None, None)]
+        return (e, param.shape[1]), [Place(param[:e], None, None)]
     rule = map_name(local, folded=True)
     if rule is None:
         return None
