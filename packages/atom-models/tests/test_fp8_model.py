@@ -97,8 +97,8 @@ def test_fp8_weights_stay_fp8(fp8_dir, kernels32):
     layer = target.model.layers[3]
     assert isinstance(layer.self_attn.q_proj, Fp8Linear) and layer.self_attn.q_proj.weight.dtype == E4M3
     assert isinstance(layer.mlp.experts, Fp8Experts) and layer.mlp.experts.w13.dtype == E4M3
-    assert layer.mlp.shared_expert is None and layer.mlp.experts.num_shared == 2  # folded in (128 / 64)
-    for kept in (layer.mlp.gate, target.model.layers[0].linear_attn.in_proj_ba,
+    assert isinstance(layer.mlp.shared_expert.gate_up_proj, Fp8Linear)  # Is = 2 I: not folded in
+    for kept in (layer.mlp.gate, layer.mlp.shared_expert_gate, target.model.layers[0].linear_attn.in_proj_ba,
                  target.lm_head, mtp.fc, mtp.layers["4"].mlp.gate):  # fmt: skip
         assert type(kept) is Linear and kept.weight.dtype == torch.float32
     assert isinstance(target.model.layers[0].linear_attn.in_proj_qkvz, Fp8Linear)
@@ -110,23 +110,10 @@ def test_fp8_weights_stay_fp8(fp8_dir, kernels32):
     up = "model.layers.1.mlp.experts.6.up_proj.weight"
     assert torch.equal(ex.w13[6, 64:].view(torch.uint8), f[up].view(torch.uint8))
     assert torch.equal(ex.w13_scale_inv[6, 1:], f[up + "_scale_inv"])
-    # the shared expert (intermediate 128) as pseudo-experts E and E + 1 (64 rows each): both lie in the one
-    # 128-row scale block, so each holds a copy of its scale row; dequantised weights equal the checkpoint's
-    su, sd = (
-        "model.layers.2.mlp.shared_expert.up_proj.weight",
-        "model.layers.2.mlp.shared_expert.down_proj.weight",
-    )
-    ex2 = target.model.layers[2].mlp.experts
-    e = ex2.num_experts
-    for j in range(2):
-        rows = slice(64 * j, 64 * (j + 1))
-        assert torch.equal(ex2.w13[e + j, 64:].view(torch.uint8), f[su][rows].view(torch.uint8))
-        assert torch.equal(ex2.w13_scale_inv[e + j, 1:], f[su + "_scale_inv"])
-        assert torch.equal(ex2.w2[e + j].view(torch.uint8), f[sd][:, rows].view(torch.uint8))
-        assert torch.equal(ex2.w2_scale_inv[e + j], f[sd + "_scale_inv"])
-    router = target.model.layers[2].mlp.gate.weight
-    shared_gate = f["model.layers.2.mlp.shared_expert_gate.weight"].float()  # repeated up to 8-row alignment
-    assert torch.equal(router[e:], shared_gate.expand(router.shape[0] - e, -1))
+    su = "model.layers.2.mlp.shared_expert.up_proj.weight"
+    gu = target.model.layers[2].mlp.shared_expert.gate_up_proj
+    assert torch.equal(gu.weight[128:].view(torch.uint8), f[su].view(torch.uint8))
+    assert torch.equal(gu.weight_scale_inv[1:], f[su + "_scale_inv"])
 
 
 def test_fp8_model_logits_follow_the_float32_reference(fp8_dir, kernels32, golden):

@@ -47,6 +47,51 @@ def _single_file_copy(model_dir, dst, edit=None):
     return dst
 
 
+def _shared_equals_expert_copy(model_dir, dst, edit=None):
+    """The fixture with its shared expert cut to the experts' intermediate size (Is = I = 64: the first 64
+    gate / up rows and down columns), so its MoE blocks fold the shared expert in as one pseudo-expert."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    inter = cfg["moe_intermediate_size"]
+
+    def cut(t):
+        for name in list(t):
+            if ".shared_expert." in name:
+                t[name] = (
+                    t[name][:, :inter] if name.endswith("down_proj.weight") else t[name][:inter]
+                ).clone()
+        if edit is not None:
+            edit(t)
+
+    _single_file_copy(model_dir, dst, cut)
+    (dst / "config.json").write_text(json.dumps({**cfg, "shared_expert_intermediate_size": inter}))
+    return dst
+
+
+def test_loads_the_shared_expert_folded_in(model_dir, tmp_path, kernels32):
+    """Is = I: the shared expert's gate / up rows and down columns are pseudo-expert E, its gate row the
+    router's row E, repeated up to a multiple of 8 rows (target layers and the MTP layer)."""
+    ckpt = _shared_equals_expert_copy(model_dir, tmp_path / "ck")
+    target, mtp = _build(ckpt, kernels32)
+    load_target(target, ckpt)
+    load_mtp(mtp, ckpt)
+    f = load_file(str(ckpt / "model.safetensors"))
+    for pre, moe in (
+        ("model.layers.2.mlp.", target.model.layers[2].mlp),
+        ("mtp.layers.0.mlp.", mtp.layers["4"].mlp),
+    ):
+        e = moe.experts.num_experts
+        assert moe.num_shared == 1 and moe.shared_expert is None and moe.experts.w13.shape[0] == e + 1
+        inter = moe.experts.w2.shape[2]
+        assert torch.equal(moe.experts.w13[e, :inter], f[pre + "shared_expert.gate_proj.weight"])
+        assert torch.equal(moe.experts.w13[e, inter:], f[pre + "shared_expert.up_proj.weight"])
+        assert torch.equal(moe.experts.w2[e], f[pre + "shared_expert.down_proj.weight"])
+        assert torch.equal(moe.gate.weight[:e], f[pre + "gate.weight"])
+        rest = moe.gate.weight[e:]
+        assert rest.shape[0] == 8 - e % 8 and torch.equal(
+            rest, f[pre + "shared_expert_gate.weight"].expand_as(rest)
+        )
+
+
 def test_loads_stacked_experts_and_fused_rows(model_dir, kernels32):
     target, mtp = _build(model_dir, kernels32)
     assert load_target(target, model_dir) == 154
@@ -62,21 +107,10 @@ def test_loads_stacked_experts_and_fused_rows(model_dir, kernels32):
     assert torch.equal(moe.experts.w13[5, :inter], tensor("model.layers.2.mlp.experts.5.gate_proj.weight"))
     assert torch.equal(moe.experts.w13[5, inter:], tensor("model.layers.2.mlp.experts.5.up_proj.weight"))
     assert torch.equal(moe.experts.w2[7], tensor("model.layers.2.mlp.experts.7.down_proj.weight"))
-    # the shared expert (intermediate 128 = 2 x 64) folded in as pseudo-experts E, E + 1: slice j of its
-    # gate / up rows and down columns; its gate row is the router's last row
-    num_experts, m = moe.experts.num_experts, moe.num_shared
-    assert m == 2 and moe.experts.w13.shape[0] == num_experts + m and moe.shared_expert is None
-    pre = "model.layers.2.mlp."
-    for j in range(m):
-        rows = slice(j * inter, (j + 1) * inter)
-        w13, w2 = moe.experts.w13[num_experts + j], moe.experts.w2[num_experts + j]
-        assert torch.equal(w13[:inter], tensor(pre + "shared_expert.gate_proj.weight")[rows])
-        assert torch.equal(w13[inter:], tensor(pre + "shared_expert.up_proj.weight")[rows])
-        assert torch.equal(w2, tensor(pre + "shared_expert.down_proj.weight")[:, rows])
-    assert torch.equal(moe.gate.weight[:num_experts], tensor(pre + "gate.weight"))
-    rest = moe.gate.weight[num_experts:]  # the shared gate row, repeated up to a multiple of 8 rows
-    assert rest.shape[0] == 8 - num_experts % 8 and torch.equal(
-        rest, tensor(pre + "shared_expert_gate.weight").expand_as(rest)
+    shared = moe.shared_expert.gate_up_proj.weight  # Is = 2 I: the unfused shared expert
+    assert moe.num_shared == 0 and moe.gate.weight.shape[0] == moe.experts.num_experts
+    assert torch.equal(
+        shared[shared.shape[0] // 2 :], tensor("model.layers.2.mlp.shared_expert.up_proj.weight")
     )
     # mtp.layers.0 lands in the layer with absolute index num_hidden_layers (4)
     assert torch.equal(
@@ -127,24 +161,24 @@ def test_all_problems_in_one_error_with_file_names(model_dir, tmp_path, kernels3
 
 
 def test_folded_shared_expert_problems_name_tensor_file_and_shape(model_dir, tmp_path, kernels32):
-    """The shared expert's tensors (split over pseudo-experts) and the shared gate row (the router's last
-    row) are checked like any other: wrong shape, missing, each named once."""
+    """The folded shared expert's tensors (Is = I) and the shared gate row (the router's row E) are checked
+    like any other: wrong shape, missing, each named once."""
 
     def edit(t):
         t["model.layers.1.mlp.shared_expert.up_proj.weight"] = torch.zeros(96, 256)
-        t["model.layers.2.mlp.shared_expert.down_proj.weight"] = torch.zeros(256, 64)
+        t["model.layers.2.mlp.shared_expert.down_proj.weight"] = torch.zeros(256, 32)
         t.pop("model.layers.3.mlp.shared_expert_gate.weight")
 
-    ckpt = _single_file_copy(model_dir, tmp_path / "ck", edit)
+    ckpt = _shared_equals_expert_copy(model_dir, tmp_path / "ck", edit)
     target, _ = _build(ckpt, kernels32)
     with pytest.raises(CheckpointError) as e:
         load_target(target, ckpt)
     print(e.value)
     assert e.value.problems == [
         "tensor model.layers.1.mlp.shared_expert.up_proj.weight in model.safetensors has shape [96, 256], "
-        "expected [128, 256] (for model.layers.1.mlp.experts.w13, the shared expert folded in)",
-        "tensor model.layers.2.mlp.shared_expert.down_proj.weight in model.safetensors has shape [256, 64], "
-        "expected [256, 128] (for model.layers.2.mlp.experts.w2, the shared expert folded in)",
+        "expected [64, 256] (for model.layers.1.mlp.experts.w13, the shared expert folded in)",
+        "tensor model.layers.2.mlp.shared_expert.down_proj.weight in model.safetensors has shape [256, 32], "
+        "expected [256, 64] (for model.layers.2.mlp.experts.w2, the shared expert folded in)",
         f"missing tensor model.layers.3.mlp.shared_expert_gate.weight (for model.layers.3.mlp.gate.weight) in {ckpt}",
     ]
 
@@ -269,7 +303,7 @@ _NOT_FP8 = (
 def test_fp8_block_checkpoint_is_dequantised_on_load(model_dir, tmp_path, kernels32, golden, monkeypatch):
     quantised = []
 
-    # layer 0's router and shared gate quantised too: the folded router (one Linear) dequantises both
+    # layer 0's router and shared gate quantised too: both are dequantised on load
     routers = ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_expert_gate.weight")
 
     def edit(t):
@@ -310,19 +344,14 @@ def test_fp8_block_checkpoint_is_dequantised_on_load(model_dir, tmp_path, kernel
             f[name], f[name + "_scale_inv"], block=(128, 128), dtype=torch.float32
         )
 
-    # the shared expert's 64-row / 64-column slices (inside one 128 block) as pseudo-experts 8 and 9
+    # the unfused shared expert (Is = 2 I) and both routers (quantised here) come back dequantised
     moe = target.model.layers[2].mlp
-    for j in range(2):
-        sl = slice(64 * j, 64 * (j + 1))
-        assert torch.equal(
-            moe.experts.w13[8 + j, :64], dequant("model.layers.2.mlp.shared_expert.gate_proj.weight")[sl]
-        )
-        assert torch.equal(
-            moe.experts.w2[8 + j], dequant("model.layers.2.mlp.shared_expert.down_proj.weight")[:, sl]
-        )
-    router = target.model.layers[0].mlp.gate.weight
-    gate, shared_gate = (dequant(n) for n in routers)  # the shared gate row repeated up to 8-row alignment
-    assert torch.equal(router, torch.cat([gate, shared_gate.expand(router.shape[0] - gate.shape[0], -1)]))
+    assert torch.equal(
+        moe.shared_expert.down_proj.weight, dequant("model.layers.2.mlp.shared_expert.down_proj.weight")
+    )
+    layer0 = target.model.layers[0].mlp
+    assert torch.equal(layer0.gate.weight, dequant(routers[0]))
+    assert torch.equal(layer0.shared_expert_gate.weight, dequant(routers[1]))
     want = kernels32.fp8_block_dequant(
         f["model.layers.1.mlp.experts.6.up_proj.weight"],
         f["model.layers.1.mlp.experts.6.up_proj.weight_scale_inv"],

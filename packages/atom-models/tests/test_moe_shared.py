@@ -65,22 +65,22 @@ def _randomize(block: torch.nn.Module, seed: int) -> None:
 
 
 def test_shared_expert_folds_into_pseudo_experts(kernels):
-    """Is = 2 I: two pseudo-experts after the routed ones, the router one Linear H -> E + 1 rounded up to 8
+    """Is = I: one pseudo-expert after the routed ones, the router one Linear H -> E + 1 rounded up to 8
     rows (random values in the rows past E + 1: only row E may be read); the output is the HF formula with
-    the shared expert's gate / up rows and down columns the concatenated slices."""
-    cfg = _config(hidden=32, inter=16, shared=32)
-    assert shared_pseudo_experts(cfg) == 2
+    the shared expert's gate / up rows and down columns those of the pseudo-expert."""
+    cfg = _config(hidden=32, inter=16, shared=16)
+    assert shared_pseudo_experts(cfg) == 1
     block = SparseMoeBlock(cfg, kernels, dtype=torch.float32)
     assert block.shared_expert is None and block.shared_expert_gate is None
-    assert block.gate.weight.shape == (8, 32) and block.experts.w13.shape == (6, 32, 32)
+    assert block.gate.weight.shape == (8, 32) and block.experts.w13.shape == (5, 32, 32)
     _randomize(block, 0)
     x = torch.randn(7, 32, generator=torch.Generator().manual_seed(1))
     e, i = 4, 16
     w13, w2 = block.experts.w13, block.experts.w2
     shared = (
-        torch.cat([w13[e + j, :i] for j in range(2)]),
-        torch.cat([w13[e + j, i:] for j in range(2)]),
-        torch.cat([w2[e + j] for j in range(2)], dim=1),
+        w13[e, :i],
+        w13[e, i:],
+        w2[e],
     )
     want = _hf_formula(x, block.gate.weight[:e], (w13[:e], w2[:e]), shared, block.gate.weight[e : e + 1], 2)
     with torch.no_grad():
@@ -89,7 +89,8 @@ def test_shared_expert_folds_into_pseudo_experts(kernels):
 
 
 def test_shared_expert_stays_separate_when_sizes_do_not_divide(kernels):
-    """Is = 24 is not a multiple of I = 16: a separate GatedMLP and shared_expert_gate, router H -> E."""
+    """Is != I (24, and 32 = 2 I): a separate GatedMLP and shared_expert_gate, router H -> E."""
+    assert shared_pseudo_experts(_config(hidden=32, inter=16, shared=32)) == 0
     cfg = _config(hidden=32, inter=16, shared=24)
     assert shared_pseudo_experts(cfg) == 0
     block = SparseMoeBlock(cfg, kernels, dtype=torch.float32)
@@ -114,13 +115,12 @@ def test_no_shared_expert(kernels):
 
 
 def test_fp8_folded_shared_expert_equals_the_unfused_one(kernels):
-    """FP8 block-scaled weights, I = 128, Is = 256 (m = 2): the folded block equals routed experts plus
-    ``sigmoid(gate) * fp8_linear`` shared expert whose weights and [128, 128] scales are the pseudo-experts'
-    concatenated (activation groups of 128 channels line up with the pseudo-expert boundary)."""
+    """FP8 block-scaled weights, I = Is = 128 (one pseudo-expert): the folded block equals routed experts
+    plus ``sigmoid(gate) * fp8_linear`` shared expert with the pseudo-expert's weights and [128, 128] scales."""
     h, i, e, k = 256, 128, 4, 2
-    cfg = _config(hidden=h, inter=i, shared=2 * i, experts=e, top_k=k)
+    cfg = _config(hidden=h, inter=i, shared=i, experts=e, top_k=k)
     block = SparseMoeBlock(cfg, kernels, dtype=torch.float32)
-    block.experts = Fp8Experts(e, h, i, (128, 128), num_shared=2)
+    block.experts = Fp8Experts(e, h, i, (128, 128), num_shared=1)
     gen = torch.Generator().manual_seed(4)
     ex = block.experts
     with torch.no_grad():
@@ -138,13 +138,13 @@ def test_fp8_folded_shared_expert_equals_the_unfused_one(kernels):
             x, weights, ids, ex.w13[:e], ex.w13_scale_inv[:e], ex.w2[:e], ex.w2_scale_inv[:e], (128, 128)
         )
         nb = ex.w13_scale_inv.shape[1] // 2  # scale rows of one half (gate or up)
-        gu = torch.cat([ex.w13[e + j, :i] for j in range(2)] + [ex.w13[e + j, i:] for j in range(2)])
+        gu = torch.cat([ex.w13[e + j, :i] for j in range(1)] + [ex.w13[e + j, i:] for j in range(1)])
         gu_s = torch.cat(
-            [ex.w13_scale_inv[e + j, :nb] for j in range(2)]
-            + [ex.w13_scale_inv[e + j, nb:] for j in range(2)]
+            [ex.w13_scale_inv[e + j, :nb] for j in range(1)]
+            + [ex.w13_scale_inv[e + j, nb:] for j in range(1)]
         )
-        down = torch.cat([ex.w2[e + j] for j in range(2)], dim=1)
-        down_s = torch.cat([ex.w2_scale_inv[e + j] for j in range(2)], dim=1)
+        down = torch.cat([ex.w2[e + j] for j in range(1)], dim=1)
+        down_s = torch.cat([ex.w2_scale_inv[e + j] for j in range(1)], dim=1)
         act = kernels.silu_and_mul(kernels.fp8_linear(x, gu, gu_s, (128, 128), None))
         shared = kernels.fp8_linear(act, down, down_s, (128, 128), None)
         want = routed + torch.sigmoid(logits[:, e : e + 1]) * shared

@@ -159,9 +159,13 @@ def test_mamba_state_has_pending_tensor_only_with_mtp():
         assert page - without == (1 + k) * p * 4, (k, page, without)
 
 
-def test_draft_expects_exactly_the_checkpoint_mtp_tensors():
-    """The names the draft's missing-MTP error lists are the checkpoint's ``mtp.*`` tensors: the shared
-    expert folded into the stacked experts and the router included, no pseudo-expert as a routed one."""
+@pytest.mark.parametrize("fold", [False, True], ids=["separate-shared", "folded-shared"])
+def test_draft_expects_exactly_the_checkpoint_mtp_tensors(fold):
+    """The names the draft's missing-MTP error lists are the checkpoint's ``mtp.*`` tensors, with the
+    fixture's separate shared expert (Is = 2 I) and with it folded into the stacked experts and the router
+    (the same config at Is = I: the names do not depend on the sizes); no pseudo-expert as a routed one."""
+    import dataclasses
+
     from atom_core import Qwen3NextConfig
     from atom_core.paths import default_model_dir
     from atom_kernels import select_kernels
@@ -170,11 +174,13 @@ def test_draft_expects_exactly_the_checkpoint_mtp_tensors():
 
     ckpt = default_model_dir()
     cfg = Qwen3NextConfig.from_hf(ckpt)
+    if fold:
+        cfg = dataclasses.replace(cfg, shared_expert_intermediate_size=cfg.moe_intermediate_size)
     kern = select_kernels("cpu", torch.float32, backend="reference")
     with torch.device("meta"):
         target = Qwen3NextForCausalLM(cfg, DenseCoreFactory(kern), kern)
         mtp = Qwen3NextMTP(cfg, DenseCoreFactory(kern), kern, target.model.embed_tokens, target.lm_head)
-    assert mtp.layers[str(cfg.num_hidden_layers)].mlp.num_shared == 2  # the tiny model folds Is = 2 I
+    assert mtp.layers[str(cfg.num_hidden_layers)].mlp.num_shared == (1 if fold else 0)
     draft = SimpleNamespace(atom_config=SimpleNamespace(model=cfg), model=mtp)
     names = AtomQwen3NextMTP.expected_checkpoint_names(draft)
     assert len(names) == len(set(names))
