@@ -127,11 +127,9 @@ def shared_pseudo_experts(config: Qwen3NextConfig) -> int:
 
     A shared expert of ``m > 1`` expert sizes could be ``m`` pseudo-experts (the storage, loader and kernels
     take any ``m``), but the fold changes the bf16 rounding (``m`` partial down-projections, the sigmoid
-    weight applied in float32 inside the expert sum): on the bundled tiny model (``Is = 2 I``) it moved
-    vLLM's bf16 MTP acceptance on prompts.json from 806 to 803 of ~1230 drafts, below the plugin's bar
-    (stock vLLM's 819 / 1218 minus 2 points), so such configs keep the unfused block. The fold exists for
-    the launch count of the ``Is == I`` shape on the GPU; its effect on the 80B's acceptance is not measured
-    (no 80B checkpoint on these machines)."""
+    weight applied in float32 inside the expert sum), which moved the bundled tiny model's (``Is = 2 I``)
+    vLLM acceptance below the plugin's bar against stock vLLM (docs/performance.md, "Standalone engine"),
+    so such configs keep the unfused block. The fold exists for the launch count of the ``Is == I`` shape."""
     shared, inter = config.shared_expert_intermediate_size, config.moe_intermediate_size
     return 1 if shared > 0 and shared == inter else 0
 
