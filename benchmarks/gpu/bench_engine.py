@@ -275,6 +275,59 @@ def time_steps(engine, n: int, sync) -> float:
     return statistics.median(times)
 
 
+def host_breakdown(engine, n: int, sync) -> dict:
+    """Median milliseconds per graphed step in each host phase (wall clock around the engine's own calls,
+    no added synchronisation): ``schedule``, ``fill`` (metadata staging + its one copy), ``target_launch`` /
+    ``propose_launch`` (the CPU side of the graph replays), ``read`` (result copy, the wait for the GPU,
+    ``tolist``), ``finish`` (the scheduler's end of step), ``other`` (the rest of ``step``: the per-request
+    bookkeeping) and ``step``. The GPU runs from the first launch to the end of ``read``'s wait, so every
+    other phase is time the GPU sits idle in a step."""
+    g, sched = engine.graphs, engine.scheduler
+    phases: dict[str, list[float]] = {}
+    acc: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[name] = acc.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+
+        return wrapper
+
+    saved = (
+        sched.schedule,
+        sched.finish_step,
+        g.meta.fill,
+        g.reader.read,
+        dict(g._targets),
+        dict(g._proposers),
+    )
+    sched.schedule = timed("schedule", sched.schedule)
+    sched.finish_step = timed("finish", sched.finish_step)
+    g.meta.fill = timed("fill", g.meta.fill)
+    g.reader.read = timed("read", g.reader.read)
+    g._targets = {key: timed("target_launch", e) for key, e in g._targets.items()}
+    g._proposers = {key: timed("propose_launch", e) for key, e in g._proposers.items()}
+    try:
+        for _ in range(n):
+            sync()
+            acc.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            step = (time.perf_counter() - t0) * 1e3
+            sync()
+            acc["other"] = step - sum(acc.values())
+            acc["step"] = step
+            for name, v in acc.items():
+                phases.setdefault(name, []).append(v)
+    finally:
+        sched.schedule, sched.finish_step, g.meta.fill, g.reader.read = saved[:4]
+        g._targets, g._proposers = saved[4], saved[5]
+    return {name: statistics.median(v) for name, v in phases.items()}
+
+
 def gpu_ms(fn, smoke: bool) -> float:
     if smoke:
         t0 = time.perf_counter()
@@ -318,6 +371,7 @@ def bench_k(args, cfg, k: int, device, dtype, ceil, rows: list, prof_out: Path |
         engine.graphs = graphs
         time_steps(engine, 2, sync)  # capture this bucket
         graph_step = time_steps(engine, args.steps, sync)
+        host = host_breakdown(engine, args.steps, sync)
         q, bucket = 1 + k, graphs.bucket(b)
         entry = graphs._targets[(q, bucket)]
         target_graph = gpu_ms(entry, smoke)
@@ -345,12 +399,14 @@ def bench_k(args, cfg, k: int, device, dtype, ceil, rows: list, prof_out: Path |
             "frac_floor_step_graphed": floor / graph_step,
             "frac_floor_step_eager": floor / eager_step,
             "frac_floor_model_graphed": floor / (target_graph + (propose_graph or 0.0)),
+            "host_ms_graphed": host,
         }
         rows.append(r)
         print(
             f"k={k} B={b}: step eager {eager_step:.2f} ms graphed {graph_step:.2f} ms | target eager "
             f"{target_eager:.3f} graphed {target_graph:.3f} | propose {propose_graph} | floor {floor:.3f} ms "
-            f"({floor / graph_step:.0%} of the graphed step)",
+            f"({floor / graph_step:.0%} of the graphed step)\n  host phases per graphed step (ms): "
+            + " ".join(f"{name} {v:.3f}" for name, v in host.items()),
             flush=True,
         )
         if prof_out is not None and k == 1 and b in args.profile_batches:

@@ -171,6 +171,11 @@ def test_bad_inputs(impl, device):
         linear(torch.randn(4, 299, device=device), w, s)
     with pytest.raises(ValueError, match=r"bias must have shape \[N=200\]"):
         linear(torch.randn(4, 300, device=device), w, s, (128, 128), torch.zeros(300, device=device))
+    x = torch.randn(4, 300, device=device)
+    with pytest.raises(ValueError, match=r"tickets must have dtype int32"):
+        linear(x, w, s, (128, 128), None, tickets=torch.zeros(13, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match=r"tickets holds 12 counters, needs >= 13 \(N / 16\)"):
+        linear(x, w, s, (128, 128), None, tickets=torch.zeros(12, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="group must be a positive int"):
         quant(torch.randn(4, 300, device=device), 0)
     with pytest.raises(ValueError, match="scale must be a positive number"):
@@ -412,3 +417,31 @@ def test_linear_decode_split_k_in_cuda_graph(device):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager), "graph replay differs from the eager call"
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_linear_decode_caller_tickets(device, m):
+    """The caller's counters (``tickets``) give the result of per-call counters, bit for bit, in eager calls
+    and graph replays, and are left zero; a plan with more column tiles than counters is refused."""
+    _gpu(device)
+    fp8_triton = _fp8_triton()
+    x, w_fp8, scale_inv, b = _linear_case(device, 512, 2048, m, torch.bfloat16, True)
+    cfg = dict(ONE_LAUNCH=True, ROWS=2, BLOCK_N=16, SPLIT_K=4, SWAP_AB=True, num_warps=2, num_stages=4)
+    tickets = torch.zeros(512 // 16, dtype=torch.int32, device=device)
+    fresh = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, config=cfg)
+    own = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, tickets=tickets, config=cfg)
+    assert torch.equal(own, fresh), "caller's tickets change the result"
+    assert int(tickets.abs().sum()) == 0, f"tickets not left zero: {tickets.tolist()}"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, tickets=tickets, config=cfg)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fresh), "graph replay with the caller's tickets differs"
+    assert int(tickets.abs().sum()) == 0, f"tickets not left zero after replays: {tickets.tolist()}"
+    with pytest.raises(ValueError, match=r"tickets holds 32 counters .* needs 64 \(BLOCK_N=8\)"):
+        fp8_triton.fp8_linear(
+            x, w_fp8, scale_inv, (128, 128), b, tickets=tickets, config={**cfg, "BLOCK_N": 8}
+        )

@@ -236,6 +236,8 @@ class Fp8Linear(Protocol):
         scale_inv: Tensor,
         block: tuple[int, int] = (128, 128),
         bias: Tensor | None = None,
+        *,
+        tickets: Tensor | None = None,
     ) -> Tensor: ...
 
 

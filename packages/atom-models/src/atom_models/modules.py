@@ -7,6 +7,7 @@ the loader checks that every one was written). Numeric ops come from the injecte
 from __future__ import annotations
 
 import torch
+from atom_kernels.ops.fp8 import TICKET_COLUMNS
 from torch import nn
 
 from atom_models.parallel.context import SINGLE_PROCESS, ParallelContext
@@ -78,11 +79,20 @@ class Fp8Linear(nn.Module):
             if bias
             else None
         )
+        # the op's split-K counters (int32 zeros, left zero by every launch): owned here so that no launch
+        # has to zero fresh ones (runtime state, not in the state dict)
+        self.register_buffer(
+            "tickets",
+            torch.zeros(-(-out_features // TICKET_COLUMNS), dtype=torch.int32, device=device),
+            persistent=False,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = local_bias(self.bias, self.shard)
         if self.part_spans is None:
-            y = self.kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.block, bias)
+            y = self.kernels.fp8_linear(
+                x, self.weight, self.weight_scale_inv, self.block, bias, tickets=self.tickets
+            )
         else:
             y = torch.cat(
                 [
@@ -92,6 +102,7 @@ class Fp8Linear(nn.Module):
                         self.weight_scale_inv[s0:s1],
                         self.block,
                         None if bias is None else bias[r0:r1],
+                        tickets=self.tickets,
                     )
                     for r0, r1, s0, s1 in self.part_spans
                 ],

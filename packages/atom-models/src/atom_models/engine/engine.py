@@ -108,7 +108,9 @@ class GenerationResult:
 
 
 def materialize(modules: Sequence[nn.Module | None], device: torch.device) -> None:
-    """Allocate every meta-device parameter and buffer of ``modules`` on ``device`` (uninitialised memory).
+    """Allocate every meta-device parameter and buffer of ``modules`` on ``device``: parameters
+    uninitialised (the loader writes every one), buffers zeroed (runtime state such as
+    :class:`~atom_models.modules.Fp8Linear`'s split-K counters, which must start at zero).
 
     A tensor held by several modules (the MTP draft holds the target's ``embed_tokens`` and ``lm_head``;
     tied embeddings make ``lm_head.weight`` the embedding's) becomes ONE tensor held by all of them.
@@ -117,9 +119,10 @@ def materialize(modules: Sequence[nn.Module | None], device: torch.device) -> No
 
     def allocate(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in done:
-            new = torch.empty_like(t, device=device)
             if isinstance(t, nn.Parameter):
-                new = nn.Parameter(new, requires_grad=t.requires_grad)
+                new = nn.Parameter(torch.empty_like(t, device=device), requires_grad=t.requires_grad)
+            else:
+                new = torch.zeros_like(t, device=device)
             done[id(t)] = (t, new)
         return done[id(t)][1]
 

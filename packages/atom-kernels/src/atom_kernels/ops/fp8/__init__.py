@@ -2,6 +2,7 @@
 activation quantisation, the block-scaled linear, and per-tensor KV quantisation."""
 
 from atom_kernels.ops.fp8.checks import (
+    TICKET_COLUMNS,
     check_fp8_act_quant,
     check_fp8_block_dequant,
     check_fp8_kv_dequant,
@@ -15,4 +16,5 @@ __all__ = [
     "check_fp8_kv_dequant",
     "check_fp8_kv_quant",
     "check_fp8_linear",
+    "TICKET_COLUMNS",
 ]

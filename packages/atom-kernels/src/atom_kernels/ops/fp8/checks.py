@@ -5,6 +5,10 @@ import torch
 from atom_kernels.ops._checks import FLOAT_DTYPES, FP8_DTYPES, Checker
 from atom_kernels.ops.paged_attention.checks import check_scale
 
+# ``fp8_linear``'s ``tickets``: one counter per this many output columns (the narrowest column tile a
+# split-K plan may use), so ``ceil(N / TICKET_COLUMNS)`` counters serve every plan.
+TICKET_COLUMNS = 16
+
 
 def _block(c: Checker, block: object) -> tuple[int, int]:
     ok = isinstance(block, (tuple, list)) and len(block) == 2
@@ -34,13 +38,25 @@ def check_fp8_act_quant(x: torch.Tensor, group: int) -> None:
 
 
 def check_fp8_linear(
-    x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: object, bias: torch.Tensor | None
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: object,
+    bias: torch.Tensor | None,
+    tickets: torch.Tensor | None = None,
 ) -> None:
     c = Checker("fp8_linear")
     c.tensor("w_fp8", w_fp8, ("N", "K"), FP8_DTYPES)
     c.tensor("x", x, ("...", "K"), FLOAT_DTYPES)
     _weight(c, w_fp8, scale_inv, block)
     c.optional("bias", bias, ("N",), FLOAT_DTYPES)
+    c.optional("tickets", tickets, ("C",), (torch.int32,))
+    if tickets is not None:
+        c.require(tickets.is_contiguous(), "tickets must be contiguous")
+        need = -(-w_fp8.shape[0] // TICKET_COLUMNS)
+        c.require(
+            tickets.numel() >= need, f"tickets holds {tickets.numel()} counters, needs >= {need} (N / 16)"
+        )
 
 
 def check_fp8_kv_quant(x: torch.Tensor, scale: object) -> None:

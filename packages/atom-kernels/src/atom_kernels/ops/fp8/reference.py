@@ -73,6 +73,8 @@ def fp8_linear(
     scale_inv: torch.Tensor,
     block: tuple[int, int] = (128, 128),
     bias: torch.Tensor | None = None,
+    *,
+    tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """W8A8 block-scaled linear: ``dequant(fp8_act_quant(x, bk)) @ dequant(w_fp8).T + bias``.
 
@@ -85,11 +87,14 @@ def fp8_linear(
     Args:
         x: ``[T, K]`` (any leading dims); w_fp8: ``[N, K]`` float8_e4m3fn;
         scale_inv: ``[ceil(N/bn), ceil(K/bk)]``; block: ``(bn, bk)``; bias: ``[N]`` or None.
+        tickets: None, or an int32 ``[>= ceil(N/16)]`` tensor of zeros that a backend splitting K may use
+            as its per-column-tile counters and must leave zero (the caller owns it, so that no launch
+            has to zero fresh counters); never changes the result. The reference does not split K.
 
     Returns:
         ``[T, N]`` in x.dtype.
     """
-    check_fp8_linear(x, w_fp8, scale_inv, block, bias)
+    check_fp8_linear(x, w_fp8, scale_inv, block, bias, tickets)
     bk = int(block[1])
     x_fp8, x_scales = fp8_act_quant(x, bk)
     xd = x_fp8.float() * x_scales.repeat_interleave(bk, -1)[..., : x.shape[-1]]

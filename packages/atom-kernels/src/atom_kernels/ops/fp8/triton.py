@@ -13,7 +13,8 @@ float32 accumulation), each K tile scaled by the token's group scale and the wei
   where they leave SMs idle, split-K: float32 partials, and the last program of a column tile to take an
   atomic ticket (which it returns to 0, so the counters stay zero between launches: CUDA-graph safe) sums
   them in split order (deterministic) and adds the bias. Split-K allocates its partials (``torch.empty``)
-  and its tickets (``torch.zeros``: a memset) per call.
+  per call; its tickets are the caller's (``tickets``: a zeroed buffer the caller keeps, e.g. one per
+  linear layer), else zeros allocated per call (a memset).
 - decode up to M = 64 otherwise (``ONE_LAUNCH=False``): ``_act_quant_kernel`` (one program per token),
   ``_fp8_gemm_kernel`` with one row tile of ``16 <= BLOCK_M <= 64`` rows and split-K float32 partials
   ``[SPLIT_K, M, N]``, summed in a fixed order by ``_splitk_reduce_kernel`` (deterministic), which also adds
@@ -388,9 +389,10 @@ def _launch_gemm(a, a_scales, w, w_scales, block, out_dtype, bias, cfg) -> torch
     return out
 
 
-def _launch_decode(x, w, w_scales, block, bias, cfg) -> torch.Tensor:
+def _launch_decode(x, w, w_scales, block, bias, cfg, tickets=None) -> torch.Tensor:
     """One launch of ``_fp8_linear_decode_kernel``: ``x [M, K]`` (unit last stride, ``M <= cfg["ROWS"]``)
-    x ``w [N, K]`` e4m3 with float32 block scales -> ``[M, N]`` in x.dtype."""
+    x ``w [N, K]`` e4m3 with float32 block scales -> ``[M, N]`` in x.dtype. ``tickets``: the caller's
+    zeroed split-K counters (see :func:`fp8_linear`), else zeros allocated here."""
     m, k = x.shape
     n = w.shape[0]
     bn, bk = block
@@ -404,9 +406,17 @@ def _launch_decode(x, w, w_scales, block, bias, cfg) -> torch.Tensor:
     per = triton.cdiv(groups, max(1, min(int(cfg["SPLIT_K"]), groups)))
     split = triton.cdiv(groups, per)
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
-    if split > 1:  # float32 partials, and tickets that the kernel returns to 0 (a memset per call)
+    if split > 1:  # float32 partials; tickets that the kernel returns to 0 (fresh ones cost a memset)
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        count = torch.zeros((tiles,), dtype=torch.int32, device=x.device)
+        if tickets is None:
+            count = torch.zeros((tiles,), dtype=torch.int32, device=x.device)
+        elif tickets.numel() < tiles or tickets.device != x.device:
+            raise ValueError(
+                f"fp8_linear (triton): tickets holds {tickets.numel()} counters on {tickets.device}, the plan "
+                f"needs {tiles} (BLOCK_N={cfg['BLOCK_N']}) on {x.device}"
+            )
+        else:
+            count = tickets
     else:
         part, count = out, out
     has_bias = bias is not None
@@ -446,12 +456,15 @@ def fp8_linear(
     block: tuple[int, int] = (128, 128),
     bias: torch.Tensor | None = None,
     *,
+    tickets: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """W8A8 block-scaled linear (see the reference) ``[..., K] -> [..., N]`` in x.dtype: one launch of
     ``_fp8_linear_decode_kernel`` at decode-sized M, else act quant + :func:`fp8_gemm`'s kernels;
-    ``config`` overrides the launch plan (keys of :func:`plan`; ``ONE_LAUNCH`` picks the plan)."""
-    check_fp8_linear(x, w_fp8, scale_inv, block, bias)
+    ``tickets``: int32 zeros, ``>= ceil(N / 16)``, that the one-launch split-K plan takes as its counters
+    and leaves zero (without them it allocates zeroed counters per call: one memset); ``config``
+    overrides the launch plan (keys of :func:`plan`; ``ONE_LAUNCH`` picks the plan)."""
+    check_fp8_linear(x, w_fp8, scale_inv, block, bias, tickets)
     if w_fp8.stride(-1) != 1:
         raise ValueError("fp8_linear (triton): w_fp8 needs a unit last-dim stride")
     bn, bk = _check_block("fp8_linear", block)
@@ -462,7 +475,7 @@ def fp8_linear(
     scales = scale_inv if scale_inv.dtype == torch.float32 else scale_inv.float()
     cfg = plan(x2.shape[0], w_fp8.shape[0], k, bk, _device_sms(x.device), config)
     if cfg["ONE_LAUNCH"]:
-        y = _launch_decode(x2, w_fp8, scales, (bn, bk), bias, cfg)
+        y = _launch_decode(x2, w_fp8, scales, (bn, bk), bias, cfg, tickets)
     else:
         a, a_s = _act_quant_2d(x2, bk)
         y = _launch_gemm(a, a_s, w_fp8, scales, (bn, bk), x.dtype, bias, cfg)
