@@ -102,6 +102,63 @@ def test_moe_router_shared_columns(impl, tol, device, num_shared):
     assert bool(weights[2, top_k:].isnan().all()), "row 2: a NaN shared logit gives NaN shared weights"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_shared", [0, 1])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 8, 11])
+def test_moe_gate_router(impl, tol, device, dtype, num_shared, num_tokens):
+    """``moe_gate_router`` is the router's Linear then ``moe_router``: against the float64 softmax of
+    ``x @ w.T``. E = 60 (not a power of two); the weight has 64 rows, NaN past the columns the router
+    reads (padding that must never reach the result); 1-8 tokens take the fused launch, 11 the Linear +
+    router path; the caller's counter is left zero."""
+    fn = impl("moe_gate_router", dtype)
+    num_experts, top_k, hidden = 60, 4, 200
+    cols = num_experts + (1 if num_shared else 0)
+    x = randn(num_tokens, hidden, seed=4, dtype=dtype, device=device)
+    w = randn(64, hidden, seed=5, dtype=dtype, device=device, scale=0.3)
+    w[cols:] = float("nan")
+    tickets = torch.zeros(1, dtype=torch.int32, device=device)
+    weights, ids = fn(x, w, num_experts, top_k, True, num_shared, tickets=tickets)
+    assert weights.shape == ids.shape == (num_tokens, top_k + num_shared)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert int(tickets.abs().sum()) == 0, f"tickets not left zero: {tickets.tolist()}"
+    logits = x.double().cpu() @ w[:cols].double().cpu().T
+    probs = torch.softmax(logits[:, :num_experts], -1)
+    ids_cpu = ids.cpu()
+    assert all(len(set(r.tolist())) == top_k for r in ids_cpu[:, :top_k]), "an expert picked twice"
+    chosen = probs.gather(-1, ids_cpu[:, :top_k])
+    # bf16: the logits are rounded to bf16 (as a Linear's output) before the softmax, so a near tie may
+    # pick the other expert: the chosen probabilities must be the top-k ones up to that rounding
+    top_tol = (0.0, 0.0) if dtype == torch.float32 else (2e-3, 2e-2)  # measured: exact / 6.1e-04
+    assert_close(chosen.sort(-1, descending=True).values, probs.topk(top_k, -1).values, top_tol, "top-k")
+    expected = chosen / chosen.sum(-1, keepdim=True)
+    w_tol = tol("moe_router", dtype) if dtype == torch.float32 else (5e-3, 2e-2)  # measured 1.4e-03
+    assert_close(weights[:, :top_k], expected, w_tol, f"moe_gate_router weights {dtype}")
+    if num_shared:
+        assert torch.equal(ids_cpu[:, top_k:], torch.full((num_tokens, 1), num_experts))
+        gate = torch.sigmoid(logits[:, num_experts:])
+        assert_close(weights[:, top_k:], gate, w_tol, "shared weight")
+    same = impl("moe_router", dtype)(F.linear(x, w)[:, :cols], top_k, True, num_shared)
+    if dtype == torch.float32:  # the Linear + router path: the same experts
+        assert torch.equal(ids.cpu(), same[1].cpu()), (
+            "moe_gate_router picks other experts than Linear + router"
+        )
+
+
+def test_moe_gate_router_bad_inputs(impl, device):
+    fn = impl("moe_gate_router", torch.float32)
+    x, w = torch.randn(2, 16, device=device), torch.randn(8, 16, device=device)
+    with pytest.raises(
+        ValueError, match=r"gate_weight has 8 rows, needs >= 9 \(E = 8 routed \+ the shared gate\)"
+    ):
+        fn(x, w, 8, 2, True, 1)
+    with pytest.raises(ValueError, match=r"gate_weight must have dtype"):
+        fn(x, w.double(), 8, 2, True, 0)
+    with pytest.raises(ValueError, match=r"top_k must be <= E=8, got 9"):
+        fn(x, w, 8, 9, True, 0)
+    with pytest.raises(ValueError, match=r"tickets must have dtype int32"):
+        fn(x, w, 8, 2, True, 0, tickets=torch.zeros(1, dtype=torch.int64, device=device))
+
+
 def test_moe_router_shared_bad_inputs(impl, device):
     router = impl("moe_router", torch.float32)
     with pytest.raises(ValueError, match=r"num_shared must be an int >= 0, got -1"):

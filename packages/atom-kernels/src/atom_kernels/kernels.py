@@ -25,6 +25,7 @@ class Kernels:
     rope: sig.Rope
     silu_and_mul: sig.SiluAndMul
     moe_router: sig.MoeRouter
+    moe_gate_router: sig.MoeGateRouter
     moe_experts: sig.MoeExperts
     moe_experts_fp8: sig.MoeExpertsFp8
     gdn_gating: sig.GdnGating

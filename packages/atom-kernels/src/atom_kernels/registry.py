@@ -35,6 +35,7 @@ OPS: tuple[str, ...] = (
     "rope",
     "silu_and_mul",
     "moe_router",
+    "moe_gate_router",
     "moe_experts",
     "moe_experts_fp8",
     "gdn_gating",

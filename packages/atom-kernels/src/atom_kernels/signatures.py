@@ -49,6 +49,22 @@ class MoeRouter(Protocol):
     ) -> tuple[Tensor, Tensor]: ...
 
 
+class MoeGateRouter(Protocol):
+    """``moe_gate_router``: The router's Linear and :func:`moe_router` in one op: ``moe_router((x @ gate_weight.T)[:, :C], top_k, renormalize, num_shared)``, the logits rounded to x.dtype as a Linear's output, ``C = E`` or ``E + 1`` with ``num_shared > 0``. Spec: :func:`atom_kernels.ops.moe.reference.moe_gate_router`."""
+
+    def __call__(
+        self,
+        x: Tensor,
+        gate_weight: Tensor,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        num_shared: int = 0,
+        *,
+        tickets: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]: ...
+
+
 class MoeExperts(Protocol):
     """``moe_experts``: ``out[t] = sum_j weights[t, j] * (silu_and_mul(x[t] @ w13[e].T) @ w2[e].T)``, ``e = ids[t, j]``. Spec: :func:`atom_kernels.ops.moe.reference.moe_experts`."""
 

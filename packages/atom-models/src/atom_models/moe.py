@@ -155,7 +155,8 @@ class SparseMoeBlock(nn.Module):
     Folded form (``num_shared = m > 0``, :func:`shared_pseudo_experts`): the shared expert is ``m``
     pseudo-experts after the routed ones (:class:`Experts`), and the router ``gate`` is one Linear
     ``H -> R`` (:func:`router_rows`: the routed experts' rows, then ``shared_expert_gate``'s row, repeated
-    up to ``R``): ``moe_router(gate(x)[:, :E + 1], top_k, renormalize, num_shared=m)`` routes every token
+    up to ``R``): ``moe_gate_router(x, gate.weight, E, top_k, renormalize, num_shared=m)`` (the Linear and
+    ``moe_router`` over its first ``E + 1`` columns, in one launch at decode sizes) routes every token
     to the pseudo-experts with
     weight ``sigmoid(logit E)``, and one ``moe_experts`` call computes routed and shared experts together.
     Otherwise (``Is != I``) the shared expert is a separate :class:`GatedMLP` with its own
@@ -208,14 +209,25 @@ class SparseMoeBlock(nn.Module):
             else None
         )
         self.shared_expert_gate = Linear(config.hidden_size, 1, dtype=dtype) if separate else None
+        # moe_gate_router's grid-wide counter (int32 zero, left zero by every launch; runtime state)
+        self.register_buffer("router_tickets", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.kernels
-        if self.num_shared:
-            logits = self.gate(x)[:, : self.experts.num_experts + 1]  # a view: rows stay aligned
+        e = self.experts.num_experts
+        if isinstance(self.gate, Linear):
+            weights, ids = k.moe_gate_router(
+                x,
+                self.gate.weight,
+                e,
+                self.top_k,
+                self.renormalize,
+                self.num_shared,
+                tickets=self.router_tickets,
+            )
+        else:  # a router the checkpoint quantises (Fp8Linear): its own linear, then the router
+            logits = self.gate(x)[:, : e + (1 if self.num_shared else 0)]
             weights, ids = k.moe_router(logits, self.top_k, self.renormalize, num_shared=self.num_shared)
-        else:
-            weights, ids = k.moe_router(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(k, x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -26,6 +26,7 @@ REFERENCE_OPS = {
     "rope": rope.rope,
     "silu_and_mul": activation.silu_and_mul,
     "moe_router": moe.moe_router,
+    "moe_gate_router": moe.moe_gate_router,
     "moe_experts": moe.moe_experts,
     "moe_experts_fp8": moe.moe_experts_fp8,
     "gdn_gating": gdn_gating.gdn_gating,

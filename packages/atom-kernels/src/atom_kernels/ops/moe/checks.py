@@ -23,6 +23,35 @@ def check_moe_router(logits: torch.Tensor, top_k: int, renormalize: bool, num_sh
     return num_experts
 
 
+def check_moe_gate_router(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    renormalize: bool,
+    num_shared: int,
+    tickets: torch.Tensor | None,
+) -> int:
+    """Returns the logit columns the router reads: ``E``, or ``E + 1`` with ``num_shared > 0``."""
+    c = Checker("moe_gate_router")
+    ok = isinstance(num_shared, int) and not isinstance(num_shared, bool) and num_shared >= 0
+    c.require(ok, f"num_shared must be an int >= 0, got {num_shared!r}")
+    c.positive_int("num_experts", num_experts)
+    c.tensor("x", x, ("T", "H"), FLOAT_DTYPES)
+    c.tensor("gate_weight", gate_weight, ("R", "H"), (x.dtype,))
+    cols = num_experts + (1 if num_shared else 0)
+    c.require(
+        c.dim("R") >= cols,
+        f"gate_weight has {c.dim('R')} rows, needs >= {cols} (E = {num_experts} routed"
+        f"{' + the shared gate' if num_shared else ''})",
+    )
+    c.positive_int("top_k", top_k)
+    c.require(top_k <= num_experts, f"top_k must be <= E={num_experts}, got {top_k}")
+    c.require(isinstance(renormalize, bool), f"renormalize must be a bool, got {renormalize!r}")
+    c.optional("tickets", tickets, ("C",), (torch.int32,))
+    return cols
+
+
 def check_moe_experts(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> None:

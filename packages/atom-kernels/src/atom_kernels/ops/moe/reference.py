@@ -8,7 +8,12 @@ import torch.nn.functional as F
 
 from atom_kernels.ops._checks import values_checkable
 from atom_kernels.ops.fp8.reference import fp8_act_quant
-from atom_kernels.ops.moe.checks import check_moe_experts, check_moe_experts_fp8, check_moe_router
+from atom_kernels.ops.moe.checks import (
+    check_moe_experts,
+    check_moe_experts_fp8,
+    check_moe_gate_router,
+    check_moe_router,
+)
 
 
 def moe_router(
@@ -45,6 +50,36 @@ def moe_router(
         weights = torch.cat([weights, gate.expand(-1, num_shared)], dim=-1)
         ids = torch.cat([ids, shared_ids.expand(ids.shape[0], -1)], dim=-1)
     return weights, ids
+
+
+def moe_gate_router(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    renormalize: bool,
+    num_shared: int = 0,
+    *,
+    tickets: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's Linear and :func:`moe_router` in one op:
+    ``moe_router((x @ gate_weight.T)[:, :C], top_k, renormalize, num_shared)``, the logits rounded to
+    x.dtype as a Linear's output, ``C = E`` or ``E + 1`` with ``num_shared > 0``.
+
+    Args:
+        x: ``[T, H]``; gate_weight: ``[R, H]`` in x.dtype, ``R >= C`` (rows past ``C`` are padding the
+            op never reads into the result: a router padded for alignment).
+        num_experts: routed experts ``E``; top_k, renormalize, num_shared: as :func:`moe_router`.
+        tickets: None, or int32 zeros (one or more) that a backend may use as a grid-wide counter and
+            must leave zero (owned by the caller, so that no launch zeroes a fresh one); never changes
+            the result. The reference does not use it.
+
+    Returns:
+        :func:`moe_router`'s ``(weights [T, top_k + m] float32, ids [T, top_k + m] int64)``.
+    """
+    cols = check_moe_gate_router(x, gate_weight, num_experts, top_k, renormalize, num_shared, tickets)
+    logits = F.linear(x, gate_weight)[:, :cols]
+    return moe_router(logits, top_k, renormalize, num_shared)
 
 
 def moe_experts(
