@@ -1,6 +1,11 @@
+"""Fixtures of atom-models' tests. This folder goes on ``sys.path`` so that tests import the shared
+builders of ``_helpers.py`` (pytest runs with --import-mode=importlib, which does not put it there)."""
+
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +14,10 @@ from atom_core.paths import default_model_dir, reference_dir
 from atom_kernels import select_kernels
 from atom_models import DenseCoreFactory, Qwen3NextForCausalLM, Qwen3NextMTP, load_mtp, load_target
 from safetensors.torch import load_file
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 
 @pytest.fixture(scope="session")

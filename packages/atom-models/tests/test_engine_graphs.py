@@ -9,17 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from atom_models.engine import EngineConfig, LLMEngine, SamplingParams
+from _helpers import float32_engine
+from atom_models.engine import EngineConfig, SamplingParams
 from atom_models.engine.graphs import DecodeGraphs, bucket_sizes
 
 SENTINEL = 7.0
-
-
-def _engine(model_dir, k: int, graphs: bool | None = True, **kw) -> LLMEngine:
-    cfg = EngineConfig(
-        num_speculative_tokens=k, cuda_graphs=graphs, **{"max_model_len": 256, "max_num_seqs": 8, **kw}
-    )
-    return LLMEngine.from_pretrained(model_dir, cfg, dtype=torch.float32)
 
 
 def test_bucket_sizes():
@@ -31,9 +25,9 @@ def test_bucket_sizes():
 
 
 def test_config_switch(model_dir):
-    assert _engine(model_dir, 0, graphs=None).graphs is None  # default: off on a CPU
-    assert _engine(model_dir, 0, graphs=False).graphs is None
-    eng = _engine(model_dir, 0, graphs=True)
+    assert float32_engine(model_dir, 0, graphs=None).graphs is None  # default: off on a CPU
+    assert float32_engine(model_dir, 0, graphs=False).graphs is None
+    eng = float32_engine(model_dir, 0, graphs=True)
     assert eng.graphs is not None and not eng.graphs.capture and eng.graphs.num_captured == 0
     with pytest.raises(ValueError, match="cuda_graphs must be a bool"):
         EngineConfig(cuda_graphs="yes")
@@ -50,7 +44,7 @@ def test_bucketed_steps_reproduce_greedy_reference(model_dir, greedy_cases, k):
     requests finish; tokens equal the float32 greedy continuations. Slots and KV blocks never handed
     out hold a sentinel that padding rows must not touch."""
     cases = greedy_cases["cases"][:5]
-    eng = _engine(model_dir, k)
+    eng = float32_engine(model_dir, k)
     caches = eng.caches
     free_slots = list(range(5, eng.engine_config.max_num_seqs))  # slots 0..4 are handed out first
     for st in caches.gdn.values():
@@ -85,7 +79,7 @@ def test_mixed_steps_fall_back_to_eager(model_dir, greedy_cases):
     """Requests with different draft counts (2 and 0) share steps: those run eagerly (still exact); once
     one request is left, its steps run bucketed."""
     cases = greedy_cases["cases"][:2]
-    eng = _engine(model_dir, 2)
+    eng = float32_engine(model_dir, 2)
     params = [
         SamplingParams(max_tokens=24, ignore_eos=True),
         SamplingParams(max_tokens=6, ignore_eos=True, num_speculative_tokens=0),
@@ -109,10 +103,10 @@ def test_sampled_requests_draft_eagerly_after_a_bucketed_target(model_dir, greed
     eager MTP; the same seed gives the same tokens with the bucketed path off."""
     prompt = greedy_cases["cases"][3]["prompt_ids"]
     sp = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
-    eng = _engine(model_dir, 2)
+    eng = float32_engine(model_dir, 2)
     a = eng.generate([prompt], sp)[0]
     assert eng.graphs.target_runs > 0 and eng.graphs.propose_runs == 0
-    b = _engine(model_dir, 2, graphs=False).generate([prompt], sp)[0]
+    b = float32_engine(model_dir, 2, graphs=False).generate([prompt], sp)[0]
     assert a.output_ids == b.output_ids
 
 
@@ -124,8 +118,7 @@ def test_graph_replays_reproduce_greedy_and_do_not_sync_on_cuda(model_dir, greed
         pytest.skip("needs a CUDA device: CUDA graphs and set_sync_debug_mode are CUDA features")
     from atom_models.engine import graphs as graphs_mod
 
-    cfg = EngineConfig(num_speculative_tokens=2, max_model_len=128, max_num_seqs=4, cuda_graphs=True)
-    eng = LLMEngine.from_pretrained(model_dir, cfg, dtype=torch.float32, device="cuda")
+    eng = float32_engine(model_dir, 2, max_model_len=128, max_num_seqs=4, device="cuda")
     real_call = graphs_mod._Entry.__call__
     replays = []
 

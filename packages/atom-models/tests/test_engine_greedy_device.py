@@ -13,7 +13,8 @@ import dataclasses
 
 import pytest
 import torch
-from atom_models.engine import EngineConfig, LLMEngine, SamplingParams
+from _helpers import float32_engine
+from atom_models.engine import LLMEngine, SamplingParams
 from atom_models.engine import engine as engine_mod
 from atom_models.engine.sampling import verify_greedy, verify_greedy_rows
 
@@ -54,8 +55,7 @@ def test_verify_greedy_rows_random_batches():
 
 
 def _engine(model_dir, k: int, graphs: bool, eos: tuple[int, ...]) -> LLMEngine:
-    cfg = EngineConfig(num_speculative_tokens=k, max_model_len=256, max_num_seqs=8, cuda_graphs=graphs)
-    eng = LLMEngine.from_pretrained(model_dir, cfg, dtype=torch.float32)
+    eng = float32_engine(model_dir, k, graphs)
     eng.config = dataclasses.replace(eng.config, eos_token_id=eos)
     return eng
 
@@ -159,8 +159,7 @@ def test_graphed_greedy_step_syncs_once_on_cuda(model_dir, greedy_cases, monkeyp
         pytest.skip("needs a CUDA device: CUDA graphs and set_sync_debug_mode are CUDA features")
     from atom_models.engine import step_buffers
 
-    cfg = EngineConfig(num_speculative_tokens=2, max_model_len=128, max_num_seqs=4, cuda_graphs=True)
-    eng = LLMEngine.from_pretrained(model_dir, cfg, dtype=torch.float32, device="cuda")
+    eng = float32_engine(model_dir, 2, max_model_len=128, max_num_seqs=4, device="cuda")
     real_read, real_step = step_buffers.ResultReader.read, LLMEngine._step_greedy_graphed
     checked = []
 

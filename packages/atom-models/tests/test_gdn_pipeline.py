@@ -14,43 +14,26 @@ import functools
 
 import pytest
 import torch
-from atom_core import Qwen3NextConfig
+from _helpers import K_SPEC, gdn_config, gdn_state, random_gdn_layer
 from atom_kernels import select_kernels
 from atom_models.dense_cores import DenseContext, DenseGDNCore
 from atom_models.engine import EngineConfig, LLMEngine, SamplingParams
-from atom_models.gdn import GatedDeltaNet
 from atom_models.gdn_meta import GDNDecodeMeta, GDNPrefillMeta, GDNStepMeta, GDNVerifyMeta
 from atom_models.gdn_pipeline import gdn_forward, reset_pending
-from atom_models.gdn_state import GDNGeometry, GDNLayerState
+from atom_models.gdn_state import GDNGeometry
 from atom_models.host_sync import HostSyncError, HostSyncGuard
 
 # float32, reference kernels: pipeline output vs the dense chunked prefill over the whole sequence;
 # measured max |error| 1.2e-6 (recurrent / verify vs chunked summation order)
 ATOL = {torch.float32: 1e-4}
-K_SPEC = 2
-
-
-def _config() -> Qwen3NextConfig:
-    raw = {
-        "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 1, "layer_types": ["linear_attention"],
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.25, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
-        "intermediate_size": 64, "max_position_embeddings": 128, "vocab_size": 64,
-    }  # fmt: skip
-    return Qwen3NextConfig.from_hf(raw)
 
 
 @pytest.fixture(scope="module")
 def layer_setup():
     torch.manual_seed(0)
-    cfg = _config()
+    cfg = gdn_config()
     kern = select_kernels("cpu", torch.float32, backend="reference")
-    layer = GatedDeltaNet(cfg, 0, core=None, kernels=kern, dtype=torch.float32)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0, 0.5)
-    return cfg, kern, layer
+    return cfg, kern, random_gdn_layer(cfg, kern)
 
 
 def _i32(x):
@@ -76,7 +59,7 @@ def test_ragged_verify_and_decode_match_dense(layer_setup):
     dense pipeline over the sequence so far; a plain decode part on a third sequence likewise."""
     cfg, kern, layer = layer_setup
     geo = GDNGeometry.from_config(cfg, K_SPEC)
-    state = GDNLayerState.allocate(geo, 4, conv_dtype=torch.float32, ssm_dtype=torch.float32, device="cpu")
+    state = gdn_state(geo)
     state.pending.fill_(5.0)  # stale tokens of earlier owners: the prefill must make them identities
     dense = DenseGDNCore(cfg, kern)
     torch.manual_seed(1)
@@ -161,12 +144,8 @@ def test_fused_gating_equals_gating_op_then_rule(layer_setup):
         ),
     )  # fmt: skip
     contiguous = GDNStepMeta(verifies=(GDNVerifyMeta(1, 3, _i32([2]), _i32([3]), token_start=1),))
-    fused_state = GDNLayerState.allocate(
-        geo, 4, conv_dtype=torch.float32, ssm_dtype=torch.float32, device="cpu"
-    )
-    unfused_state = GDNLayerState.allocate(
-        geo, 4, conv_dtype=torch.float32, ssm_dtype=torch.float32, device="cpu"
-    )
+    fused_state = gdn_state(geo)
+    unfused_state = gdn_state(geo)
     unfused = _gating_op_then_rule(kern)
     for i, (step, rows) in enumerate([(GDNStepMeta(prefill=pre), 14), (mixed, 5), (contiguous, 5)]):
         batch = {k: v[:rows] for k, v in toks.items()}
@@ -274,15 +253,12 @@ def test_pipeline_decode_and_verify_do_not_sync_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device: torch.cuda.set_sync_debug_mode only sees CUDA synchronisation")
     dev = torch.device("cuda")
-    cfg = _config()
+    cfg = gdn_config()
     kern = select_kernels(dev, torch.bfloat16)
     with torch.device(dev):
-        layer = GatedDeltaNet(cfg, 0, core=None, kernels=kern, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0, 0.5)
+        layer = random_gdn_layer(cfg, kern, torch.bfloat16)
     geo = GDNGeometry.from_config(cfg, K_SPEC)
-    state = GDNLayerState.allocate(geo, 4, conv_dtype=torch.bfloat16, ssm_dtype=torch.float32, device=dev)
+    state = gdn_state(geo, conv_dtype=torch.bfloat16, device=dev)
     toks = {k: v.to(dev, torch.bfloat16) for k, v in _tokens(14, geo).items()}
     i32 = functools.partial(torch.tensor, dtype=torch.int32, device=dev)
     pre = GDNPrefillMeta(

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import K_SPEC, gdn_config, gdn_state, random_gdn_layer
 from atom_core import Qwen3NextConfig
 from atom_kernels import select_kernels
 from atom_models import CheckpointError, DenseCoreFactory, Qwen3NextForCausalLM, load_target
-from atom_models.gdn import GatedDeltaNet
 from atom_models.gdn_meta import GDNDecodeMeta, GDNStepMeta, GDNVerifyMeta
 from atom_models.gdn_pipeline import gdn_forward
-from atom_models.gdn_state import GDNGeometry, GDNLayerState
+from atom_models.gdn_state import GDNGeometry
 from atom_models.parallel.slices import regroup_rows
 from atom_models.weight_map import GDN_BA, GDN_QKVZ, group_parts
 from safetensors import safe_open
@@ -29,18 +29,6 @@ COPY_OPS = {"clone", "copy_", "_to_copy", "cat", "stack", "index", "index_select
 # float32: views vs contiguous copies through the same kernels; measured 0 (the reference on CPU may
 # differ by an ulp where a strided elementwise loop is not vectorised)
 ATOL = 1e-6
-K_SPEC = 2
-
-
-def _config() -> Qwen3NextConfig:
-    raw = {
-        "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 1, "layer_types": ["linear_attention"],
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.25, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
-        "intermediate_size": 64, "max_position_embeddings": 128, "vocab_size": 64,
-    }  # fmt: skip
-    return Qwen3NextConfig.from_hf(raw)
 
 
 class _AtenOps(TorchDispatchMode):
@@ -102,12 +90,9 @@ def test_projection_views_reach_the_core_without_copies(backend, form):
     row stride the projection's width), no aten op before the core copies data, and the layer's output and
     states equal those of a core fed contiguous copies."""
     torch.manual_seed(0)
-    cfg, kern = _config(), _kernels(backend)
+    cfg, kern = gdn_config(), _kernels(backend)
     geo = GDNGeometry.from_config(cfg, K_SPEC)
-    layer = GatedDeltaNet(cfg, 0, core=None, kernels=kern, dtype=torch.float32)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0, 0.5)
+    layer = random_gdn_layer(cfg, kern)
     slots = torch.tensor([2, 0, 3], dtype=torch.int32)
     if form == "decode":
         step, t = GDNStepMeta(decodes=(GDNDecodeMeta(3, slots),)), 3
@@ -115,7 +100,7 @@ def test_projection_views_reach_the_core_without_copies(backend, form):
         q = 1 + K_SPEC
         verify = GDNVerifyMeta(2, q, slots[:2], torch.tensor([1, 2], dtype=torch.int32))
         step, t = GDNStepMeta(verifies=(verify,)), 2 * q
-    state = GDNLayerState.allocate(geo, 4, conv_dtype=torch.float32, ssm_dtype=torch.float32, device="cpu")
+    state = gdn_state(geo)
     with torch.no_grad():
         state.conv.normal_(0, 0.3)
         state.ssm.normal_(0, 0.1)

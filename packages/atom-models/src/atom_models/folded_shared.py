@@ -7,7 +7,8 @@ The checkpoint keeps HF's layout (``mlp.gate.weight [E, H]``, ``mlp.shared_exper
 stacked experts whose rows ``E + j`` hold slice j
 (``[jI, (j+1)I)`` of the intermediate dim, I the full ``moe_intermediate_size``) of the shared expert's
 gate / up rows and down columns. A tensor-parallel rank holds ``intermediate_range`` of each slice, so it
-reads ``[jI + start, jI + end)``. The names come from ``weight_map.FOLDED_SHARED_RULES``.
+reads ``[jI + start, jI + end)``. The names come from ``weight_map.FOLDED_SHARED_RULES``;
+:func:`plan_copies` plans the loader's copies into such a block.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from atom_models.load_plan import FP8_DTYPES, FP8_FILE_DTYPES, SCALE_SUFFIX, Copy, ScaleCheck
 from atom_models.moe import SparseMoeBlock
-from atom_models.parallel.slices import Pieces
+from atom_models.parallel.layout import TPLayout
+from atom_models.parallel.slices import Pieces, scale_pieces
 from atom_models.weight_map import COLS, map_name, sources_for
 
 
@@ -84,3 +87,60 @@ def places(
             sview = None if sview is None else sview.chunk(parts)[part]
         out.append(Place(view, sview, Pieces(dim, ((j * inter + start, j * inter + end),))))
     return full, out
+
+
+def plan_copies(
+    f,
+    fname: str,
+    name: str,
+    local: str,
+    block: SparseMoeBlock,
+    pname: str,
+    all_params: dict[str, torch.Tensor],
+    plan_state: tuple[dict[str, list[Copy]], dict[str, str], set[str], list[ScaleCheck]],
+    fp8_block: tuple[int, int] | None,
+    layout: TPLayout,
+) -> list[str] | None:
+    """Plan the copies of checkpoint tensor ``name`` (``local``: scope-relative; ``f``: the open
+    ``safe_open`` handle of its file ``fname``) into the folded ``block``: the router's rows, or one slice
+    per pseudo-expert with the FP8 scale rows / columns that slice uses (copied to every pseudo-expert that
+    uses them). ``plan_state`` = ``(copies, scales, used_scales, scale_checks)`` of ``loader._plan``,
+    appended to as there. Returns the problems, or None when the ordinary rule places the tensor (a routed
+    expert)."""
+    placed = places(block, local, pname, all_params, SCALE_SUFFIX)
+    if placed is None:
+        return None
+    full, dests = placed
+    copies, scales, used_scales, scale_checks = plan_state
+    shape = tuple(f.get_slice(name).get_shape())
+    if shape != full:
+        rank = (
+            "" if layout.world_size == 1 else f"; tensor parallel rank {layout.rank} of {layout.world_size}"
+        )
+        return [
+            f"tensor {name} in {fname} has shape {list(shape)}, expected {list(full)} "
+            f"(for {pname}, the shared expert folded in{rank})"
+        ]
+    scale = name + SCALE_SUFFIX if fp8_block is not None and name + SCALE_SUFFIX in scales else None
+    planned = []
+    for place in dests:
+        copy = Copy(name, place.view, pieces=place.pieces)
+        if scale is not None:
+            copy.scale, copy.scale_view = scale, place.scale_view
+            used_scales.add(scale)
+            copy.scale_pieces = scale_pieces(
+                pname.rsplit(".", 1)[0], place.pieces, fp8_block, layout.world_size
+            )
+            want = None if place.scale_view is None else tuple(place.scale_view.shape)
+            scale_checks.append((scale, shape, want, pname + SCALE_SUFFIX, copy.scale_pieces))
+        planned.append(copy)
+    dtype = f.get_slice(name).get_dtype()
+    if dtype in FP8_FILE_DTYPES and scale is None:
+        return [f"tensor {name} in {fname} is FP8 but {name + SCALE_SUFFIX} is missing"]
+    if all_params[pname].dtype in FP8_DTYPES and dtype not in FP8_FILE_DTYPES:
+        return [
+            f"tensor {name} in {fname} has dtype {dtype}, but {pname} is FP8 "
+            "(quantization_config does not list it in modules_to_not_convert)"
+        ]
+    copies[fname].extend(planned)
+    return []

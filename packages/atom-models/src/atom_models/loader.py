@@ -6,7 +6,7 @@ straight into the parameters (stacked experts and fused gate/up rows are written
 full copy). The renames/fuses/stacks, and the part-major regrouping of the GDN input projections' rows
 (with their FP8 block scales), come from :mod:`atom_models.weight_map`; a MoE block with the shared expert
 folded in gets that expert's tensors as slices of its stacked experts and the shared gate row as the
-router's last row (:mod:`atom_models.folded_shared`).
+router's last row (:mod:`atom_models.folded_shared`). The plan's types are in :mod:`atom_models.load_plan`.
 
 FP8 block-quantised checkpoints (``quantization_config.quant_method: fp8``): by default the weights stay
 FP8. Before planning, :func:`convert_fp8_modules` replaces every :class:`~atom_models.modules.Linear` and
@@ -28,10 +28,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from collections import defaultdict
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +37,7 @@ from safetensors import safe_open
 from torch import nn
 
 from atom_models import folded_shared
+from atom_models.load_plan import FP8_DTYPES, FP8_FILE_DTYPES, SCALE_SUFFIX, Copy, Plan, ScaleCheck, Scope
 from atom_models.modules import Fp8Linear, Linear
 from atom_models.moe import Experts, Fp8Experts
 from atom_models.parallel import slices
@@ -112,55 +111,7 @@ def check_files(ckpt_dir: str | os.PathLike[str]) -> dict[str, str]:
     return files
 
 
-@dataclass(frozen=True)
-class _Scope:
-    """How a module's parameter names relate to checkpoint names."""
-
-    param_prefix: str  # e.g. "model." for the target trunk, "" for the MTP head
-    ckpt_prefix: str  # "model." / "mtp."
-    layer_offset: int  # checkpoint layer j is parameter layer j + offset
-
-    def to_ckpt(self, local: str) -> str:
-        return self.ckpt_prefix + _renumber(local, -self.layer_offset)
-
-    def from_ckpt(self, name: str) -> str | None:
-        if not name.startswith(self.ckpt_prefix):
-            return None
-        return _renumber(name[len(self.ckpt_prefix) :], self.layer_offset)
-
-
-_LAYER = re.compile(r"^layers\.(\d+)\.")
-
-
-def _renumber(local: str, offset: int) -> str:
-    if not offset:
-        return local
-    return _LAYER.sub(lambda m: f"layers.{int(m.group(1)) + offset}.", local, count=1)
-
-
-SCALE_SUFFIX = "_scale_inv"  # FP8: ``<name>.weight_scale_inv`` holds the block scales of ``<name>.weight``
-
-
-FP8_DTYPES = (torch.float8_e4m3fn,)
 SHARED_MODULES = ("lm_head", "embed_tokens")  # shared by the target and the MTP draft: never converted
-
-
-@dataclass
-class _Copy:
-    name: str  # checkpoint tensor
-    view: torch.Tensor  # destination (a slice of a parameter)
-    scale: str | None = None  # its FP8 block scales in the checkpoint, if any
-    scale_view: torch.Tensor | None = None  # where they go (FP8 parameters); None: dequantise into ``view``
-    pieces: slices.Pieces | None = None  # the part this tensor-parallel rank reads (None: all of it)
-    scale_pieces: slices.Pieces | None = None  # the block scales that part uses
-    rows: tuple[int, ...] | None = None  # weight_map regroup: the parts of a group (rows), else None
-    scale_rows: tuple[int, ...] | None = None  # the same in block-scale rows (FP8 parameters)
-
-
-@dataclass
-class _Plan:
-    copies: dict[str, list[_Copy]]  # file -> copies
-    scale_files: dict[str, str]  # scale tensor name -> file
 
 
 def _skipped(ckpt_module: str, not_convert: tuple[str, ...]) -> bool:
@@ -168,7 +119,7 @@ def _skipped(ckpt_module: str, not_convert: tuple[str, ...]) -> bool:
     return any(entry in ckpt_module for entry in not_convert)
 
 
-def convert_fp8_modules(module: nn.Module, scope: _Scope, quant, kernels) -> list[str]:
+def convert_fp8_modules(module: nn.Module, scope: Scope, quant, kernels) -> list[str]:
     """Replace the linears and routed experts that the checkpoint quantises by their FP8 forms, in place.
 
     A module is quantised unless every checkpoint module behind it (through ``weight_map``: fused gate/up
@@ -239,65 +190,18 @@ def _dest_view(param: torch.Tensor, t: Target) -> torch.Tensor:
     return view
 
 
-def _plan_folded(
-    f, fname, name, local, block, pname, all_params, plan_state, fp8_block, layout
-) -> list[str] | None:
-    """Plan the copies of checkpoint tensor ``name`` (``local``: scope-relative) into a MoE block with the
-    shared expert folded in (:mod:`atom_models.folded_shared`): the router's rows, or one slice per
-    pseudo-expert with the FP8 scale rows / columns that slice uses (copied to every pseudo-expert that uses
-    them). ``plan_state`` = ``(copies, scales, used_scales, scale_checks)`` of :func:`_plan`, appended to as
-    there. Returns the problems, or None when the ordinary rule places the tensor (a routed expert)."""
-    placed = folded_shared.places(block, local, pname, all_params, SCALE_SUFFIX)
-    if placed is None:
-        return None
-    full, places = placed
-    copies, scales, used_scales, scale_checks = plan_state
-    shape = tuple(f.get_slice(name).get_shape())
-    if shape != full:
-        rank = (
-            "" if layout.world_size == 1 else f"; tensor parallel rank {layout.rank} of {layout.world_size}"
-        )
-        return [
-            f"tensor {name} in {fname} has shape {list(shape)}, expected {list(full)} "
-            f"(for {pname}, the shared expert folded in{rank})"
-        ]
-    scale = name + SCALE_SUFFIX if fp8_block is not None and name + SCALE_SUFFIX in scales else None
-    planned = []
-    for place in places:
-        copy = _Copy(name, place.view, pieces=place.pieces)
-        if scale is not None:
-            copy.scale, copy.scale_view = scale, place.scale_view
-            used_scales.add(scale)
-            copy.scale_pieces = slices.scale_pieces(
-                pname.rsplit(".", 1)[0], place.pieces, fp8_block, layout.world_size
-            )
-            want = None if place.scale_view is None else tuple(place.scale_view.shape)
-            scale_checks.append((scale, shape, want, pname + SCALE_SUFFIX, copy.scale_pieces))
-        planned.append(copy)
-    dtype = f.get_slice(name).get_dtype()
-    if dtype in ("F8_E4M3", "F8_E5M2") and scale is None:
-        return [f"tensor {name} in {fname} is FP8 but {name + SCALE_SUFFIX} is missing"]
-    if all_params[pname].dtype in FP8_DTYPES and dtype not in ("F8_E4M3", "F8_E5M2"):
-        return [
-            f"tensor {name} in {fname} has dtype {dtype}, but {pname} is FP8 "
-            "(quantization_config does not list it in modules_to_not_convert)"
-        ]
-    copies[fname].extend(planned)
-    return []
-
-
 def _plan(
     module: nn.Module,
     ckpt_dir: str,
     files: dict[str, str],
-    scopes: list[_Scope],
+    scopes: list[Scope],
     extra: dict[str, str],
     skip_params: set[str],
     ignore: tuple[str, ...],
     what: str,
     layout: TPLayout,
     fp8_block: tuple[int, int] | None = None,
-) -> _Plan:
+) -> Plan:
     """Map every checkpoint tensor in scope to a parameter slice and this rank's part of the tensor
     (``weight_map`` ``tp`` column, ``layout``); collect every problem."""
     config = module.config
@@ -321,7 +225,7 @@ def _plan(
             problems.append(f"parameter {pname} of the {what} has no checkpoint rule (weight_map.RULES)")
         for s in srcs:
             expected[s] = pname
-    copies: dict[str, list[_Copy]] = defaultdict(list)
+    copies: dict[str, list[Copy]] = defaultdict(list)
     by_file: dict[str, list[str]] = defaultdict(list)
     for name, fname in files.items():
         if not name.endswith(SCALE_SUFFIX):
@@ -334,8 +238,7 @@ def _plan(
         )
     used_scales: set[str] = set()
     scale_shapes: dict[str, tuple[int, ...]] = {}  # from the headers, while each file is open anyway
-    scale_checks: list[tuple[str, tuple[int, ...], tuple[int, ...] | None, str, slices.Pieces | None]] = []
-    # (scale name, weight shape, shape of the scale parameter's slice or None, its parameter, rank's part)
+    scale_checks: list[ScaleCheck] = []
     for fname in sorted(set(by_file) | set(scales.values())):
         with _open(ckpt_dir, fname) as f:
             scale_shapes.update(
@@ -358,7 +261,7 @@ def _plan(
                     block = folded_shared.folded_block(module, expected[name]) if name in expected else None
                     if block is not None:
                         state = (copies, scales, used_scales, scale_checks)
-                        found = _plan_folded(
+                        found = folded_shared.plan_copies(
                             f, fname, name, scope.from_ckpt(name), block, expected[name], all_params, state,
                             fp8_block, layout,
                         )  # fmt: skip
@@ -380,8 +283,8 @@ def _plan(
                     )
                     continue
                 fp8_dest = params[target.param].dtype in FP8_DTYPES
-                is_fp8 = f.get_slice(name).get_dtype() in ("F8_E4M3", "F8_E5M2")
-                copy = _Copy(name, view, pieces=slices.rank_pieces(target.tp, shape, layout, config))
+                is_fp8 = f.get_slice(name).get_dtype() in FP8_FILE_DTYPES
+                copy = Copy(name, view, pieces=slices.rank_pieces(target.tp, shape, layout, config))
                 parts = None if target.regroup is None else group_parts(target.regroup, config)
                 if parts is not None:
                     copy.rows = tuple(n for _, n in parts)
@@ -433,7 +336,7 @@ def _plan(
         problems.append(f"missing tensor {name} (for {expected[name]}) in {ckpt_dir}")
     if problems:
         raise CheckpointError(ckpt_dir, problems)
-    return _Plan(dict(copies), {n: scales[n] for n in used_scales})
+    return Plan(dict(copies), {n: scales[n] for n in used_scales})
 
 
 def _rank_note(layout: TPLayout, tp: str | None, view: torch.Tensor) -> str:
@@ -463,7 +366,7 @@ def _read(ckpt_dir: str, fname: str, f, name: str, pieces: slices.Pieces | None 
         raise CheckpointError(ckpt_dir, [f"tensor {name}: {_unreadable(Path(ckpt_dir) / fname, e)}"]) from e
 
 
-def _suspect_sum(c: _Copy) -> torch.Tensor:
+def _suspect_sum(c: Copy) -> torch.Tensor:
     """A float32 scalar that is not finite if the destination of ``c`` holds a NaN or Inf: the sum of the
     values; for an FP8 parameter, NaN if any e4m3 NaN code (0x7F / 0xFF) is present, plus the scales' sum."""
     if c.scale_view is None:
@@ -472,7 +375,7 @@ def _suspect_sum(c: _Copy) -> torch.Tensor:
     return torch.where(nan_code, float("nan"), 0.0) + c.scale_view.sum(dtype=torch.float32)
 
 
-def _non_finite(ckpt_dir: str, fname: str, loaded: list[_Copy], plan: _Plan) -> list[str]:
+def _non_finite(ckpt_dir: str, fname: str, loaded: list[Copy], plan: Plan) -> list[str]:
     """Problems for the tensors of one file whose destination holds NaN or Inf (one device read per file)."""
     floating = [c for c in loaded if c.view.is_floating_point()]
     if not floating:
@@ -500,7 +403,7 @@ def _non_finite(ckpt_dir: str, fname: str, loaded: list[_Copy], plan: _Plan) -> 
 
 
 @torch.no_grad()
-def _execute(ckpt_dir: str, plan: _Plan, kernels, block: tuple[int, int] | None) -> int:
+def _execute(ckpt_dir: str, plan: Plan, kernels, block: tuple[int, int] | None) -> int:
     """Stream every planned tensor into its parameter; each file is opened once (scales read through the
     handle of their file, usually the weight's own). Non-finite values are collected over all files into
     one :class:`CheckpointError`."""
@@ -516,7 +419,7 @@ def _execute(ckpt_dir: str, plan: _Plan, kernels, block: tuple[int, int] | None)
 
         for fname, items in plan.copies.items():
             f = handle(fname)
-            loaded: list[_Copy] = []
+            loaded: list[Copy] = []
             for c in items:
                 t = _read(ckpt_dir, fname, f, c.name, c.pieces)
                 if c.scale is not None:
@@ -544,11 +447,11 @@ def _fp8_block(config) -> tuple[int, int] | None:
     return None if q is None else tuple(q.weight_block_size)
 
 
-TARGET_SCOPE = _Scope("model.", "model.", 0)
+TARGET_SCOPE = Scope("model.", "model.", 0)
 
 
-def _mtp_scope(config) -> _Scope:
-    return _Scope("", "mtp.", config.num_hidden_layers)
+def _mtp_scope(config) -> Scope:
+    return Scope("", "mtp.", config.num_hidden_layers)
 
 
 def convert_target_fp8(model: nn.Module) -> list[str]:

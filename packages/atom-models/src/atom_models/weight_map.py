@@ -118,7 +118,7 @@ RULES: tuple[Rule, ...] = (
 # The shared expert folded into the routed experts (``SparseMoeBlock.num_shared = m > 0``): its gate / up
 # rows and down columns go to the m pseudo-experts stacked after the E routed ones (slice j of the
 # intermediate dim to pseudo-expert E + j, each split over tensor-parallel ranks as a routed expert), and
-# ``shared_expert_gate`` is the router's last row; the loader places the slices (``loader._plan_folded``).
+# ``shared_expert_gate`` is the router's last row; the loader places the slices (``folded_shared.plan_copies``).
 # These apply instead of RULES' shared-expert rows where the model has no ``mlp.shared_expert`` module.
 FOLDED_SHARED_RULES: tuple[Rule, ...] = (
     Rule(_L + "mlp.shared_expert.gate_proj.weight", _L + "mlp.experts.w13", shard=(0, 2), tp=ROWS),
