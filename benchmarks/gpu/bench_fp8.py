@@ -15,14 +15,17 @@ At M <= 64 a sweep of the one-launch plan (``gemm_sweep`` rows: column tile, spl
 weight-as-left-operand, each row the one-launch plan's default tiles with the keys shown replaced) is timed
 too, and ``decode_best`` in the JSON (printed at the end) gives, per shape and M, the fastest one-launch
 config beside the one-launch defaults, the three-launch plan and cuBLAS. MoE (``moe_experts_fp8``, 512
-experts top-10, H=2048, I=512) against our bf16 fused MoE on the same routing. Every case is first checked
+experts top-10, H=2048, I=512) against our bf16 fused MoE on the same routing; where the plan quantises the
+activations inside the GEMMs (``INLINE_QUANT``, 16-row blocks), also with the two separate quantisation
+launches (``config={"INLINE_QUANT": False}``; the outputs are bit-equal, checked). Every case is first checked
 against the float32 reference (max abs error stored); sweep rows store their max difference from the default
 plan. Times are CUDA-graph replays (launch gaps out; a split-K plan's per-call ticket memset is in the
 graph); the eager time of the default plan is stored too. Bytes: weights (fp8: 1 B/element + block scales;
 bf16: 2 B) + activations in + out.
 
-Usage: python benchmarks/gpu/bench_fp8.py [--out DIR] [--quick] [--decode-only]
-(``--decode-only``: M <= 64 GEMMs and their sweep only, no MoE; writes fp8_decode_h200.json.)
+Usage: python benchmarks/gpu/bench_fp8.py [--out DIR] [--quick] [--decode-only | --moe-only]
+(``--decode-only``: M <= 64 GEMMs and their sweep only, no MoE; writes fp8_decode_h200.json. ``--moe-only``:
+the MoE rows only; writes fp8_moe_h200.json.)
 """
 
 # ruff: noqa: B023  (closures are timed inside the loop iteration that made them)
@@ -49,7 +52,7 @@ GEMMS = {  # name -> (N, K) of the 80B-A3B's block-quantised dense projections
 }
 DECODE_MS = [1, 2, 8, 16, 64]
 PREFILL_MS = [256, 4096]
-MOE_TOKENS = [1, 8, 64, 256, 4096]
+MOE_TOKENS = [1, 2, 8, 64, 256, 4096]
 DECODE_SWEEP = (  # replaced keys of the default one-launch plan
     [dict(BLOCK_N=bn, SPLIT_K=1) for bn in (16, 32, 64, 128)]
     + [dict(BLOCK_N=bn, SPLIT_K=sk) for bn in (16, 32, 64) for sk in (2, 4)]
@@ -215,12 +218,21 @@ def moe_rows(ceil, device, quick: bool) -> list[dict]:
             touched = torch.unique(ids).numel()
             flops = 2.0 * t * TOP_K * 3 * INTER * H
             act = 2 * t * H * 2
+            fp8_bytes = touched * (3 * INTER * H + 4 * 3 * 16 * 4) + act
             fns = {
                 "triton fp8 fused": (lambda w, i: triton_fp8.moe_experts_fp8(x, w, i, q13, s13, q2, s2),
-                                     touched * (3 * INTER * H + 4 * 3 * 16 * 4) + act),
+                                     fp8_bytes),
                 "triton bf16 fused": (lambda w, i: moe_triton.moe_experts(x, w, i, w13, w2),
                                       touched * 3 * INTER * H * 2 + act),
             }  # fmt: skip
+            if moe_triton.plan(t, TOP_K, E)["INLINE_QUANT"]:  # the same call with the separate quant launches
+                sep = {"INLINE_QUANT": False}
+                sep_out = triton_fp8.moe_experts_fp8(x, wts, ids, q13, s13, q2, s2, config=sep)
+                print("moe", case, "inline quant == separate quant:", torch.equal(got, sep_out))
+                fns["triton fp8 fused, separate act quant"] = (
+                    lambda w, i: triton_fp8.moe_experts_fp8(x, w, i, q13, s13, q2, s2, config=sep),
+                    fp8_bytes,
+                )
             for impl, (fn, nbytes) in fns.items():
                 ms = common.time_ms(lambda: [fn(w, i) for w, i in routes], graph=True, rep_ms=30) / reps
                 eager = common.time_ms(lambda: fn(wts, ids)) if impl.startswith("triton fp8") else None
@@ -238,12 +250,14 @@ def moe_rows(ceil, device, quick: bool) -> list[dict]:
 
 def main() -> None:
     args, out, device, ceil = common.bench_setup(
-        __doc__, flags=[("--decode-only", "M <= 64 GEMMs and the one-launch sweep only (no MoE)")]
-    )
-    rows, best = gemm_rows(ceil, device, args.quick, args.decode_only)
+        __doc__,
+        flags=[("--decode-only", "M <= 64 GEMMs and the one-launch sweep only (no MoE)"),
+               ("--moe-only", "the MoE rows only (no GEMMs)")],
+    )  # fmt: skip
+    rows, best = ([], []) if args.moe_only else gemm_rows(ceil, device, args.quick, args.decode_only)
     if not args.decode_only:
         rows += moe_rows(ceil, device, args.quick)
-    name = "fp8_decode_h200" if args.decode_only else "fp8_h200"
+    name = "fp8_decode_h200" if args.decode_only else ("fp8_moe_h200" if args.moe_only else "fp8_h200")
     common.write_json(out / f"{name}.json", {"env": common.environment(), "ceilings": ceil, "rows": rows,
                                             "decode_best": best})  # fmt: skip
     common.plot_rows(out / f"{name}.png", [r for r in rows if r["bench"] in ("gemm", "moe")], value="frac_copy",

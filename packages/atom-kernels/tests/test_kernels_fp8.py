@@ -262,6 +262,12 @@ def test_linear_decode_rows_checked():
 
 
 def _sm90_compiler():
+    from atom_kernels.ops._triton_env import interpreting
+
+    if interpreting():
+        pytest.skip(
+            "under TRITON_INTERPRET=1 the kernels are interpreted functions, which Triton cannot compile"
+        )
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
@@ -271,17 +277,20 @@ def _sm90_compiler():
 
 
 @pytest.mark.parametrize(
-    "rows, block_n, split, even_k, bias, swap",
+    "rows, block_n, split, even_k, bias, swap, one",
     [
-        (2, 32, False, True, False, True),
-        (4, 16, True, False, True, False),
-        (8, 64, True, False, True, True),
-        (64, 64, True, True, False, False),
+        (2, 32, False, True, False, True, ()),
+        (4, 16, True, False, True, False, ()),
+        (8, 64, True, False, True, True, ()),
+        (64, 64, True, True, False, False, ()),
+        (2, 32, True, True, True, True, ("N",)),
+        (16, 16, True, False, False, False, ("M", "N")),
     ],
 )
-def test_linear_decode_kernel_compiles_for_sm90(rows, block_n, split, even_k, bias, swap):
+def test_linear_decode_kernel_compiles_for_sm90(rows, block_n, split, even_k, bias, swap, one):
     """The one-launch kernel through Triton's whole NVIDIA pipeline (TTIR -> cubin) for sm_90, no GPU
-    needed: catches type and layout errors that only a GPU run would otherwise show."""
+    needed: catches type and layout errors that only a GPU run would otherwise show. ``one``: int
+    arguments equal to 1, which Triton passes as constexprs (N = 1 or M = 1 with split-K)."""
     ast_source, gpu_target = _sm90_compiler()
     fp8_triton = _fp8_triton()
     sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", y_ptr="*bf16", bias_ptr="*bf16",
@@ -289,7 +298,7 @@ def test_linear_decode_kernel_compiles_for_sm90(rows, block_n, split, even_k, bi
                stride_wn="i32", stride_wsn="i32", stride_ym="i32", GROUPS_PER_SPLIT="i32",
                SPLIT_K="i32")  # fmt: skip
     consts = dict(EPS=1e-10, FMAX=448.0, BN_Q=128, GROUP=128, ROWS=rows, BLOCK_N=block_n, SWAP_AB=swap,
-                  EVEN_K=even_k, SPLIT=split, HAS_BIAS=bias)  # fmt: skip
+                  EVEN_K=even_k, SPLIT=split, HAS_BIAS=bias, **dict.fromkeys(one, 1))  # fmt: skip
     src = ast_source(
         fp8_triton._fp8_linear_decode_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
     )
@@ -382,6 +391,31 @@ def test_linear_one_launch_bit_equal_three_launch(device, n, k, bias, block_n, s
     y3 = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, config=three)
     diff = (y1 - y3).abs().max().item()
     assert torch.equal(y1, y3), f"one launch != three launches (max |diff| {diff:.3e}) {n}x{k} M={m}"
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+@pytest.mark.parametrize("k, bias", [(2048, False), (1100, True)], ids=["K=2048", "odd K=1100 bias"])
+def test_linear_one_launch_single_column(device, k, bias, m):
+    """N == 1 (Triton passes an int argument equal to 1 as a constexpr) through the one-launch plan with
+    split-K (its default at N = 1): against the float64 reference in float32 and bf16, and bit-equal to
+    the three-launch plan with matched tiles and split."""
+    _gpu(device)
+    fp8_triton = _fp8_triton()
+    n = 1
+    assert fp8_triton.plan(m, n, k, 128, H200_SMS, {"ONE_LAUNCH": True})["SPLIT_K"] > 1
+    for dtype in DTYPES:
+        x, w_fp8, scale_inv, b = _linear_case(device, n, k, m, dtype, bias)
+        y = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, config={"ONE_LAUNCH": True})
+        assert y.shape == (m, n) and y.dtype == dtype
+        w64 = w_fp8.double() * scale_inv.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+        expected = act_qdq(x).double() @ w64.t() + (b.double() if bias else 0)
+        key = ("linear", dtype, "triton") if ("linear", dtype, "triton") in TOL else ("linear", dtype)
+        assert_close(y, expected, TOL[key], f"fp8_linear one launch N=1 K={k} M={m} {dtype} bias={bias}")
+    x, w_fp8, scale_inv, b = _linear_case(device, n, k, m, torch.float32, bias)
+    one, three = _matched(16, 4)
+    y1 = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, config=one)
+    y3 = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, config=three)
+    assert torch.equal(y1, y3), f"one launch != three launches at N=1 K={k} M={m}"
 
 
 @pytest.mark.parametrize("m", DECODE_MS)

@@ -2,19 +2,21 @@
 (``fp8_linear``), block dequantisation and per-tensor KV quantisation.
 
 Activations are quantised per token and group of ``bk`` channels: absmax / 448 (floored at 1e-10 / 448),
-IEEE division, clamp, round to nearest e4m3. The e4m3 x e4m3 products run on the tensor cores (``tl.dot``,
-float32 accumulation), each K tile scaled by the token's group scale and the weight block's scale.
+IEEE division, clamp, round to nearest e4m3, all in one ``@triton.jit`` function, ``_quant_e4m3``, which
+every kernel that quantises activations calls (``_act_quant_kernel``, the one-launch decode kernel, the
+FP8 MoE GEMMs of :mod:`atom_kernels.ops.moe.triton_fp8`): their operands and scales agree bit for bit.
+The e4m3 x e4m3 products run on the tensor cores (``tl.dot``, float32 accumulation), each K tile scaled by
+the token's group scale and the weight block's scale.
 :func:`plan` picks one of three plans from the shapes:
 
 - decode (M <= ``ONE_LAUNCH_MAX_M``, ``ONE_LAUNCH``): one launch of ``_fp8_linear_decode_kernel``. Program
-  ``(n tile, k split)`` quantises, in registers, the groups of its own K range for the ``ROWS >= M`` rows
-  only (the same formula and operations as ``_act_quant_kernel``, so operands and scales are bit-identical)
-  and multiplies them with its ``BLOCK_N``-column weight tiles. Narrow column tiles give the parallelism;
-  where they leave SMs idle, split-K: float32 partials, and the last program of a column tile to take an
-  atomic ticket (which it returns to 0, so the counters stay zero between launches: CUDA-graph safe) sums
-  them in split order (deterministic) and adds the bias. Split-K allocates its partials (``torch.empty``)
-  per call; its tickets are the caller's (``tickets``: a zeroed buffer the caller keeps, e.g. one per
-  linear layer), else zeros allocated per call (a memset).
+  ``(n tile, k split)`` quantises, in registers (``_quant_e4m3``), the groups of its own K range for the
+  ``ROWS >= M`` rows only and multiplies them with its ``BLOCK_N``-column weight tiles. Narrow column
+  tiles give the parallelism; where they leave SMs idle, split-K: float32 partials, and the last program
+  of a column tile to take an atomic ticket (which it returns to 0, so the counters stay zero between
+  launches: CUDA-graph safe) sums them in split order (deterministic) and adds the bias. Split-K
+  allocates its partials (``torch.empty``) per call; its tickets are the caller's (``tickets``: a zeroed
+  buffer the caller keeps, e.g. one per linear layer), else zeros allocated per call (a memset).
 - decode up to M = 64 otherwise (``ONE_LAUNCH=False``): ``_act_quant_kernel`` (one program per token),
   ``_fp8_gemm_kernel`` with one row tile of ``16 <= BLOCK_M <= 64`` rows and split-K float32 partials
   ``[SPLIT_K, M, N]``, summed in a fixed order by ``_splitk_reduce_kernel`` (deterministic), which also adds
@@ -27,8 +29,9 @@ Hopper's e4m3 tensor-core instructions accumulate with less than float32 precisi
 product, so the error is that of a 128-term sum (measured rel. 2.7e-4 of max |y|, H200).
 
 No host synchronisation (CUDA-graph safe). Launch options are portable (no CUDA-only options), so the
-sources compile for ROCm too. Triton 3.9's CPU interpreter flushes e4m3 subnormals to zero and does not
-saturate, so these kernels are registered for real GPUs only.
+sources compile for ROCm too. Triton 3.9's CPU interpreter flushes e4m3 subnormals to zero, does not
+saturate, and rounds values just below a power of two that should round up to it down to the power below
+(124.9 -> 64), so these kernels are registered for real GPUs only.
 """
 
 from __future__ import annotations
@@ -58,6 +61,19 @@ ONE_LAUNCH_MAX_M = 2
 
 
 @triton.jit
+def _quant_e4m3(x, AXIS: tl.constexpr, EPS: tl.constexpr, FMAX: tl.constexpr):
+    """Quantise the float32 tile ``x`` in groups along ``AXIS`` (one group per index of the other axis):
+    ``s = max(max|x|, EPS) / FMAX`` per group, ``q = clamp(div_rn(x, s), -FMAX, FMAX)`` rounded to
+    e4m3. Returns ``(q, s)``, ``q`` of x's shape and ``s`` with ``AXIS`` reduced. Every FP8 kernel
+    quantises activations through this function, so operands and scales agree bit for bit."""
+    s = tl.maximum(tl.max(tl.abs(x), AXIS), EPS) / FMAX
+    sb = tl.expand_dims(s, AXIS)
+    nz = x != 0.0  # div_rn(+-0, s) is +-0: zeros skip the division's slow path
+    q = tl.where(nz, tl.math.div_rn(tl.where(nz, x, 1.0), sb), x)
+    return tl.minimum(tl.maximum(q, -FMAX), FMAX).to(tl.float8e4nv), s
+
+
+@triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, K, num_groups, stride_x, stride_q, stride_s, EPS: tl.constexpr, FMAX: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, GROUPS_PER_ITER: tl.constexpr,
@@ -71,9 +87,8 @@ def _act_quant_kernel(
         cols = g[:, None] * GROUP + ci[None, :]
         m = (ci < GROUP)[None, :] & (cols < K) & (g < num_groups)[:, None]
         x = tl.load(x_ptr + t * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-        s = tl.maximum(tl.max(tl.abs(x), 1), EPS) / FMAX
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, s[:, None]), -FMAX), FMAX)
-        tl.store(q_ptr + t * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=m)
+        q, s = _quant_e4m3(x, 1, EPS, FMAX)
+        tl.store(q_ptr + t * stride_q + cols, q, mask=m)
         tl.store(s_ptr + t * stride_s + g, s, mask=g < num_groups)
 
 
@@ -153,8 +168,8 @@ def _fp8_linear_decode_kernel(
     """``y[:M, n-tile] = x @ w.T`` for decode-sized ``M <= ROWS``; program ``(pid_n, pid_k)``
     covers ``BLOCK_N`` columns and K groups ``[pid_k * GROUPS_PER_SPLIT, ...)`` of ``GROUP`` channels.
 
-    Each group of the program's K range is quantised here, for the ``ROWS`` rows only, with
-    ``_act_quant_kernel``'s formula (bit-identical operands and scales; rows ``>= M`` are masked), and
+    Each group of the program's K range is quantised here, for the ``ROWS`` rows only, by
+    ``_quant_e4m3`` (``_act_quant_kernel``'s operands and scales bit for bit; rows ``>= M`` are masked), and
     multiplied on the tensor cores (8-bit ``tl.dot`` takes any row count). SWAP_AB: the weight tile is
     the left operand (``w_tile @ q.T``; a 16-row instruction then covers 16 weight rows, not the few
     token rows); the products and their order per K tile are unchanged. SPLIT: float32 partials
@@ -183,10 +198,7 @@ def _fp8_linear_decode_kernel(
                 k_ok = (k0 + offs_g) < K
                 x = tl.load(x_ptrs + k0, mask=k_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
                 b = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            a_s = tl.maximum(tl.max(tl.abs(x), 0), EPS) / FMAX
-            nz = x != 0.0  # div_rn(+-0, s) is +-0: zeros skip the division's slow path
-            a = tl.where(nz, tl.math.div_rn(tl.where(nz, x, 1.0), a_s[None, :]), x)
-            a = tl.minimum(tl.maximum(a, -FMAX), FMAX).to(tl.float8e4nv)
+            a, a_s = _quant_e4m3(x, 0, EPS, FMAX)  # x.T tile: one group per column
             b_s = tl.load(ws_ptrs + g, mask=n_ok, other=0.0)
             acc_t += tl.dot(b, a) * a_s[None, :] * b_s[:, None]
         acc = tl.trans(acc_t)
@@ -203,10 +215,7 @@ def _fp8_linear_decode_kernel(
                 k_ok = (k0 + offs_g) < K
                 x = tl.load(x_ptrs + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
                 b = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            a_s = tl.maximum(tl.max(tl.abs(x), 1), EPS) / FMAX
-            nz = x != 0.0  # div_rn(+-0, s) is +-0: zeros skip the division's slow path
-            a = tl.where(nz, tl.math.div_rn(tl.where(nz, x, 1.0), a_s[:, None]), x)
-            a = tl.minimum(tl.maximum(a, -FMAX), FMAX).to(tl.float8e4nv)
+            a, a_s = _quant_e4m3(x, 1, EPS, FMAX)
             b_s = tl.load(ws_ptrs + g, mask=n_ok, other=0.0)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
     mask = r_ok[:, None] & n_ok[None, :]
@@ -218,7 +227,8 @@ def _fp8_linear_decode_kernel(
         if ticket == SPLIT_K - 1:
             acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
             for s in range(0, SPLIT_K):  # fixed order: deterministic
-                acc += tl.load(part_ptr + N.to(tl.int64) * M * s + out, mask=mask, other=0.0)
+                # s is a loop tensor; M or N equal to 1 arrive as constexprs (no .to on them)
+                acc += tl.load(part_ptr + s.to(tl.int64) * M * N + out, mask=mask, other=0.0)
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + offs_r[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
