@@ -144,6 +144,25 @@ def test_moe_gate_router(impl, tol, device, dtype, num_shared, num_tokens):
         )
 
 
+def test_moe_gate_router_nan_token(impl, device):
+    """A token whose hidden state holds a NaN: NaN routed weights, still ``top_k`` distinct ids in [0, E)
+    (they index the experts' tables); the other tokens route as without it."""
+    fn = impl("moe_gate_router", torch.float32)
+    num_experts, top_k = 12, 4
+    x = randn(3, 64, seed=6, dtype=torch.float32, device=device)
+    w = randn(16, 64, seed=7, dtype=torch.float32, device=device, scale=0.3)
+    x[1, 5] = float("nan")
+    weights, ids = fn(x, w, num_experts, top_k, True, 1)
+    ids_cpu = ids.cpu()
+    assert int(ids_cpu[:, :top_k].min()) >= 0 and int(ids_cpu[:, :top_k].max()) < num_experts, ids_cpu
+    assert all(len(set(r.tolist())) == top_k for r in ids_cpu[:, :top_k]), (
+        f"an expert picked twice: {ids_cpu}"
+    )
+    assert bool(weights[1].isnan().all()), f"NaN token: weights {weights[1]}"
+    clean_w, clean_ids = fn(x[[0, 2]], w, num_experts, top_k, True, 1)
+    assert torch.equal(ids[[0, 2]].cpu(), clean_ids.cpu()) and torch.equal(weights[[0, 2]], clean_w)
+
+
 def test_moe_gate_router_bad_inputs(impl, device):
     fn = impl("moe_gate_router", torch.float32)
     x, w = torch.randn(2, 16, device=device), torch.randn(8, 16, device=device)

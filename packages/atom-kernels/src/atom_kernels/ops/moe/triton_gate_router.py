@@ -6,9 +6,10 @@ At ``T <= FUSED_MAX_T`` tokens, ``_gate_router_kernel`` runs over column tiles o
 program to take the grid-wide ticket (which it returns to 0) routes all tokens at once: softmax over the
 ``E`` routed columns, ``top_k`` rounds of argmax, renormalisation, and the shared columns
 (``sigmoid(logit E)``, ids ``E .. E + m - 1``): the rules of :func:`~atom_kernels.ops.moe.triton.moe_router`
-(NaN ranks as -inf, exact ties go to the higher index). The router's weight is read once by ``C / BLOCK_E``
-programs, so the launch streams it at a batch size where a cuBLAS GEMM and the separate router kernel
-cost two launches.
+(NaN ranks as -inf, exact ties go to the higher index), one max reduction per round on a packed
+(probability, index) key. Each program holds its weight rows in registers (the whole row at the 80B
+model's H = 2048) and reads them once for all tokens; the router's weight is read once by ``C / BLOCK_E``
+programs in one launch where a cuBLAS GEMM and the separate router kernel take two.
 
 Larger ``T``: the Linear (``torch.nn.functional.linear``, all ``R`` rows so that the output rows stay
 aligned) and :func:`~atom_kernels.ops.moe.triton.moe_router`. No host synchronisation (CUDA-graph safe).
@@ -25,7 +26,8 @@ from atom_kernels.ops.moe.checks import check_moe_gate_router
 from atom_kernels.ops.moe.triton import moe_router
 
 FUSED_MAX_T = 8  # the fused launch's largest token count: every program multiplies all T rows
-BLOCK_E = 4  # router rows per program: 513 rows -> 129 programs, about one per SM of an H200
+BLOCK_E = 2  # router rows per program: 513 rows -> 257 programs, two per SM of an H200
+MAX_TILE = 4096  # weight elements a program holds in registers per step: the whole row at H = 2048
 
 
 @triton.jit
@@ -42,14 +44,14 @@ def _gate_router_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     t_ok = offs_t < T
     e_ok = offs_e < cols
-    x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_x + offs_h[None, :]
     w_ptrs = w_ptr + offs_e[:, None].to(tl.int64) * stride_w + offs_h[None, :]
     acc = tl.zeros([ROWS, BLOCK_E], tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    for h0 in range(0, H, BLOCK_H):  # one iteration when BLOCK_H covers H (the decode launch)
         h_ok = (h0 + offs_h) < H
-        xv = tl.load(x_ptrs + h0, mask=t_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
         wv = tl.load(w_ptrs + h0, mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(xv[:, None, :] * wv[None, :, :], axis=2)
+        for r in tl.static_range(ROWS):  # the weight tile stays in registers for every token
+            xr = tl.load(x_ptr + r * stride_x + h0 + offs_h, mask=h_ok & (offs_h * 0 + r < T), other=0.0).to(tl.float32)
+            acc += tl.where(offs_t[:, None] == r, tl.sum(wv * xr[None, :], 1)[None, :], 0.0)
     logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded as the Linear's output
     lg_ptrs = logits_ptr + offs_t[:, None] * cols + offs_e[None, :]
     tl.store(lg_ptrs, logits, mask=t_ok[:, None] & e_ok[None, :])
@@ -67,20 +69,25 @@ def _gate_router_kernel(
         m = tl.max(lg, 1)
         p = tl.exp(lg - m[:, None])
         p = p / tl.sum(p, 1)[:, None]
+        # One max per round: key = (bits of p) << 32 | expert, monotonic in p for p >= 0, ties to the
+        # higher index; NaN ranks below every number (key = expert - 2^32, still the higher index
+        # first) and taken experts and padding lanes below all (the rules of moe_router's kernel: the ids
+        # stay distinct in [0, E), a NaN row keeps NaN weights).
+        lane = offs[None, :].to(tl.int64)
+        bits = p.to(tl.int32, bitcast=True).to(tl.int64)
+        key = tl.where(p == p, (bits << 32) | lane, lane - (1 << 32))
+        taken = -(1 << 62)
+        key = tl.where(routed[None, :], key, taken)
         slots = tl.arange(0, K_P2)
         top_w = tl.zeros([ROWS, K_P2], tl.float32)
         top_i = tl.zeros([ROWS, K_P2], tl.int64)
-        # NaN ranks as -inf and only routed experts not yet taken are eligible: the ids stay distinct in
-        # [0, E) and the weights keep the NaN (the rules of moe_router's kernel)
-        free = tl.zeros([ROWS, E_P2], tl.int1) | routed[None, :]
-        key = tl.where(p == p, p, float("-inf"))
-        for j in tl.static_range(TOP_K):  # K rounds of argmax; exact ties: the highest index first
-            v = tl.max(tl.where(free, key, float("-inf")), 1)
-            i = tl.max(tl.where(free & (key == v[:, None]), offs[None, :], -1), 1)
-            w = tl.where(v == float("-inf"), float("nan"), v)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(key, 1)
+            i = best & 0xFFFFFFFF
+            w = tl.where(best >= 0, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), float("nan"))
             top_w = tl.where(slots[None, :] == j, w[:, None], top_w)
-            top_i = tl.where(slots[None, :] == j, i[:, None].to(tl.int64), top_i)
-            free = free & (offs[None, :] != i[:, None])
+            top_i = tl.where(slots[None, :] == j, i[:, None], top_i)
+            key = tl.where(lane == i[:, None], taken, key)
         if RENORM:
             top_w = top_w / tl.sum(tl.where(slots[None, :] < TOP_K, top_w, 0.0), 1)[:, None]
         row = TOP_K + NUM_SHARED  # output columns per token: routed, then shared
@@ -108,11 +115,12 @@ def moe_gate_router(
     *,
     tickets: torch.Tensor | None = None,
     block_e: int = BLOCK_E,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_router(linear(x, gate_weight)[:, :C], ...)`` (see the reference): one launch of
     ``_gate_router_kernel`` at ``T <= FUSED_MAX_T`` (``tickets``: the caller's zeroed counter, else one
-    allocated per call: a memset), else the Linear and the router kernel. ``block_e``: router rows per
-    program (benchmarks sweep it)."""
+    allocated per call: a memset), else the Linear and the router kernel. ``block_e`` (router rows per
+    program) and ``num_warps``: launch knobs that benchmarks sweep."""
     cols = check_moe_gate_router(x, gate_weight, num_experts, top_k, renormalize, num_shared, tickets)
     num_tokens, hidden = x.shape
     if num_tokens > FUSED_MAX_T:
@@ -136,7 +144,7 @@ def moe_gate_router(
         x_ptr=x, w_ptr=gate_weight, logits_ptr=logits, weights_ptr=weights, ids_ptr=ids, count_ptr=tickets,
         T=num_tokens, H=hidden, cols=cols, num_experts=num_experts, stride_x=x.stride(0),
         stride_w=gate_weight.stride(0), TOP_K=top_k, RENORM=bool(renormalize), NUM_SHARED=num_shared,
-        ROWS=rows, BLOCK_E=block_e, BLOCK_H=min(triton.next_power_of_2(hidden), 512 if rows <= 4 else 256),
-        E_P2=triton.next_power_of_2(num_experts), K_P2=triton.next_power_of_2(top_k), num_warps=4,
+        ROWS=rows, BLOCK_E=block_e, BLOCK_H=min(triton.next_power_of_2(hidden), MAX_TILE // block_e),
+        E_P2=triton.next_power_of_2(num_experts), K_P2=triton.next_power_of_2(top_k), num_warps=num_warps,
     )  # fmt: skip
     return weights, ids
