@@ -15,9 +15,7 @@ At M <= 64 a sweep of the one-launch plan (``gemm_sweep`` rows: column tile, spl
 weight-as-left-operand, each row the one-launch plan's default tiles with the keys shown replaced) is timed
 too, and ``decode_best`` in the JSON (printed at the end) gives, per shape and M, the fastest one-launch
 config beside the one-launch defaults, the three-launch plan and cuBLAS. MoE (``moe_experts_fp8``, 512
-experts top-10, H=2048, I=512) against our bf16 fused MoE on the same routing; where the plan quantises the
-activations inside the GEMMs (``INLINE_QUANT``, 16-row blocks), also with the two separate quantisation
-launches (``config={"INLINE_QUANT": False}``; the outputs are bit-equal, checked). Every case is first checked
+experts top-10, H=2048, I=512) against our bf16 fused MoE on the same routing. Every case is first checked
 against the float32 reference (max abs error stored); sweep rows store their max difference from the default
 plan. Times are CUDA-graph replays (launch gaps out; a split-K plan's per-call ticket memset is in the
 graph); the eager time of the default plan is stored too. Bytes: weights (fp8: 1 B/element + block scales;
@@ -225,14 +223,6 @@ def moe_rows(ceil, device, quick: bool) -> list[dict]:
                 "triton bf16 fused": (lambda w, i: moe_triton.moe_experts(x, w, i, w13, w2),
                                       touched * 3 * INTER * H * 2 + act),
             }  # fmt: skip
-            if moe_triton.plan(t, TOP_K, E)["INLINE_QUANT"]:  # the same call with the separate quant launches
-                sep = {"INLINE_QUANT": False}
-                sep_out = triton_fp8.moe_experts_fp8(x, wts, ids, q13, s13, q2, s2, config=sep)
-                print("moe", case, "inline quant == separate quant:", torch.equal(got, sep_out))
-                fns["triton fp8 fused, separate act quant"] = (
-                    lambda w, i: triton_fp8.moe_experts_fp8(x, w, i, q13, s13, q2, s2, config=sep),
-                    fp8_bytes,
-                )
             for impl, (fn, nbytes) in fns.items():
                 ms = common.time_ms(lambda: [fn(w, i) for w, i in routes], graph=True, rep_ms=30) / reps
                 eager = common.time_ms(lambda: fn(wts, ids)) if impl.startswith("triton fp8") else None

@@ -50,7 +50,7 @@ def main() -> None:
 
                 def fused(x=x, block_e=block_e, warps=warps):
                     return moe_gate_router(x, w, E, TOP_K, True, 1, tickets=tickets, block_e=block_e,
-                                           num_warps=warps)  # fmt: skip
+                                           num_warps=warps, max_fused_tokens=8)  # fmt: skip
 
                 got_w, got_ids = fused()
                 same = bool(torch.equal(got_ids, ref_ids))

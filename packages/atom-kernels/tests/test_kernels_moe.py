@@ -104,12 +104,12 @@ def test_moe_router_shared_columns(impl, tol, device, num_shared):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_shared", [0, 1])
-@pytest.mark.parametrize("num_tokens", [1, 2, 3, 8, 11])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 11])
 def test_moe_gate_router(impl, tol, device, dtype, num_shared, num_tokens):
     """``moe_gate_router`` is the router's Linear then ``moe_router``: against the float64 softmax of
     ``x @ w.T``. E = 60 (not a power of two); the weight has 64 rows, NaN past the columns the router
-    reads (padding that must never reach the result); 1-8 tokens take the fused launch, 11 the Linear +
-    router path; the caller's counter is left zero."""
+    reads (padding that must never reach the result); 1-2 tokens take the triton backend's fused launch,
+    more the Linear + router path; the caller's counter is left zero."""
     fn = impl("moe_gate_router", dtype)
     num_experts, top_k, hidden = 60, 4, 200
     cols = num_experts + (1 if num_shared else 0)
@@ -144,12 +144,12 @@ def test_moe_gate_router(impl, tol, device, dtype, num_shared, num_tokens):
         )
 
 
-def test_moe_gate_router_nan_token(impl, device):
+def test_moe_gate_router_nan_token(impl, tol, device):
     """A token whose hidden state holds a NaN: NaN routed weights, still ``top_k`` distinct ids in [0, E)
     (they index the experts' tables); the other tokens route as without it."""
     fn = impl("moe_gate_router", torch.float32)
     num_experts, top_k = 12, 4
-    x = randn(3, 64, seed=6, dtype=torch.float32, device=device)
+    x = randn(2, 64, seed=6, dtype=torch.float32, device=device)
     w = randn(16, 64, seed=7, dtype=torch.float32, device=device, scale=0.3)
     x[1, 5] = float("nan")
     weights, ids = fn(x, w, num_experts, top_k, True, 1)
@@ -159,8 +159,10 @@ def test_moe_gate_router_nan_token(impl, device):
         f"an expert picked twice: {ids_cpu}"
     )
     assert bool(weights[1].isnan().all()), f"NaN token: weights {weights[1]}"
-    clean_w, clean_ids = fn(x[[0, 2]], w, num_experts, top_k, True, 1)
-    assert torch.equal(ids[[0, 2]].cpu(), clean_ids.cpu()) and torch.equal(weights[[0, 2]], clean_w)
+    clean_w, clean_ids = fn(x[:1], w, num_experts, top_k, True, 1)
+    assert torch.equal(ids[:1].cpu(), clean_ids.cpu()), "the NaN token changed another token's experts"
+    # CPU GEMMs round differently with another row count: float32 noise only
+    assert_close(weights[:1], clean_w, tol("moe_router", torch.float32), "the other token's weights")
 
 
 def test_moe_gate_router_bad_inputs(impl, device):

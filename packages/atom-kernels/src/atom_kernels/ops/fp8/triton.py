@@ -3,8 +3,8 @@
 
 Activations are quantised per token and group of ``bk`` channels: absmax / 448 (floored at 1e-10 / 448),
 IEEE division, clamp, round to nearest e4m3, all in one ``@triton.jit`` function, ``_quant_e4m3``, which
-every kernel that quantises activations calls (``_act_quant_kernel``, the one-launch decode kernel, the
-FP8 MoE GEMMs of :mod:`atom_kernels.ops.moe.triton_fp8`): their operands and scales agree bit for bit.
+every kernel here that quantises activations calls (``_act_quant_kernel``, the one-launch decode kernel):
+their operands and scales agree bit for bit.
 The e4m3 x e4m3 products run on the tensor cores (``tl.dot``, float32 accumulation), each K tile scaled by
 the token's group scale and the weight block's scale.
 :func:`plan` picks one of three plans from the shapes:

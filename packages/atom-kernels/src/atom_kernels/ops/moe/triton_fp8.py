@@ -1,27 +1,20 @@
 """Triton fused MoE experts with FP8 block-scaled weights (W8A8, dynamic per-token-group activations).
 
 The structure of :mod:`atom_kernels.ops.moe.triton` (same align, same tile plans, same weighted sum),
-with e4m3 operands. Activations are quantised per row and group of ``bk`` channels with the formula of
-the dense FP8 kernels (``_quant_e4m3`` of :mod:`atom_kernels.ops.fp8.triton`), either by separate
-``_act_quant_kernel`` launches or, with the plan's ``INLINE_QUANT`` (the decode plan's default), inside
-the GEMMs: each K tile is one scale group (``BLOCK_K == bk``), so a GEMM loads the rows in x.dtype and
-quantises the tile in registers, giving the same operands and scales bit for bit (same dots, same
-order: the outputs are equal) and two launches fewer:
+with e4m3 operands:
 
-1. without ``INLINE_QUANT``, ``_act_quant_kernel`` quantises x;
+1. ``_act_quant_kernel`` quantises x per token and group of ``bk`` channels;
 2. ``moe_align`` (``_moe_align_kernel``) sorts the (token, expert) pairs into ``BLOCK_M``-row blocks of one expert;
 3. ``_moe_gemm1_fp8_kernel``: gate and up tiles ``x_q @ w13[e].T`` (e4m3 ``tl.dot``, float32 accumulation),
    each K tile scaled by the token's group scale and the weight block's scale; the gate's scale rows
    are ``w13_scale[e, :ceil(I/bn)]`` and the up projection's ``w13_scale[e, ceil(I/bn):]``; SiLU-and-mul
    in the epilogue, stored in x.dtype;
-4. without ``INLINE_QUANT``, ``_act_quant_kernel`` quantises the activation; ``_moe_gemm2_fp8_kernel``
+4. the activation is quantised per row and group (``_act_quant_kernel``), ``_moe_gemm2_fp8_kernel``
    multiplies it with ``w2[e]`` (block scales ``w2_scale[e]``), and ``_moe_sum_kernel`` adds each
    token's ``K`` rows times their routing weights in float32.
 
-``BLOCK_K = min(128, bk)``, one scale per K tile. ``INLINE_QUANT`` needs ``bk <= 128``: at larger ``bk``
-the plan's default falls back to the separate launches and ``config={"INLINE_QUANT": True}`` raises.
-Column tiles gather one scale per column, so any ``BLOCK_N`` works. No host synchronisation; portable
-launch options (ROCm-compilable).
+``BLOCK_K = min(128, bk)`` (one scale per K tile); column tiles gather one scale per column, so any
+``BLOCK_N`` works. No host synchronisation; portable launch options (ROCm-compilable).
 """
 
 from __future__ import annotations
@@ -30,9 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_kernels.ops._fp8_math import FP8_MAX
-from atom_kernels.ops.fp8.reference import ACT_SCALE_EPS
-from atom_kernels.ops.fp8.triton import _act_quant_2d, _quant_e4m3
+from atom_kernels.ops.fp8.triton import _act_quant_2d
 from atom_kernels.ops.moe.checks import check_moe_experts_fp8
 from atom_kernels.ops.moe.triton import _moe_sum_kernel, check_ids_on_cpu, moe_align, plan
 
@@ -42,12 +33,8 @@ def _moe_gemm1_fp8_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, inter, nb_inter,
     stride_xt, stride_xst, stride_we, stride_wn, stride_se, stride_sn, stride_at,
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT_A: tl.constexpr, EPS: tl.constexpr,
-    FMAX: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """``act[rows, n-tile] = silu(x_q w_gate.T) * (x_q w_up.T)`` for one row block of expert ``e``.
-    QUANT_A: ``x`` is in x.dtype and each K tile (one scale group: ``BLOCK_K == BK_Q``) is quantised
-    here per row (``_quant_e4m3``); else ``x`` is e4m3 with group scales ``xs``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -73,12 +60,9 @@ def _moe_gemm1_fp8_kernel(
         k_ok = (k0 + offs_k) < H
         kb = k0 // BK_Q
         a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        if QUANT_A:  # padding rows are all zero: scale EPS / FMAX, never stored
-            a, a_s = _quant_e4m3(a.to(tl.float32), 1, EPS, FMAX)
-        else:
-            a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
         wg = tl.load(g_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         wu = tl.load(u_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
         g_s = tl.load(gs_ptrs + kb, mask=n_ok, other=0.0)
         u_s = tl.load(us_ptrs + kb, mask=n_ok, other=0.0)
         acc_g += tl.dot(a, wg) * a_s[:, None] * g_s[None, :]
@@ -96,11 +80,8 @@ def _moe_gemm2_fp8_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, inter,
     stride_at, stride_ast, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, QUANT_A: tl.constexpr, EPS: tl.constexpr, FMAX: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """``y[pair, n-tile] = act_q[rows] w2[e].T`` for one row block of expert ``e``. QUANT_A: ``a`` is
-    the activation in x.dtype, each K tile (``BLOCK_K == BK_Q``) quantised here per row; else e4m3
-    with group scales ``as``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -122,11 +103,8 @@ def _moe_gemm2_fp8_kernel(
         k_ok = (k0 + offs_k) < inter
         kb = k0 // BK_Q
         a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        if QUANT_A:
-            a, a_s = _quant_e4m3(a.to(tl.float32), 1, EPS, FMAX)
-        else:
-            a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
         w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
         w_s = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
         acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
     out = y_ptr + pair[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
@@ -167,36 +145,26 @@ def moe_experts_fp8(
     check_ids_on_cpu("moe_experts_fp8", ids, num_experts)
     cfg = plan(num_tokens, top_k, num_experts, config)
     k1 = k2 = min(128, bk)  # one scale group per K tile (measured faster than 64 for fp8 at 4096 tokens)
-    inline = bool(cfg["INLINE_QUANT"]) and k1 == bk
-    if config and config.get("INLINE_QUANT") and not inline:
-        raise ValueError(f"moe_experts_fp8 (triton): INLINE_QUANT needs block[1] <= 128 (one scale group "
-                         f"per K tile), got block[1]={bk}")  # fmt: skip
     bm = cfg["BLOCK_M"]
     dev = x.device
     flat_ids = ids.reshape(-1).contiguous()
     flat_w = weights.reshape(-1).contiguous()
     sorted_ids, block_expert = moe_align(flat_ids, num_experts, bm)
     max_blocks = block_expert.numel()
-    # inline: the GEMMs read x and act in x.dtype and quantise in registers (the scale pointers are unused)
-    xq, xs = (x, x) if inline else _act_quant_2d(x, bk)
+    xq, xs = _act_quant_2d(x, bk)
     act = torch.empty((max_blocks * bm, inter), dtype=x.dtype, device=dev)
     _moe_gemm1_fp8_kernel[(max_blocks, triton.cdiv(inter, cfg["N1"]))](
-        x_ptr=xq, xs_ptr=xs, w_ptr=w13, ws_ptr=w13_scale, act_ptr=act, sorted_ptr=sorted_ids,
-        block_expert_ptr=block_expert, num_pairs=num_pairs, H=hidden, inter=inter,
-        nb_inter=triton.cdiv(inter, bn), stride_xt=xq.stride(0), stride_xst=xs.stride(0),
-        stride_we=w13.stride(0), stride_wn=w13.stride(1), stride_se=w13_scale.stride(0),
-        stride_sn=w13_scale.stride(1), stride_at=act.stride(0), BN_Q=bn, BK_Q=bk, TOP_K=top_k, BLOCK_M=bm,
-        BLOCK_N=cfg["N1"], BLOCK_K=k1, QUANT_A=inline, EPS=ACT_SCALE_EPS, FMAX=FP8_MAX,
+        xq, xs, w13, w13_scale, act, sorted_ids, block_expert, num_pairs, hidden, inter, triton.cdiv(inter, bn),
+        xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        act.stride(0), BN_Q=bn, BK_Q=bk, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=cfg["N1"], BLOCK_K=k1,
         num_warps=cfg["W1"], num_stages=cfg["S1"],
     )  # fmt: skip
-    aq, a_s = (act, act) if inline else _act_quant_2d(act, bk)
+    aq, a_s = _act_quant_2d(act, bk)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=dev)
     _moe_gemm2_fp8_kernel[(max_blocks, triton.cdiv(hidden, cfg["N2"]))](
-        a_ptr=aq, as_ptr=a_s, w_ptr=w2, ws_ptr=w2_scale, y_ptr=y, sorted_ptr=sorted_ids,
-        block_expert_ptr=block_expert, num_pairs=num_pairs, H=hidden, inter=inter, stride_at=aq.stride(0),
-        stride_ast=a_s.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1),
-        stride_se=w2_scale.stride(0), stride_sn=w2_scale.stride(1), stride_yt=y.stride(0), BN_Q=bn, BK_Q=bk,
-        BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=k2, QUANT_A=inline, EPS=ACT_SCALE_EPS, FMAX=FP8_MAX,
+        aq, a_s, w2, w2_scale, y, sorted_ids, block_expert, num_pairs, hidden, inter,
+        aq.stride(0), a_s.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        y.stride(0), BN_Q=bn, BK_Q=bk, BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=k2,
         num_warps=cfg["W2"], num_stages=cfg["S2"],
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))

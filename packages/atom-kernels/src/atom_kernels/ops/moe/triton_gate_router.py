@@ -1,7 +1,7 @@
 """Triton ``moe_gate_router``: the MoE router's Linear and the softmax top-k in one launch at decode sizes.
 
-At ``T <= FUSED_MAX_T`` tokens, ``_gate_router_kernel`` runs over column tiles of the router weight: program
-``p`` computes the logits of ``BLOCK_E`` router rows for every token (float32 products and sums over
+At ``T <= FUSED_MAX_T`` tokens (a batch-1 decode or k = 1 verify), ``_gate_router_kernel`` runs over
+column tiles of the router weight: program ``p`` computes the logits of ``BLOCK_E`` router rows for every token (float32 products and sums over
 ``H``, rounded to x.dtype as a Linear's output) and writes them to a float32 scratch ``[T, C]``; the last
 program to take the grid-wide ticket (which it returns to 0) routes all tokens at once: softmax over the
 ``E`` routed columns, ``top_k`` rounds of argmax, renormalisation, and the shared columns
@@ -25,8 +25,11 @@ import triton.language as tl
 from atom_kernels.ops.moe.checks import check_moe_gate_router
 from atom_kernels.ops.moe.triton import moe_router
 
-FUSED_MAX_T = 8  # the fused launch's largest token count: every program multiplies all T rows
-BLOCK_E = 2  # router rows per program: 513 rows -> 257 programs, two per SM of an H200
+# The fused launch's largest token count. H200, 80B router (2048 x 513, top-10), CUDA graphs
+# (gate_router_h200.json): fused 7.5 / 7.9 / 11.1 / 18.0 us at T = 1 / 2 / 4 / 8 against 9.4-9.6 us for
+# cuBLAS + moe_router: every program multiplies all T rows, so past T = 2 the two launches win.
+FUSED_MAX_T = 2
+BLOCK_E = 2  # router rows per program (fastest or within 0.3 us of the sweep's best at T = 1, 2)
 MAX_TILE = 4096  # weight elements a program holds in registers per step: the whole row at H = 2048
 
 
@@ -50,7 +53,8 @@ def _gate_router_kernel(
         h_ok = (h0 + offs_h) < H
         wv = tl.load(w_ptrs + h0, mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
         for r in tl.static_range(ROWS):  # the weight tile stays in registers for every token
-            xr = tl.load(x_ptr + r * stride_x + h0 + offs_h, mask=h_ok & (offs_h * 0 + r < T), other=0.0).to(tl.float32)
+            x_ok = h_ok & (offs_h * 0 + r < T)
+            xr = tl.load(x_ptr + r * stride_x + h0 + offs_h, mask=x_ok, other=0.0).to(tl.float32)
             acc += tl.where(offs_t[:, None] == r, tl.sum(wv * xr[None, :], 1)[None, :], 0.0)
     logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded as the Linear's output
     lg_ptrs = logits_ptr + offs_t[:, None] * cols + offs_e[None, :]
@@ -116,14 +120,15 @@ def moe_gate_router(
     tickets: torch.Tensor | None = None,
     block_e: int = BLOCK_E,
     num_warps: int = 4,
+    max_fused_tokens: int = FUSED_MAX_T,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_router(linear(x, gate_weight)[:, :C], ...)`` (see the reference): one launch of
     ``_gate_router_kernel`` at ``T <= FUSED_MAX_T`` (``tickets``: the caller's zeroed counter, else one
     allocated per call: a memset), else the Linear and the router kernel. ``block_e`` (router rows per
-    program) and ``num_warps``: launch knobs that benchmarks sweep."""
+    program), ``num_warps`` and ``max_fused_tokens``: knobs that benchmarks sweep."""
     cols = check_moe_gate_router(x, gate_weight, num_experts, top_k, renormalize, num_shared, tickets)
     num_tokens, hidden = x.shape
-    if num_tokens > FUSED_MAX_T:
+    if num_tokens > max_fused_tokens:
         return moe_router(F.linear(x, gate_weight)[:, :cols], top_k, renormalize, num_shared)
     width = top_k + num_shared
     weights = torch.empty((num_tokens, width), dtype=torch.float32, device=x.device)
