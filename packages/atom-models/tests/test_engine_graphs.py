@@ -182,3 +182,8 @@ def test_step_metadata_fill_matches_the_per_token_layout():
         tables = [r.blocks + [0] * (5 - len(r.blocks)) for r in decodes] + [[0] * 5] * pad
         assert meta.tables[:b].tolist() == tables
     assert meta.h2d_copies == 2
+    short = _request(2, [4], slot=1, computed=3, drafts=[16, 17])  # positions 3..5 need block 1: one held
+    with pytest.raises(
+        ValueError, match=r"request 2: positions up to 5 need block 1, but it holds 1 blocks of 4"
+    ):
+        meta.fill((short,), 1, q)
