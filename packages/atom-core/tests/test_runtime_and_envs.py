@@ -58,9 +58,21 @@ def test_forced_kernel_backend():
 
 def test_every_switch_is_documented():
     switches = [v for v in vars(envs).values() if isinstance(v, envs.EnvSwitch)]
-    assert {s.name for s in switches} == {"ATOM_DISABLE_VLLM_PLUGIN", "ATOM_KERNEL_BACKEND"}
+    assert {s.name for s in switches} == {
+        "ATOM_DISABLE_VLLM_PLUGIN",
+        "ATOM_KERNEL_BACKEND",
+        "ATOM_KERNELS_PDL",
+    }
     for switch in switches:
         assert switch.name in envs.__doc__
+
+
+def test_pdl_switch():
+    assert envs.pdl_requested({}) is True
+    assert envs.pdl_requested({"ATOM_KERNELS_PDL": "0"}) is False
+    assert envs.pdl_requested({"ATOM_KERNELS_PDL": "1"}) is True
+    with pytest.raises(ConfigError, match="ATOM_KERNELS_PDL"):
+        envs.pdl_requested({"ATOM_KERNELS_PDL": "maybe"})
 
 
 def test_speculative_tokens_capped():

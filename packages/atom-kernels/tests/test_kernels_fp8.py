@@ -290,7 +290,8 @@ def _sm90_compiler():
 def test_linear_decode_kernel_compiles_for_sm90(rows, block_n, split, even_k, bias, swap, one):
     """The one-launch kernel through Triton's whole NVIDIA pipeline (TTIR -> cubin) for sm_90, no GPU
     needed: catches type and layout errors that only a GPU run would otherwise show. ``one``: int
-    arguments equal to 1, which Triton passes as constexprs (N = 1 or M = 1 with split-K)."""
+    arguments equal to 1, which Triton passes as constexprs (N = 1 or M = 1 with split-K). The 2-row cases
+    are compiled with ``PDL`` (programmatic dependent launch): their PTX must hold ``griddepcontrol``."""
     ast_source, gpu_target = _sm90_compiler()
     fp8_triton = _fp8_triton()
     sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", y_ptr="*bf16", bias_ptr="*bf16",
@@ -298,7 +299,7 @@ def test_linear_decode_kernel_compiles_for_sm90(rows, block_n, split, even_k, bi
                stride_wn="i32", stride_wsn="i32", stride_ym="i32", GROUPS_PER_SPLIT="i32",
                SPLIT_K="i32")  # fmt: skip
     consts = dict(EPS=1e-10, FMAX=448.0, BN_Q=128, GROUP=128, ROWS=rows, BLOCK_N=block_n, SWAP_AB=swap,
-                  EVEN_K=even_k, SPLIT=split, HAS_BIAS=bias, **dict.fromkeys(one, 1))  # fmt: skip
+                  EVEN_K=even_k, SPLIT=split, HAS_BIAS=bias, PDL=rows == 2, **dict.fromkeys(one, 1))  # fmt: skip
     src = ast_source(
         fp8_triton._fp8_linear_decode_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
     )
@@ -314,6 +315,7 @@ def test_linear_decode_kernel_compiles_for_sm90(rows, block_n, split, even_k, bi
         pytest.skip(f"no usable ptxas for sm_90 here: {exc}")
     assert kernel.asm["cubin"], "no cubin"
     assert ("atom.global.gpu.acq_rel.add" in kernel.asm["ptx"]) == split, "split-K ticket"
+    assert ("griddepcontrol.wait" in kernel.asm["ptx"]) == (rows == 2), "PDL wait"
 
 
 def _gpu(device: torch.device) -> None:

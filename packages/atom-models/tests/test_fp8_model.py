@@ -239,3 +239,36 @@ def test_engine_serves_fp8_weights_with_an_fp8_kv_cache(fp8_dir, greedy_cases, k
                 f"case {i}: leaves the float32 greedy tokens at token {j} (float32 top-1 margin {margin:.3f})"
             )
             assert margin < FP8_FLIP, f"case {i}: FP8 leaves float32 greedy at token {j}, margin {margin:.3f}"
+
+
+def test_pdl_launches_emit_the_tokens_of_plain_launches_on_cuda(
+    fp8_dir, model_dir, greedy_cases, monkeypatch
+):
+    """CUDA sm_90+: the FP8 checkpoint (bf16 activations, fp8 KV) and the bf16 checkpoint, MTP k = 1,
+    graphed steps: the Triton kernels launched with programmatic dependent launch (``ATOM_KERNELS_PDL=1``,
+    the default) emit exactly the tokens of plain launches (``=0``), twice. A kernel that touched its
+    predecessor's output before that kernel completed would show up as a difference."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs a CUDA GPU of compute capability 9.0 or newer")
+    from atom_models.engine import EngineConfig, LLMEngine, SamplingParams
+
+    prompts = [c["prompt_ids"] for c in greedy_cases["cases"][:4]]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    for ckpt, kv in ((fp8_dir, "fp8"), (model_dir, "auto")):
+        runs = []
+        for pdl in ("0", "1", "1"):
+            monkeypatch.setenv("ATOM_KERNELS_PDL", pdl)
+            ec = EngineConfig(
+                num_speculative_tokens=1,
+                max_num_seqs=4,
+                max_model_len=256,
+                kv_cache_dtype=kv,
+                cuda_graphs=True,
+            )
+            eng = LLMEngine.from_pretrained(ckpt, ec, dtype=torch.bfloat16, device="cuda")
+            runs.append([r.output_ids for r in eng.generate(prompts, params)])
+            assert eng.graphs.num_captured > 0, "no CUDA graph was captured"
+        for i, (plain, pdl_run) in enumerate(zip(runs[0], runs[1])):
+            j = next((j for j, (a, b) in enumerate(zip(plain, pdl_run)) if a != b), None)
+            assert j is None, f"{ckpt.name} prompt {i}: PDL launches differ from plain ones at token {j}"
+        assert runs[1] == runs[2], f"{ckpt.name}: two PDL runs differ"

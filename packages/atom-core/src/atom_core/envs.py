@@ -7,6 +7,7 @@ raises :class:`~atom_core.errors.ConfigError` naming the variable, never falls b
 |---|---|---|---|
 | ``ATOM_DISABLE_VLLM_PLUGIN`` | ``0``/``1`` | ``0`` | ``1``: the vLLM plugin registers nothing; stock vLLM models run. |
 | ``ATOM_KERNEL_BACKEND`` | ``reference``/``triton`` | unset | force one kernel backend for every op (debugging); an op without that backend raises. |
+| ``ATOM_KERNELS_PDL`` | ``0``/``1`` | ``1`` | ``0``: the Triton kernels launch without programmatic dependent launch (Hopper and later; elsewhere it is never used). |
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ ATOM_DISABLE_VLLM_PLUGIN = EnvSwitch(
     "ATOM_DISABLE_VLLM_PLUGIN", "1 disables the vLLM plugin (stock vLLM runs)"
 )
 ATOM_KERNEL_BACKEND = EnvSwitch("ATOM_KERNEL_BACKEND", "force one kernel backend for every op")
+ATOM_KERNELS_PDL = EnvSwitch(
+    "ATOM_KERNELS_PDL", "0 launches the Triton kernels without programmatic dependent launch"
+)
 KERNEL_BACKENDS = ("reference", "triton")
 
 
@@ -64,3 +68,8 @@ def forced_kernel_backend(environ: Mapping[str, str] | None = None) -> str | Non
     if value not in KERNEL_BACKENDS:
         raise ConfigError(ATOM_KERNEL_BACKEND.name, raw, "env", f"expected one of {list(KERNEL_BACKENDS)}")
     return value
+
+
+def pdl_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """``ATOM_KERNELS_PDL``: whether the Triton kernels may use programmatic dependent launch (default on)."""
+    return get_bool(ATOM_KERNELS_PDL, True, environ)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from atom_kernels.ops._checks import check_cu_seqlens_values, check_num_accepted_values, check_slot_values
+from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.conv1d.checks import check_causal_conv1d_update, check_causal_conv1d_varlen
 
 
@@ -179,7 +180,9 @@ def _conv_update_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_ACC: tl.constexpr,
     SILU: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     n = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1)
     o_c = pid_c * BC + tl.arange(0, BC)
@@ -352,5 +355,6 @@ def causal_conv1d_update(
         HAS_ACC=num_accepted is not None,
         SILU=activation is not None,
         num_warps=4,
+        **launch_options(x.device),
     )
     return out

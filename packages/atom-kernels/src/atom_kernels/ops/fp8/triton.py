@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from atom_kernels.ops._fp8_math import FP8_MAX, scale_tensor
+from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.fp8.checks import (
     check_fp8_act_quant,
     check_fp8_block_dequant,
@@ -76,9 +77,10 @@ def _quant_e4m3(x, AXIS: tl.constexpr, EPS: tl.constexpr, FMAX: tl.constexpr):
 @triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, K, num_groups, stride_x, stride_q, stride_s, EPS: tl.constexpr, FMAX: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, GROUPS_PER_ITER: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, GROUPS_PER_ITER: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One token per program: ``GROUPS_PER_ITER`` groups of ``GROUP`` channels per iteration."""
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     t = tl.program_id(0).to(tl.int64)
     gi = tl.arange(0, GROUPS_PER_ITER)
     ci = tl.arange(0, GROUP_P2)
@@ -97,10 +99,11 @@ def _fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs, TILES_PER_SPLIT,
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """``c[m, n] = sum_k a[m, k] b[n, k] as[m, k // BK_Q] bs[n // BN_Q, k // BK_Q]`` over this program's
     K tiles; PARTIAL: float32 partial sums to ``c[pid_k]`` (no bias), else the output in c's dtype."""
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -145,8 +148,9 @@ def _fp8_gemm_kernel(
 @triton.jit
 def _splitk_reduce_kernel(
     ws_ptr, bias_ptr, c_ptr, MN, N, stride_ws, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < MN
     acc = tl.zeros([BLOCK], tl.float32)
@@ -163,7 +167,7 @@ def _fp8_linear_decode_kernel(
     stride_xm, stride_wn, stride_wsn, stride_ym, GROUPS_PER_SPLIT, SPLIT_K,
     EPS: tl.constexpr, FMAX: tl.constexpr, BN_Q: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """``y[:M, n-tile] = x @ w.T`` for decode-sized ``M <= ROWS``; program ``(pid_n, pid_k)``
     covers ``BLOCK_N`` columns and K groups ``[pid_k * GROUPS_PER_SPLIT, ...)`` of ``GROUP`` channels.
@@ -175,6 +179,7 @@ def _fp8_linear_decode_kernel(
     token rows); the products and their order per K tile are unchanged. SPLIT: float32 partials
     ``part[pid_k, M, N]``; the last program of a column tile to arrive (``count[pid_n]`` ticket, which it
     resets to 0) sums them in split order, adds the bias and writes ``y``."""
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_r = tl.arange(0, ROWS)
@@ -280,7 +285,7 @@ def _act_quant_2d(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
         per_iter = max(1, min(triton.next_power_of_2(groups), 4096 // group_p2))
         _act_quant_kernel[(t,)](
             x, q, s, k, groups, x.stride(0), q.stride(0), s.stride(0), EPS=ACT_SCALE_EPS, FMAX=FP8_MAX,
-            GROUP=group, GROUP_P2=group_p2, GROUPS_PER_ITER=per_iter, num_warps=4,
+            GROUP=group, GROUP_P2=group_p2, GROUPS_PER_ITER=per_iter, num_warps=4, **launch_options(x.device),
         )  # fmt: skip
     return q, s
 
@@ -388,13 +393,13 @@ def _launch_gemm(a, a_scales, w, w_scales, block, out_dtype, bias, cfg) -> torch
         ws.stride(-2), ws.stride(0) if partial else 0, per,
         BN_Q=bn, BK_Q=bk, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         GROUP_M=cfg["GROUP_M"], PARTIAL=partial, HAS_BIAS=has_bias,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(a.device),
     )  # fmt: skip
     if partial:
         block_r = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block_r),)](
             ws, bias if has_bias else out, out, m * n, n, ws.stride(0), SPLIT_K=split, HAS_BIAS=has_bias,
-            BLOCK=block_r, num_warps=4,
+            BLOCK=block_r, num_warps=4, **launch_options(a.device),
         )  # fmt: skip
     return out
 
@@ -436,7 +441,7 @@ def _launch_decode(x, w, w_scales, block, bias, cfg, tickets=None) -> torch.Tens
         stride_wsn=w_scales.stride(0), stride_ym=out.stride(0), GROUPS_PER_SPLIT=per, SPLIT_K=split,
         EPS=ACT_SCALE_EPS, FMAX=FP8_MAX, BN_Q=bn, GROUP=bk, ROWS=rows, BLOCK_N=cfg["BLOCK_N"],
         SWAP_AB=cfg["SWAP_AB"], EVEN_K=k % bk == 0, SPLIT=split > 1, HAS_BIAS=has_bias,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x.device),
     )  # fmt: skip
     return out
 

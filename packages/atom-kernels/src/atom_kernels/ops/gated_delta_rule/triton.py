@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.gated_delta_rule.checks import (
     check_gated_delta_rule_chunked,
     check_gated_delta_rule_recurrent,
@@ -104,7 +105,9 @@ def _recurrent_kernel(
     BV: tl.constexpr,
     L2NORM: tl.constexpr,
     GATED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = (i_nh // HV).to(tl.int64)
@@ -218,7 +221,7 @@ def _launch_recurrent(
         **strides("s", ssm_state, "shvk"), **strides("i", state_indices, "n"),
         **strides("A", A_log, "h"), **strides("dt", dt_bias, "h"),
         Q=Q, HV=HV, GROUP=HV // HK, DK=DK, DV=DV, BK=triton.next_power_of_2(DK), BV=bv,
-        L2NORM=use_qk_l2norm, GATED=A_log is not None, num_warps=nw,
+        L2NORM=use_qk_l2norm, GATED=A_log is not None, num_warps=nw, **launch_options(q.device),
     )  # fmt: skip
     return o
 

@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from atom_kernels.ops._checks import check_num_accepted_values, check_slot_values
+from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.gated_delta_rule.checks import check_gated_delta_rule_verify
 from atom_kernels.ops.gated_delta_rule.triton import recurrent_launch_config, strides
 from atom_kernels.ops.gdn_gating.triton import gdn_gate, gdn_gating
@@ -179,7 +180,9 @@ def _verify_kernel(
     L2NORM: tl.constexpr,
     WY: tl.constexpr,
     GATED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = (i_nh // HV).to(tl.int64)
@@ -320,9 +323,11 @@ def _stash_kernel(
     BLOCK: tl.constexpr,
     BH: tl.constexpr,
     GATED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """pending[slot, j] k and g parts = this step's token j (float32); slot < 0 skipped. ``GATED``: g_ptr
     holds the raw a, gated here (as the verify kernel does)."""
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     i_n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     slot = tl.load(idx_ptr + i_n * s_in).to(tl.int64)
@@ -362,7 +367,7 @@ def stash_shared(
         **strides("k", k, "nthd"), **strides("g", g, "nth"), **strides("p", pending, "srp"),
         **strides("i", state_indices, "n"), **strides("A", A_log, "h"), **strides("dt", dt_bias, "h"),
         HK=HK, HV=HV, DK=DK, DV=DV, BLOCK=min(2048, triton.next_power_of_2(HK * DK)),
-        BH=triton.next_power_of_2(HV), GATED=A_log is not None, num_warps=4,
+        BH=triton.next_power_of_2(HV), GATED=A_log is not None, num_warps=4, **launch_options(k.device),
     )  # fmt: skip
 
 
@@ -441,7 +446,7 @@ def _launch_verify(
         **strides("i", state_indices, "n"), **strides("A", A_log, "h"), **strides("dt", dt_bias, "h"),
         Q=Q, R=R, QP=triton.next_power_of_2(Q), HK=HK, HV=HV, GROUP=HV // HK, DK=DK, DV=DV,
         NC=triton.next_power_of_2(DK) // kc, KC=kc, BV=cfg.block_v,
-        L2NORM=use_qk_l2norm, WY=cfg.wy, GATED=A_log is not None, num_warps=cfg.num_warps, **extra,
+        L2NORM=use_qk_l2norm, WY=cfg.wy, GATED=A_log is not None, num_warps=cfg.num_warps, **extra, **launch_options(q.device),
     )  # fmt: skip
     stash_shared(k, g, pending, state_indices, A_log, dt_bias)
     return o

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.moe.checks import check_moe_experts, check_moe_router
 
 # Expert lanes per chunk of the align kernel: 256 was the fastest of 128/256/512 on the H200 for 512-514
@@ -46,8 +47,9 @@ ALIGN_E_BLOCK = 256
 @triton.jit
 def _moe_router_kernel(
     logits_ptr, w_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-    E_P2: tl.constexpr, K_P2: tl.constexpr, NUM_SHARED: tl.constexpr,
+    E_P2: tl.constexpr, K_P2: tl.constexpr, NUM_SHARED: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_P2)
     x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < num_experts, other=float("-inf")).to(tl.float32)
@@ -100,7 +102,9 @@ def _moe_align_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
     BCHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     # Work O(cdiv(E, E_BLOCK) * E_BLOCK + max_blocks + pairs): experts in chunks of E_BLOCK lanes (not
     # next_power_of_2(E) lanes), block owners by a running max (no [blocks, E] comparison).
     for b0 in range(0, max_blocks, BCHUNK):
@@ -164,7 +168,9 @@ def _moe_gemm1_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -218,7 +224,9 @@ def _moe_gemm2_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -246,8 +254,17 @@ def _moe_gemm2_kernel(
 
 @triton.jit
 def _moe_sum_kernel(
-    y_ptr, topw_ptr, out_ptr, H, stride_yt, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr
+    y_ptr,
+    topw_ptr,
+    out_ptr,
+    H,
+    stride_yt,
+    stride_ot,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < H
@@ -274,7 +291,7 @@ def moe_router(
         _moe_router_kernel[(num_tokens,)](
             logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k, RENORM=bool(renormalize),
             E_P2=triton.next_power_of_2(num_experts), K_P2=triton.next_power_of_2(top_k),
-            NUM_SHARED=num_shared, num_warps=4,
+            NUM_SHARED=num_shared, num_warps=4, **launch_options(logits.device),
         )  # fmt: skip
     return weights, ids
 
@@ -318,7 +335,7 @@ def moe_align(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     _moe_align_kernel[(1,)](
         flat_ids, sorted_ids, block_expert, cursor, num_pairs, num_experts, max_blocks,
         E_BLOCK=min(ALIGN_E_BLOCK, triton.next_power_of_2(num_experts)), BLOCK_M=block_m, CHUNK=1024,
-        BCHUNK=256, num_warps=8,
+        BCHUNK=256, num_warps=8, **launch_options(flat_ids.device),
     )  # fmt: skip
     return sorted_ids, block_expert
 
@@ -368,16 +385,25 @@ def moe_experts(
         x, w13, act, sorted_ids, block_expert, num_pairs, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=bm, BLOCK_N=cfg["N1"], BLOCK_K=cfg["K1"], PREC=prec,
-        num_warps=cfg["W1"], num_stages=cfg["S1"],
+        num_warps=cfg["W1"], num_stages=cfg["S1"], **launch_options(dev),
     )  # fmt: skip
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=dev)
     _moe_gemm2_kernel[(max_blocks, triton.cdiv(hidden, cfg["N2"]))](
         act, w2, y, sorted_ids, block_expert, num_pairs, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=cfg["K2"], PREC=prec, num_warps=cfg["W2"], num_stages=cfg["S2"],
+        BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=cfg["K2"], PREC=prec, num_warps=cfg["W2"], num_stages=cfg["S2"], **launch_options(dev),
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        y, flat_w, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4
+        y,
+        flat_w,
+        out,
+        hidden,
+        y.stride(0),
+        out.stride(0),
+        TOP_K=top_k,
+        BLOCK=block,
+        num_warps=4,
+        **launch_options(dev),
     )
     return out

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.fp8.triton import _act_quant_2d
 from atom_kernels.ops.moe.checks import check_moe_experts_fp8
 from atom_kernels.ops.moe.triton import _moe_sum_kernel, check_ids_on_cpu, moe_align, plan
@@ -33,8 +34,9 @@ def _moe_gemm1_fp8_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, inter, nb_inter,
     stride_xt, stride_xst, stride_we, stride_wn, stride_se, stride_sn, stride_at,
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -80,8 +82,9 @@ def _moe_gemm2_fp8_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, inter,
     stride_at, stride_ast, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -157,7 +160,7 @@ def moe_experts_fp8(
         xq, xs, w13, w13_scale, act, sorted_ids, block_expert, num_pairs, hidden, inter, triton.cdiv(inter, bn),
         xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         act.stride(0), BN_Q=bn, BK_Q=bk, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=cfg["N1"], BLOCK_K=k1,
-        num_warps=cfg["W1"], num_stages=cfg["S1"],
+        num_warps=cfg["W1"], num_stages=cfg["S1"], **launch_options(dev),
     )  # fmt: skip
     aq, a_s = _act_quant_2d(act, bk)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=dev)
@@ -165,10 +168,19 @@ def moe_experts_fp8(
         aq, a_s, w2, w2_scale, y, sorted_ids, block_expert, num_pairs, hidden, inter,
         aq.stride(0), a_s.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         y.stride(0), BN_Q=bn, BK_Q=bk, BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=k2,
-        num_warps=cfg["W2"], num_stages=cfg["S2"],
+        num_warps=cfg["W2"], num_stages=cfg["S2"], **launch_options(dev),
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        y, flat_w, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4
+        y,
+        flat_w,
+        out,
+        hidden,
+        y.stride(0),
+        out.stride(0),
+        TOP_K=top_k,
+        BLOCK=block,
+        num_warps=4,
+        **launch_options(dev),
     )
     return out

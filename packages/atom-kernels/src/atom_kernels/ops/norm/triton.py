@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.norm.checks import check_gated_rms_norm, check_rms_norm
 
 
@@ -33,7 +34,9 @@ def _rms_norm_kernel(
     HAS_RES: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_H)
     rows64 = rows.to(tl.int64)
@@ -68,9 +71,11 @@ def _gated_rms_norm_kernel(
     stride_y,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Row ``r`` of x / z is ``[r // inner, r % inner]`` of their ``[A, inner, D]`` views (any row strides,
     unit last stride), so a row-strided ``z[T, Hv, Dv]`` (a view of the projection output) needs no copy."""
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     rows64 = rows.to(tl.int64)
@@ -127,7 +132,7 @@ def rms_norm(
         _rms_norm_kernel[(grid,)](
             x2, r2, weight, y2, h2, num_rows, hidden, float(eps),
             x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
-            HAS_RES=residual is not None, ROWS=rows, BLOCK_H=block, num_warps=warps,
+            HAS_RES=residual is not None, ROWS=rows, BLOCK_H=block, num_warps=warps, **launch_options(x.device),
         )  # fmt: skip
     return y if residual is None else (y, h)
 
@@ -147,6 +152,6 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         _gated_rms_norm_kernel[(grid,)](
             x_ptr=x3, z_ptr=z3, w_ptr=weight, y_ptr=y2, num_rows=num_rows, inner=x3.shape[1], D=width,
             eps=float(eps), s_xa=x3.stride(0), s_xb=x3.stride(1), s_za=z3.stride(0), s_zb=z3.stride(1),
-            stride_y=y2.stride(0), ROWS=rows, BLOCK_D=block, num_warps=warps,
+            stride_y=y2.stride(0), ROWS=rows, BLOCK_D=block, num_warps=warps, **launch_options(x.device),
         )  # fmt: skip
     return y

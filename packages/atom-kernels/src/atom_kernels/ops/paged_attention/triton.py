@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from atom_kernels.ops._fp8_math import scale_tensor
+from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.paged_attention.checks import (
     check_kv_cache_write,
     check_paged_attention,
@@ -94,7 +95,9 @@ def _paged_attn_kernel(
     SPLIT: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     qb = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -198,7 +201,9 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     HEAD_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     t = tl.program_id(0)
     h = tl.program_id(1)
     if t >= tl.load(end_ptr):  # padding rows past query_start_loc[N]: left zero
@@ -365,6 +370,7 @@ def paged_attention(
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **launch_options(q.device),
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_hq)](
@@ -380,6 +386,7 @@ def paged_attention(
             SPLITS_P2=triton.next_power_of_2(splits),
             HEAD_D=head_d,
             num_warps=4,
+            **launch_options(part_out.device),
         )
     return out
 
@@ -409,7 +416,9 @@ def _kv_cache_write_kernel(
     QUANT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t)
     if slot < 0:
@@ -462,5 +471,5 @@ def kv_cache_write(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         KV_BLOCK=kv_block, QUANT=quant, BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_D=triton.next_power_of_2(head_d), num_warps=4,
+        BLOCK_D=triton.next_power_of_2(head_d), num_warps=4, **launch_options(k.device),
     )  # fmt: skip

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops._triton_env import interpreting
 from atom_kernels.ops.rope.checks import check_rope
 
@@ -122,7 +123,9 @@ def _rope_kernel(
     ROT: tl.constexpr,
     HB: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     t = tl.program_id(0)
     hb = tl.program_id(1)
     pos_f = tl.load(pos_ptr + t).to(tl.float32)
@@ -159,6 +162,6 @@ def rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0), qo.stride(1), ko.stride(0),
         ko.stride(1), float(theta),
         D=d, BLOCK_D=block_d, HALF=rotary_dim // 2, HALF_P2=triton.next_power_of_2(rotary_dim // 2), ROT=rotary_dim,
-        HB=hb, INTERPRET=interpreting(), num_warps=4,
+        HB=hb, INTERPRET=interpreting(), num_warps=4, **launch_options(q.device),
     )  # fmt: skip
     return qo, ko
