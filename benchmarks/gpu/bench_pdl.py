@@ -66,7 +66,7 @@ def main() -> None:
     device = common.require_cuda()
     ceil = common.ceilings(out, device)
     rows = []
-    for n, block_n in ((256, 4), (2048, 8)):  # 128 KB (launch-bound) and 4 MB (streaming) per weight
+    for n, block_n in ((256, 4), (2048, 8)):  # 128 KB (launch-bound) and 8 MB (streaming) per weight
         k = n if n == 256 else 2048
         ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5 for _ in range(args.layers)]
         base = {}

@@ -210,6 +210,8 @@ def test_engine_serves_fp8_weights_with_an_fp8_kv_cache(fp8_dir, greedy_cases, k
         assert isinstance(eng.target.model.layers[3].mlp.experts, Fp8Experts)
         tickets = [m.tickets for m in eng.target.modules() if hasattr(m, "tickets")]
         assert tickets and all(int(t.abs().sum()) == 0 for t in tickets), "Fp8Linear tickets not zeroed"
+        routers = [m.router_tickets for m in eng.target.modules() if hasattr(m, "router_tickets")]
+        assert routers and all(int(t.abs().sum()) == 0 for t in routers), "router tickets not zeroed"
         assert not any(name.endswith("tickets") for name in eng.target.state_dict()), "tickets in state_dict"
         results = eng.generate(prompts, params)
         outs[k] = [r.output_ids for r in results]

@@ -215,7 +215,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.kernels
         e = self.experts.num_experts
-        if isinstance(self.gate, Linear):
+        if isinstance(self.gate, Linear) and self.gate.bias is None and self.gate.shard is None:
             weights, ids = k.moe_gate_router(
                 x,
                 self.gate.weight,
@@ -225,7 +225,7 @@ class SparseMoeBlock(nn.Module):
                 self.num_shared,
                 tickets=self.router_tickets,
             )
-        else:  # a router the checkpoint quantises (Fp8Linear): its own linear, then the router
+        else:  # a router the checkpoint quantises (Fp8Linear), or with a bias: its own linear, then the router
             logits = self.gate(x)[:, : e + (1 if self.num_shared else 0)]
             weights, ids = k.moe_router(logits, self.top_k, self.renormalize, num_shared=self.num_shared)
         out = self.experts(k, x, weights, ids)

@@ -12,7 +12,8 @@ programmatic edges.
 
 :func:`launch_options` gives the launch keywords: ``PDL=True, launch_pdl=True`` on CUDA devices of compute
 capability 9.0 or newer unless ``ATOM_KERNELS_PDL=0``; otherwise none (the flag defaults to False, and
-ROCm, older GPUs and Triton's CPU interpreter never see the instructions). H200 (``bench_pdl.py``): a
+ROCm, older GPUs and Triton's CPU interpreter never see the instructions). Launches traced by
+``torch.compile`` (vLLM's compiled model) take none: PDL there waits for a test with vLLM on a GPU. H200 (``bench_pdl.py``): a
 graphed chain of GEMV launches takes 1.26 instead of 1.58 us per 128 KB kernel and 4.12 instead of
 4.48 us per 8 MB kernel.
 """
@@ -46,7 +47,7 @@ def _capable(index: int) -> bool:
 
 def launch_options(device: torch.device) -> dict[str, bool]:
     """``{"PDL": True, "launch_pdl": True}`` where PDL applies to a launch on ``device``, else ``{}``."""
-    if device.type != "cuda" or interpreting() or not pdl_requested():
+    if device.type != "cuda" or interpreting() or torch.compiler.is_compiling() or not pdl_requested():
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
     return {"PDL": True, "launch_pdl": True} if _capable(index) else {}

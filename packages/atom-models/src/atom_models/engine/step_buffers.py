@@ -34,8 +34,8 @@ def _nbytes(max_tokens: int, max_batch: int, max_blocks: int) -> int:
 
 class _Views:
     """Named int views of one uint8 buffer in the layout of :class:`StepMetadata`; ``int64_rows`` /
-    ``int32_rows``: the three int64 (int32) fields as the rows of one strided ``[3, max_tokens]``
-    (``[3, max_batch]``) view, so that a step writes each group with one copy."""
+    ``int32_rows``: the int64 (int32) fields, in ``_INT64`` (``_INT32``) order, as the rows of one strided
+    ``[3, max_tokens]`` (``[3, max_batch]``) view, so that a step writes each group with one copy."""
 
     def __init__(self, buf: torch.Tensor, max_tokens: int, max_batch: int, max_blocks: int):
         off = 0
@@ -43,14 +43,18 @@ class _Views:
             setattr(self, name, buf[off : off + 8 * max_tokens].view(torch.int64))
             off += _aligned(8 * max_tokens)
         self.int64_rows = (
-            buf[:off].view(torch.int64).as_strided((3, max_tokens), (_aligned(8 * max_tokens) // 8, 1))
+            buf[:off]
+            .view(torch.int64)
+            .as_strided((len(_INT64), max_tokens), (_aligned(8 * max_tokens) // 8, 1))
         )
         start = off
         for name in _INT32:
             setattr(self, name, buf[off : off + 4 * max_batch].view(torch.int32))
             off += _aligned(4 * max_batch)
         self.int32_rows = (
-            buf[start:off].view(torch.int32).as_strided((3, max_batch), (_aligned(4 * max_batch) // 4, 1))
+            buf[start:off]
+            .view(torch.int32)
+            .as_strided((len(_INT32), max_batch), (_aligned(4 * max_batch) // 4, 1))
         )
         self.tables_offset = off
         self.tables = (

@@ -55,7 +55,8 @@ def check_fp8_linear(
         c.require(tickets.is_contiguous(), "tickets must be contiguous")
         need = -(-w_fp8.shape[0] // TICKET_COLUMNS)
         c.require(
-            tickets.numel() >= need, f"tickets holds {tickets.numel()} counters, needs >= {need} (N / 16)"
+            tickets.numel() >= need,
+            f"tickets holds {tickets.numel()} counters, needs >= {need} (N / {TICKET_COLUMNS})",
         )
 
 

@@ -49,6 +49,9 @@ def check_moe_gate_router(
     c.require(top_k <= num_experts, f"top_k must be <= E={num_experts}, got {top_k}")
     c.require(isinstance(renormalize, bool), f"renormalize must be a bool, got {renormalize!r}")
     c.optional("tickets", tickets, ("C",), (torch.int32,))
+    if tickets is not None:
+        c.require(tickets.numel() >= 1, "tickets must hold at least one counter")
+        c.require(tickets.device == x.device, f"tickets on {tickets.device}, x on {x.device}")
     return cols
 
 

@@ -129,6 +129,12 @@ def moe_gate_router(
     allocated per call: a memset), else the Linear and the router kernel. ``block_e`` (router rows per
     program), ``num_warps`` and ``max_fused_tokens``: knobs that benchmarks sweep."""
     cols = check_moe_gate_router(x, gate_weight, num_experts, top_k, renormalize, num_shared, tickets)
+    if block_e < 1 or block_e & (block_e - 1):
+        raise ValueError(f"moe_gate_router (triton): block_e must be a power of two, got {block_e}")
+    if not 0 <= max_fused_tokens <= 16:
+        raise ValueError(
+            f"moe_gate_router (triton): max_fused_tokens must be in [0, 16], got {max_fused_tokens}"
+        )
     num_tokens, hidden = x.shape
     if num_tokens > max_fused_tokens:
         return moe_router(F.linear(x, gate_weight)[:, :cols], top_k, renormalize, num_shared)
@@ -143,8 +149,6 @@ def moe_gate_router(
         raise ValueError("moe_gate_router (triton): gate_weight needs a unit last-dim stride")
     if tickets is None:
         tickets = torch.zeros(1, dtype=torch.int32, device=x.device)
-    elif tickets.device != x.device:
-        raise ValueError(f"moe_gate_router (triton): tickets on {tickets.device}, x on {x.device}")
     logits = torch.empty((num_tokens, cols), dtype=torch.float32, device=x.device)
     rows = max(2, triton.next_power_of_2(num_tokens))
     _gate_router_kernel[(triton.cdiv(cols, block_e),)](
