@@ -445,14 +445,21 @@ def test_linear_decode_split_k_in_cuda_graph(device):
     x, w_fp8, scale_inv, b = _linear_case(device, 512, 2048, 2, torch.bfloat16, True)
     cfg = dict(ONE_LAUNCH=True, ROWS=2, BLOCK_N=16, SPLIT_K=4, SWAP_AB=True, num_warps=4, num_stages=4)
     eager = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, config=cfg)
+    _assert_replays_equal(
+        lambda: fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, config=cfg), eager
+    )
+
+
+def _assert_replays_equal(call, expected: torch.Tensor, replays: int = 3) -> None:
+    """``call()`` captured in a CUDA graph: every replay (output zeroed first) gives ``expected`` exactly."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, config=cfg)
-    for _ in range(3):
+        out = call()
+    for _ in range(replays):
         out.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, eager), "graph replay differs from the eager call"
+        assert torch.equal(out, expected), "graph replay differs from the eager call"
 
 
 @pytest.mark.parametrize("m", [1, 2])
@@ -468,14 +475,9 @@ def test_linear_decode_caller_tickets(device, m):
     own = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, tickets=tickets, config=cfg)
     assert torch.equal(own, fresh), "caller's tickets change the result"
     assert int(tickets.abs().sum()) == 0, f"tickets not left zero: {tickets.tolist()}"
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, tickets=tickets, config=cfg)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, fresh), "graph replay with the caller's tickets differs"
+    _assert_replays_equal(
+        lambda: fp8_triton.fp8_linear(x, w_fp8, scale_inv, (128, 128), b, tickets=tickets, config=cfg), fresh
+    )
     assert int(tickets.abs().sum()) == 0, f"tickets not left zero after replays: {tickets.tolist()}"
     with pytest.raises(ValueError, match=r"tickets holds 32 counters .* needs 64 \(BLOCK_N=8\)"):
         fp8_triton.fp8_linear(

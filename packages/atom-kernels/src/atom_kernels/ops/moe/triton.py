@@ -319,6 +319,18 @@ def plan(num_tokens: int, top_k: int, num_experts: int, config: dict | None = No
     return cfg
 
 
+def weighted_sum(y: torch.Tensor, flat_w: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``out[t] = sum_j flat_w[t * K + j] * y[t * K + j]`` (float32 sum in pair order, x.dtype out): one
+    launch of ``_moe_sum_kernel``; ``y [T * K, H]`` per-pair expert outputs, ``out [T, H]``."""
+    num_tokens, hidden = out.shape
+    block = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        y, flat_w, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4,
+        **launch_options(out.device),
+    )  # fmt: skip
+    return out
+
+
 def moe_align(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the ``P`` (token, expert) pairs of ``flat_ids [P]`` (ids in ``[0, E)``) into ``block_m``-row
     blocks of one expert: one launch of ``_moe_align_kernel``.
@@ -393,17 +405,4 @@ def moe_experts(
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=cfg["K2"], PREC=prec, num_warps=cfg["W2"], num_stages=cfg["S2"], **launch_options(dev),
     )  # fmt: skip
-    block = min(1024, triton.next_power_of_2(hidden))
-    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        y,
-        flat_w,
-        out,
-        hidden,
-        y.stride(0),
-        out.stride(0),
-        TOP_K=top_k,
-        BLOCK=block,
-        num_warps=4,
-        **launch_options(dev),
-    )
-    return out
+    return weighted_sum(y, flat_w, out, top_k)

@@ -26,7 +26,7 @@ import triton.language as tl
 from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.fp8.triton import _act_quant_2d
 from atom_kernels.ops.moe.checks import check_moe_experts_fp8
-from atom_kernels.ops.moe.triton import _moe_sum_kernel, check_ids_on_cpu, moe_align, plan
+from atom_kernels.ops.moe.triton import check_ids_on_cpu, moe_align, plan, weighted_sum
 
 
 @triton.jit
@@ -170,17 +170,4 @@ def moe_experts_fp8(
         y.stride(0), BN_Q=bn, BK_Q=bk, BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=k2,
         num_warps=cfg["W2"], num_stages=cfg["S2"], **launch_options(dev),
     )  # fmt: skip
-    block = min(1024, triton.next_power_of_2(hidden))
-    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        y,
-        flat_w,
-        out,
-        hidden,
-        y.stride(0),
-        out.stride(0),
-        TOP_K=top_k,
-        BLOCK=block,
-        num_warps=4,
-        **launch_options(dev),
-    )
-    return out
+    return weighted_sum(y, flat_w, out, top_k)
