@@ -27,6 +27,7 @@ from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.fp8.triton import _act_quant_2d
 from atom_kernels.ops.moe.checks import check_moe_experts_fp8
 from atom_kernels.ops.moe.triton import check_ids_on_cpu, moe_align, plan, weighted_sum
+from atom_kernels.ops.moe.triton_fp8_decode import PAIR_MAX_TOKENS, PAIR_TILES, pair_gemms_fp8
 
 
 @triton.jit
@@ -127,8 +128,10 @@ def moe_experts_fp8(
     config: dict | None = None,
 ) -> torch.Tensor:
     """FP8 routed experts (semantics: the reference ``moe_experts_fp8``). Ids must lie in ``[0, E)``
-    (checked only on CPU). ``config`` overrides the tile plan (keys of
-    :func:`atom_kernels.ops.moe.triton.plan`)."""
+    (checked only on CPU). Up to ``PAIR_MAX_TOKENS`` tokens the pair path of
+    :mod:`~atom_kernels.ops.moe.triton_fp8_decode` runs (``config["PAIRS"]`` forces it on or off), else the
+    aligned path. ``config`` overrides the tile plans (keys of :func:`atom_kernels.ops.moe.triton.plan`,
+    and ``PAIR_TILES``' keys)."""
     check_moe_experts_fp8(x, weights, ids, w13, w13_scale, w2, w2_scale, block)
     bn, bk = int(block[0]), int(block[1])
     if bk < 32 or bk & (bk - 1):
@@ -146,12 +149,17 @@ def moe_experts_fp8(
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("moe_experts_fp8 (triton): w13 and w2 need a unit last-dim stride")
     check_ids_on_cpu("moe_experts_fp8", ids, num_experts)
+    flat_ids = ids.reshape(-1).contiguous()
+    flat_w = weights.reshape(-1).contiguous()
+    if (config or {}).get("PAIRS", num_tokens <= PAIR_MAX_TOKENS):
+        y = pair_gemms_fp8(
+            x, flat_ids, w13, w13_scale, w2, w2_scale, (bn, bk), top_k, {**PAIR_TILES, **(config or {})}
+        )
+        return weighted_sum(y, flat_w, out, top_k)
     cfg = plan(num_tokens, top_k, num_experts, config)
     k1 = k2 = min(128, bk)  # one scale group per K tile (measured faster than 64 for fp8 at 4096 tokens)
     bm = cfg["BLOCK_M"]
     dev = x.device
-    flat_ids = ids.reshape(-1).contiguous()
-    flat_w = weights.reshape(-1).contiguous()
     sorted_ids, block_expert = moe_align(flat_ids, num_experts, bm)
     max_blocks = block_expert.numel()
     xq, xs = _act_quant_2d(x, bk)
