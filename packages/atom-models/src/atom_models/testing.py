@@ -10,11 +10,11 @@ from atom_core import Qwen3NextConfig
 from atom_models.gdn import GatedDeltaNet
 
 _TINY_CONFIG = {
-    "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 1, "layer_types": ["linear_attention"],
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rope_theta": 10000.0,
-    "partial_rotary_factor": 0.25, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
-    "intermediate_size": 64, "max_position_embeddings": 128, "vocab_size": 64,
+    "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 1,
+    "layer_types": ["linear_attention"], "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+    "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4, "intermediate_size": 64, "max_position_embeddings": 128, "vocab_size": 64,
 }  # fmt: skip
 
 
