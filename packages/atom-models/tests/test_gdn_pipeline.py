@@ -14,7 +14,7 @@ import functools
 
 import pytest
 import torch
-from _helpers import K_SPEC, gdn_config, gdn_state, random_gdn_layer
+from _helpers import K_SPEC, gdn_state
 from atom_kernels import select_kernels
 from atom_models.dense_cores import DenseContext, DenseGDNCore
 from atom_models.engine import EngineConfig, LLMEngine, SamplingParams
@@ -22,6 +22,7 @@ from atom_models.gdn_meta import GDNDecodeMeta, GDNPrefillMeta, GDNStepMeta, GDN
 from atom_models.gdn_pipeline import gdn_forward, reset_pending
 from atom_models.gdn_state import GDNGeometry
 from atom_models.host_sync import HostSyncError, HostSyncGuard
+from atom_models.testing import random_gdn_layer, tiny_config
 
 # float32, reference kernels: pipeline output vs the dense chunked prefill over the whole sequence;
 # measured max |error| 1.2e-6 (recurrent / verify vs chunked summation order)
@@ -31,7 +32,7 @@ ATOL = {torch.float32: 1e-4}
 @pytest.fixture(scope="module")
 def layer_setup():
     torch.manual_seed(0)
-    cfg = gdn_config()
+    cfg = tiny_config()
     kern = select_kernels("cpu", torch.float32, backend="reference")
     return cfg, kern, random_gdn_layer(cfg, kern)
 
@@ -253,7 +254,7 @@ def test_pipeline_decode_and_verify_do_not_sync_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device: torch.cuda.set_sync_debug_mode only sees CUDA synchronisation")
     dev = torch.device("cuda")
-    cfg = gdn_config()
+    cfg = tiny_config()
     kern = select_kernels(dev, torch.bfloat16)
     with torch.device(dev):
         layer = random_gdn_layer(cfg, kern, torch.bfloat16)

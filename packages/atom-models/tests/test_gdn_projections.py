@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import K_SPEC, gdn_config, gdn_state, random_gdn_layer
+from _helpers import K_SPEC, gdn_state
 from atom_core import Qwen3NextConfig
 from atom_kernels import select_kernels
 from atom_models import CheckpointError, DenseCoreFactory, Qwen3NextForCausalLM, load_target
@@ -20,6 +20,7 @@ from atom_models.gdn_meta import GDNDecodeMeta, GDNStepMeta, GDNVerifyMeta
 from atom_models.gdn_pipeline import gdn_forward
 from atom_models.gdn_state import GDNGeometry
 from atom_models.parallel.slices import regroup_rows
+from atom_models.testing import random_gdn_layer, tiny_config
 from atom_models.weight_map import GDN_BA, GDN_QKVZ, group_parts
 from safetensors import safe_open
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -90,7 +91,7 @@ def test_projection_views_reach_the_core_without_copies(backend, form):
     row stride the projection's width), no aten op before the core copies data, and the layer's output and
     states equal those of a core fed contiguous copies."""
     torch.manual_seed(0)
-    cfg, kern = gdn_config(), _kernels(backend)
+    cfg, kern = tiny_config(), _kernels(backend)
     geo = GDNGeometry.from_config(cfg, K_SPEC)
     layer = random_gdn_layer(cfg, kern)
     slots = torch.tensor([2, 0, 3], dtype=torch.int32)

@@ -11,6 +11,7 @@ from atom_core import Qwen3NextConfig
 from atom_kernels import select_kernels
 from atom_models.modules import GatedMLP
 from atom_models.moe import Experts, Fp8Experts, SparseMoeBlock, shared_pseudo_experts
+from atom_models.testing import tiny_config
 
 # (what) -> (atol, rtol) against the float64 formula; measured max abs error in the comments.
 TOL = {
@@ -22,16 +23,13 @@ TOL = {
 
 
 def _config(hidden: int, inter: int, shared: int, experts: int = 4, top_k: int = 2) -> Qwen3NextConfig:
-    raw = {
-        "model_type": "qwen3_next", "hidden_size": hidden, "num_hidden_layers": 1,
-        "layer_types": ["linear_attention"], "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-        "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
-        "linear_conv_kernel_dim": 4, "intermediate_size": 64, "max_position_embeddings": 128, "vocab_size": 64,
-        "num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": inter,
-        "shared_expert_intermediate_size": shared,
-    }  # fmt: skip
-    return Qwen3NextConfig.from_hf(raw)
+    return tiny_config(
+        hidden_size=hidden,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        shared_expert_intermediate_size=shared,
+    )
 
 
 @pytest.fixture

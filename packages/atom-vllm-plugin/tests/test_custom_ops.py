@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 from atom_core import Qwen3NextConfig  # noqa: E402
 from atom_kernels import select_kernels  # noqa: E402
 from atom_models.moe import SparseMoeBlock  # noqa: E402
+from atom_models.testing import tiny_config  # noqa: E402
 from atom_vllm_plugin.layers import attention as attention_mod  # noqa: E402
 from atom_vllm_plugin.layers import custom_ops  # noqa: E402
 from atom_vllm_plugin.layers.attention import AtomAttentionCore  # noqa: E402
@@ -27,15 +28,9 @@ from atom_vllm_plugin.layers.attention_backend import AtomAttentionMetadata  # n
 
 
 def _moe_config() -> Qwen3NextConfig:
-    raw = {
-        "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 1, "layer_types": ["linear_attention"],
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.25, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
-        "intermediate_size": 64, "max_position_embeddings": 128, "vocab_size": 64, "num_experts": 8,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
-    }  # fmt: skip
-    return Qwen3NextConfig.from_hf(raw)
+    return tiny_config(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16
+    )
 
 
 def test_moe_block_compiles_in_one_graph_and_matches_eager():

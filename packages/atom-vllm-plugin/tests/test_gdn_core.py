@@ -20,11 +20,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from atom_core import Qwen3NextConfig  # noqa: E402
 from atom_kernels import select_kernels  # noqa: E402
 from atom_kernels.ops.gated_delta_rule import pending_width  # noqa: E402
 from atom_models.dense_cores import DenseContext, DenseGDNCore  # noqa: E402
-from atom_models.gdn import GatedDeltaNet  # noqa: E402
+from atom_models.testing import random_gdn_layer, tiny_config  # noqa: E402
 from atom_vllm_plugin.layers.gdn import AtomGDNCore  # noqa: E402
 from atom_vllm_plugin.layers.gdn_backend import AtomGDNAttentionMetadata, gdn_step_from_vllm  # noqa: E402
 from atom_vllm_plugin.layers.gdn_state import GDNStateSpec  # noqa: E402
@@ -39,26 +38,12 @@ UNUSED = [1, 2, 4, 5, 7, 8]  # columns 1..k of the spec block table: deferred co
 PAGE_PAD = 64  # bytes: vLLM pads a Mamba page up to the attention page; the views must not assume tight pages
 
 
-def _config() -> Qwen3NextConfig:
-    raw = {
-        "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 1, "layer_types": ["linear_attention"],
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.25, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
-        "intermediate_size": 64, "max_position_embeddings": 128, "vocab_size": 64,
-    }  # fmt: skip
-    return Qwen3NextConfig.from_hf(raw)
-
-
 @pytest.fixture(scope="module")
 def setup():
     torch.manual_seed(0)
-    cfg = _config()
+    cfg = tiny_config()
     kern = select_kernels("cpu", torch.float32, backend="reference")
-    layer = GatedDeltaNet(cfg, 0, core=None, kernels=kern, dtype=torch.float32)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0, 0.5)
+    layer = random_gdn_layer(cfg, kern)
     state = GDNStateSpec.from_config(cfg, K_SPEC, torch.float32, torch.float32)
     core = AtomGDNCore("model.layers.0.linear_attn", state, kern)
     _bind(core, 9)
@@ -86,7 +71,7 @@ def _tokens(n: int, layer) -> dict[str, torch.Tensor]:
 
 def _dense(layer, kern, seq: dict[str, torch.Tensor]) -> torch.Tensor:
     n = seq["x"].shape[0]
-    return DenseGDNCore(_config(), kern)(
+    return DenseGDNCore(tiny_config(), kern)(
         seq["x"], seq["b"], seq["a"], layer.gdn_weights(), DenseContext((n,))
     )
 
@@ -192,8 +177,8 @@ def test_state_shapes_match_vllm_calculator():
     without MTP none."""
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
-    cfg = _config()
-    p = pending_width(2, 16, 4, 8)  # Hk, Dk, Hv, Dv of _config(): the width the verify op checks
+    cfg = tiny_config()
+    p = pending_width(2, 16, 4, 8)  # Hk, Dk, Hv, Dv of tiny_config(): the width the verify op checks
     for k in range(0, 5):
         spec = GDNStateSpec.from_config(cfg, k, torch.bfloat16, torch.float32)
         ours = spec.shapes()
@@ -214,7 +199,7 @@ def test_prefill_resets_pending_of_real_slots_only(setup):
     """After a prefill, ``pending[s, 0]`` of its slot is an identity token; a padding row (slot -1) is not
     clamped onto slot 0, and no other pending entry changes."""
     _, kern, layer, _ = setup
-    state = GDNStateSpec.from_config(_config(), K_SPEC, torch.float32, torch.float32)
+    state = GDNStateSpec.from_config(tiny_config(), K_SPEC, torch.float32, torch.float32)
     core = AtomGDNCore("model.layers.0.linear_attn", state, kern)
     _bind(core, 4)
     pending = core.layer_state().pending

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from atom_models.load_plan import FP8_DTYPES, FP8_FILE_DTYPES, SCALE_SUFFIX, Copy, ScaleCheck
+from atom_models.load_plan import FP8_DTYPES, FP8_FILE_DTYPES, SCALE_SUFFIX, Copy, PlanState
 from atom_models.moe import SparseMoeBlock
-from atom_models.parallel.layout import TPLayout
 from atom_models.parallel.slices import Pieces, scale_pieces
 from atom_models.weight_map import COLS, map_name, sources_for
 
@@ -90,28 +89,18 @@ def places(
 
 
 def plan_copies(
-    f,
-    fname: str,
-    name: str,
-    local: str,
-    block: SparseMoeBlock,
-    pname: str,
-    all_params: dict[str, torch.Tensor],
-    plan_state: tuple[dict[str, list[Copy]], dict[str, str], set[str], list[ScaleCheck]],
-    fp8_block: tuple[int, int] | None,
-    layout: TPLayout,
+    f, fname: str, name: str, *, local: str, block: SparseMoeBlock, pname: str, state: PlanState
 ) -> list[str] | None:
     """Plan the copies of checkpoint tensor ``name`` (``local``: scope-relative; ``f``: the open
-    ``safe_open`` handle of its file ``fname``) into the folded ``block``: the router's rows, or one slice
-    per pseudo-expert with the FP8 scale rows / columns that slice uses (copied to every pseudo-expert that
-    uses them). ``plan_state`` = ``(copies, scales, used_scales, scale_checks)`` of ``loader._plan``,
-    appended to as there. Returns the problems, or None when the ordinary rule places the tensor (a routed
-    expert)."""
+    ``safe_open`` handle of its file ``fname``) bound for parameter ``pname`` of the folded ``block``: the
+    router's rows, or one slice per pseudo-expert with the FP8 scale rows / columns that slice uses (copied
+    to every pseudo-expert that uses them), appended to ``state`` as ``loader._plan`` appends its own.
+    Returns the problems, or None when the ordinary rule places the tensor (a routed expert)."""
+    all_params, layout, fp8_block = state.all_params, state.layout, state.fp8_block
     placed = places(block, local, pname, all_params, SCALE_SUFFIX)
     if placed is None:
         return None
     full, dests = placed
-    copies, scales, used_scales, scale_checks = plan_state
     shape = tuple(f.get_slice(name).get_shape())
     if shape != full:
         rank = (
@@ -121,18 +110,18 @@ def plan_copies(
             f"tensor {name} in {fname} has shape {list(shape)}, expected {list(full)} "
             f"(for {pname}, the shared expert folded in{rank})"
         ]
-    scale = name + SCALE_SUFFIX if fp8_block is not None and name + SCALE_SUFFIX in scales else None
+    scale = name + SCALE_SUFFIX if fp8_block is not None and name + SCALE_SUFFIX in state.scales else None
     planned = []
     for place in dests:
         copy = Copy(name, place.view, pieces=place.pieces)
         if scale is not None:
             copy.scale, copy.scale_view = scale, place.scale_view
-            used_scales.add(scale)
+            state.used_scales.add(scale)
             copy.scale_pieces = scale_pieces(
                 pname.rsplit(".", 1)[0], place.pieces, fp8_block, layout.world_size
             )
             want = None if place.scale_view is None else tuple(place.scale_view.shape)
-            scale_checks.append((scale, shape, want, pname + SCALE_SUFFIX, copy.scale_pieces))
+            state.scale_checks.append((scale, shape, want, pname + SCALE_SUFFIX, copy.scale_pieces))
         planned.append(copy)
     dtype = f.get_slice(name).get_dtype()
     if dtype in FP8_FILE_DTYPES and scale is None:
@@ -142,5 +131,5 @@ def plan_copies(
             f"tensor {name} in {fname} has dtype {dtype}, but {pname} is FP8 "
             "(quantization_config does not list it in modules_to_not_convert)"
         ]
-    copies[fname].extend(planned)
+    state.copies[fname].extend(planned)
     return []

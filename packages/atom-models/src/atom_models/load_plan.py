@@ -1,7 +1,8 @@
 """The types of a checkpoint load plan, shared by :mod:`atom_models.loader` (which builds and executes the
 plan) and :mod:`atom_models.folded_shared` (which plans a folded MoE block's shared-expert tensors):
 how a module's parameter names relate to checkpoint names (:class:`Scope`), one tensor bound for one
-parameter slice (:class:`Copy`) and the whole plan (:class:`Plan`)."""
+parameter slice (:class:`Copy`), what the planning of one module accumulates (:class:`PlanState`) and the
+whole plan (:class:`Plan`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from atom_models.parallel.layout import TPLayout
 from atom_models.parallel.slices import Pieces
 
 SCALE_SUFFIX = "_scale_inv"  # FP8: ``<name>.weight_scale_inv`` holds the block scales of ``<name>.weight``
@@ -66,3 +68,16 @@ class Plan:
 # A block-scale shape check, run once every scale header is read: (scale name, weight shape, shape of the
 # scale parameter's slice or None (dequantised on load), that parameter, this rank's part of the scales)
 ScaleCheck = tuple[str, tuple[int, ...], tuple[int, ...] | None, str, Pieces | None]
+
+
+@dataclass(frozen=True)
+class PlanState:
+    """The planning of one module's load: its settings and what it accumulates (appended to in place)."""
+
+    all_params: dict[str, torch.Tensor]  # every parameter by name, FP8 scales included
+    layout: TPLayout  # this tensor-parallel rank
+    fp8_block: tuple[int, int] | None  # the checkpoint's FP8 block shape, None without FP8
+    copies: dict[str, list[Copy]]  # file -> copies planned so far
+    scales: dict[str, str]  # FP8 scale tensor name -> file
+    used_scales: set[str]  # the scale tensors some copy reads
+    scale_checks: list[ScaleCheck]  # block-scale shape checks to run once every header is read

@@ -37,7 +37,16 @@ from safetensors import safe_open
 from torch import nn
 
 from atom_models import folded_shared
-from atom_models.load_plan import FP8_DTYPES, FP8_FILE_DTYPES, SCALE_SUFFIX, Copy, Plan, ScaleCheck, Scope
+from atom_models.load_plan import (
+    FP8_DTYPES,
+    FP8_FILE_DTYPES,
+    SCALE_SUFFIX,
+    Copy,
+    Plan,
+    PlanState,
+    ScaleCheck,
+    Scope,
+)
 from atom_models.modules import Fp8Linear, Linear
 from atom_models.moe import Experts, Fp8Experts
 from atom_models.parallel import slices
@@ -239,6 +248,10 @@ def _plan(
     used_scales: set[str] = set()
     scale_shapes: dict[str, tuple[int, ...]] = {}  # from the headers, while each file is open anyway
     scale_checks: list[ScaleCheck] = []
+    state = PlanState(
+        all_params=all_params, layout=layout, fp8_block=fp8_block, copies=copies, scales=scales,
+        used_scales=used_scales, scale_checks=scale_checks,
+    )  # fmt: skip
     for fname in sorted(set(by_file) | set(scales.values())):
         with _open(ckpt_dir, fname) as f:
             scale_shapes.update(
@@ -260,10 +273,9 @@ def _plan(
                         target = dataclasses.replace(target, param=scope.param_prefix + target.param)
                     block = folded_shared.folded_block(module, expected[name]) if name in expected else None
                     if block is not None:
-                        state = (copies, scales, used_scales, scale_checks)
                         found = folded_shared.plan_copies(
-                            f, fname, name, scope.from_ckpt(name), block, expected[name], all_params, state,
-                            fp8_block, layout,
+                            f, fname, name, local=scope.from_ckpt(name), block=block, pname=expected[name],
+                            state=state,
                         )  # fmt: skip
                         if found is not None:
                             problems += found

@@ -13,19 +13,22 @@ programmatic edges.
 :func:`launch_options` gives the launch keywords: ``PDL=True, launch_pdl=True`` on CUDA devices of compute
 capability 9.0 or newer unless ``ATOM_KERNELS_PDL=0``; otherwise none (the flag defaults to False, and
 ROCm, older GPUs and Triton's CPU interpreter never see the instructions). Launches traced by
-``torch.compile`` (vLLM's compiled model) take none: PDL there waits for a test with vLLM on a GPU. H200 (``bench_pdl.py``): a
-graphed chain of GEMV launches takes 1.26 instead of 1.58 us per 128 KB kernel and 4.12 instead of
-4.48 us per 8 MB kernel.
+``torch.compile`` (vLLM's compiled model) take none: PDL there waits for a test with vLLM on a GPU.
+H200 (``bench_pdl.py``): a graphed chain of GEMV launches takes 1.26 instead of 1.58 us per 128 KB kernel
+and 4.12 instead of 4.48 us per 8 MB kernel.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import triton
 import triton.language as tl
-from atom_core.envs import pdl_requested
+from atom_core.envs import ATOM_KERNELS_PDL, pdl_requested
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from atom_kernels.ops._triton_env import interpreting
@@ -40,14 +43,28 @@ def pdl_enter(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@functools.cache
 def _capable(index: int) -> bool:
+    """Whether CUDA device ``index`` can take PDL launches (CUDA, not ROCm; compute capability 9.0+)."""
     return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def launch_options(device: torch.device) -> dict[str, bool]:
-    """``{"PDL": True, "launch_pdl": True}`` where PDL applies to a launch on ``device``, else ``{}``."""
-    if device.type != "cuda" or interpreting() or torch.compiler.is_compiling() or not pdl_requested():
-        return {}
+_PDL: Mapping[str, bool] = MappingProxyType({"PDL": True, "launch_pdl": True})
+_NONE: Mapping[str, bool] = MappingProxyType({})
+
+
+def launch_options(device: torch.device) -> Mapping[str, bool]:
+    """``{"PDL": True, "launch_pdl": True}`` where PDL applies to a launch on ``device``, else ``{}``
+    (read-only mappings, for ``**launch_options(device)``). Per launch: the tracing check, one read of
+    ``ATOM_KERNELS_PDL`` and a cache lookup keyed on the device index and the variable's raw value."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return _NONE
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return {"PDL": True, "launch_pdl": True} if _capable(index) else {}
+    return _cuda_options(index, os.environ.get(ATOM_KERNELS_PDL.name))
+
+
+@functools.cache
+def _cuda_options(index: int, switch: str | None) -> Mapping[str, bool]:
+    """``launch_options`` of CUDA device ``index`` with ``ATOM_KERNELS_PDL`` set to ``switch`` (None: unset);
+    a malformed value raises (and is not cached)."""
+    requested = pdl_requested({} if switch is None else {ATOM_KERNELS_PDL.name: switch})
+    return _PDL if requested and not interpreting() and _capable(index) else _NONE

@@ -33,29 +33,32 @@ def _nbytes(max_tokens: int, max_batch: int, max_blocks: int) -> int:
 
 
 class _Views:
-    """Named int views of one uint8 buffer in the layout of :class:`StepMetadata`; ``int64_rows`` /
-    ``int32_rows``: the int64 (int32) fields, in ``_INT64`` (``_INT32``) order, as the rows of one strided
-    ``[3, max_tokens]`` (``[3, max_batch]``) view, so that a step writes each group with one copy."""
+    """Named int views of one uint8 buffer in the layout of :class:`StepMetadata`. With ``rows`` (the host
+    staging side, which writes them), ``int64_rows`` / ``int32_rows`` too: the int64 (int32) fields, in
+    ``_INT64`` (``_INT32``) order, as the rows of one strided ``[3, max_tokens]`` (``[3, max_batch]``) view, so
+    that a step writes each group with one copy."""
 
-    def __init__(self, buf: torch.Tensor, max_tokens: int, max_batch: int, max_blocks: int):
+    def __init__(self, buf: torch.Tensor, max_tokens: int, max_batch: int, max_blocks: int, *, rows: bool):
         off = 0
         for name in _INT64:
             setattr(self, name, buf[off : off + 8 * max_tokens].view(torch.int64))
             off += _aligned(8 * max_tokens)
-        self.int64_rows = (
-            buf[:off]
-            .view(torch.int64)
-            .as_strided((len(_INT64), max_tokens), (_aligned(8 * max_tokens) // 8, 1))
-        )
+        if rows:
+            self.int64_rows = (
+                buf[:off]
+                .view(torch.int64)
+                .as_strided((len(_INT64), max_tokens), (_aligned(8 * max_tokens) // 8, 1))
+            )
         start = off
         for name in _INT32:
             setattr(self, name, buf[off : off + 4 * max_batch].view(torch.int32))
             off += _aligned(4 * max_batch)
-        self.int32_rows = (
-            buf[start:off]
-            .view(torch.int32)
-            .as_strided((len(_INT32), max_batch), (_aligned(4 * max_batch) // 4, 1))
-        )
+        if rows:
+            self.int32_rows = (
+                buf[start:off]
+                .view(torch.int32)
+                .as_strided((len(_INT32), max_batch), (_aligned(4 * max_batch) // 4, 1))
+            )
         self.tables_offset = off
         self.tables = (
             buf[off : off + 4 * max_batch * max_blocks].view(torch.int32).view(max_batch, max_blocks)
@@ -75,8 +78,8 @@ class StepMetadata:
         nbytes = _nbytes(max_tokens, max_batch, max_blocks)
         self._staging = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self._device = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.host = _Views(self._staging, max_tokens, max_batch, max_blocks)
-        dev = _Views(self._device, max_tokens, max_batch, max_blocks)
+        self.host = _Views(self._staging, max_tokens, max_batch, max_blocks, rows=True)
+        dev = _Views(self._device, max_tokens, max_batch, max_blocks, rows=False)
         for name in (*_INT64, *_INT32, "tables"):
             setattr(self, name, getattr(dev, name))
         self._row_owner: list[Request | None] = [None] * max_batch  # whose blocks a host table row holds

@@ -99,7 +99,8 @@ def _fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs, TILES_PER_SPLIT,
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """``c[m, n] = sum_k a[m, k] b[n, k] as[m, k // BK_Q] bs[n // BN_Q, k // BK_Q]`` over this program's
     K tiles; PARTIAL: float32 partial sums to ``c[pid_k]`` (no bias), else the output in c's dtype."""

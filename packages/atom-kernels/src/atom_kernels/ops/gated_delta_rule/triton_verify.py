@@ -446,7 +446,8 @@ def _launch_verify(
         **strides("i", state_indices, "n"), **strides("A", A_log, "h"), **strides("dt", dt_bias, "h"),
         Q=Q, R=R, QP=triton.next_power_of_2(Q), HK=HK, HV=HV, GROUP=HV // HK, DK=DK, DV=DV,
         NC=triton.next_power_of_2(DK) // kc, KC=kc, BV=cfg.block_v,
-        L2NORM=use_qk_l2norm, WY=cfg.wy, GATED=A_log is not None, num_warps=cfg.num_warps, **extra, **launch_options(q.device),
+        L2NORM=use_qk_l2norm, WY=cfg.wy, GATED=A_log is not None, num_warps=cfg.num_warps, **extra,
+        **launch_options(q.device),
     )  # fmt: skip
     stash_shared(k, g, pending, state_indices, A_log, dt_bias)
     return o

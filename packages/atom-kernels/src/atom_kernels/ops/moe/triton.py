@@ -403,6 +403,7 @@ def moe_experts(
     _moe_gemm2_kernel[(max_blocks, triton.cdiv(hidden, cfg["N2"]))](
         act, w2, y, sorted_ids, block_expert, num_pairs, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=cfg["K2"], PREC=prec, num_warps=cfg["W2"], num_stages=cfg["S2"], **launch_options(dev),
+        BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=cfg["K2"], PREC=prec,
+        num_warps=cfg["W2"], num_stages=cfg["S2"], **launch_options(dev),
     )  # fmt: skip
     return weighted_sum(y, flat_w, out, top_k)

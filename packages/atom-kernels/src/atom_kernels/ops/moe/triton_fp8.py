@@ -165,9 +165,10 @@ def moe_experts_fp8(
     xq, xs = _act_quant_2d(x, bk)
     act = torch.empty((max_blocks * bm, inter), dtype=x.dtype, device=dev)
     _moe_gemm1_fp8_kernel[(max_blocks, triton.cdiv(inter, cfg["N1"]))](
-        xq, xs, w13, w13_scale, act, sorted_ids, block_expert, num_pairs, hidden, inter, triton.cdiv(inter, bn),
-        xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        act.stride(0), BN_Q=bn, BK_Q=bk, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=cfg["N1"], BLOCK_K=k1,
+        xq, xs, w13, w13_scale, act, sorted_ids, block_expert, num_pairs, hidden, inter,
+        triton.cdiv(inter, bn), xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1),
+        w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
+        BN_Q=bn, BK_Q=bk, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=cfg["N1"], BLOCK_K=k1,
         num_warps=cfg["W1"], num_stages=cfg["S1"], **launch_options(dev),
     )  # fmt: skip
     aq, a_s = _act_quant_2d(act, bk)

@@ -38,7 +38,8 @@ MAX_TILE = 4096  # weight elements a program holds in registers per step: the wh
 def _gate_router_kernel(
     x_ptr, w_ptr, logits_ptr, weights_ptr, ids_ptr, count_ptr, T, H, cols, num_experts, stride_x, stride_w,
     TOP_K: tl.constexpr, RENORM: tl.constexpr, NUM_SHARED: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Logits of router rows ``[pid * BLOCK_E, +BLOCK_E)`` for tokens ``0 .. T - 1`` (``T <= ROWS``), then,
     in the last program to arrive, the routing of every token (module docstring)."""
@@ -156,6 +157,7 @@ def moe_gate_router(
         T=num_tokens, H=hidden, cols=cols, num_experts=num_experts, stride_x=x.stride(0),
         stride_w=gate_weight.stride(0), TOP_K=top_k, RENORM=bool(renormalize), NUM_SHARED=num_shared,
         ROWS=rows, BLOCK_E=block_e, BLOCK_H=min(triton.next_power_of_2(hidden), MAX_TILE // block_e),
-        E_P2=triton.next_power_of_2(num_experts), K_P2=triton.next_power_of_2(top_k), num_warps=num_warps, **launch_options(x.device),
+        E_P2=triton.next_power_of_2(num_experts), K_P2=triton.next_power_of_2(top_k), num_warps=num_warps,
+        **launch_options(x.device),
     )  # fmt: skip
     return weights, ids

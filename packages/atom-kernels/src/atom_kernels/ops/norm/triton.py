@@ -132,7 +132,8 @@ def rms_norm(
         _rms_norm_kernel[(grid,)](
             x2, r2, weight, y2, h2, num_rows, hidden, float(eps),
             x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
-            HAS_RES=residual is not None, ROWS=rows, BLOCK_H=block, num_warps=warps, **launch_options(x.device),
+            HAS_RES=residual is not None, ROWS=rows, BLOCK_H=block, num_warps=warps,
+            **launch_options(x.device),
         )  # fmt: skip
     return y if residual is None else (y, h)
 

@@ -161,7 +161,7 @@ def rope(
         q, k, qo, ko, positions, num_q, num_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0), qo.stride(1), ko.stride(0),
         ko.stride(1), float(theta),
-        D=d, BLOCK_D=block_d, HALF=rotary_dim // 2, HALF_P2=triton.next_power_of_2(rotary_dim // 2), ROT=rotary_dim,
-        HB=hb, INTERPRET=interpreting(), num_warps=4, **launch_options(q.device),
+        D=d, BLOCK_D=block_d, HALF=rotary_dim // 2, HALF_P2=triton.next_power_of_2(rotary_dim // 2),
+        ROT=rotary_dim, HB=hb, INTERPRET=interpreting(), num_warps=4, **launch_options(q.device),
     )  # fmt: skip
     return qo, ko

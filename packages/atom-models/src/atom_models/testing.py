@@ -1,0 +1,40 @@
+"""Builders for tests of atom-models and its adapters: a tiny one-layer Qwen3-Next config and Gated DeltaNet
+layers with random weights. Shipped with the package so that the tests of a package built on atom-models
+(the vLLM plugin) build the same layers as atom-models' own tests. Nothing here is used by the model code."""
+
+from __future__ import annotations
+
+import torch
+from atom_core import Qwen3NextConfig
+
+from atom_models.gdn import GatedDeltaNet
+
+_TINY_CONFIG = {
+    "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 1,
+    "layer_types": ["linear_attention"], "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+    "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4, "intermediate_size": 64, "max_position_embeddings": 128, "vocab_size": 64,
+}  # fmt: skip
+
+
+def tiny_config(**overrides) -> Qwen3NextConfig:
+    """One layer, a tiny Gated DeltaNet: hidden 32, 2 key heads of 16, 4 value heads of 8, conv kernel 4
+    (``pending_width(2, 16, 4, 8)``). ``overrides`` are HF ``config.json`` fields that replace or add to
+    these (e.g. ``num_experts`` / ``num_experts_per_tok`` / ``moe_intermediate_size`` for a MoE block)."""
+    return Qwen3NextConfig.from_hf({**_TINY_CONFIG, **overrides})
+
+
+def normal_parameters_(module: torch.nn.Module, std: float) -> torch.nn.Module:
+    """Every parameter of ``module`` drawn in place from N(0, std^2) with torch's global generator, in
+    ``module.parameters()`` order; returns ``module``."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, std)
+    return module
+
+
+def random_gdn_layer(cfg: Qwen3NextConfig, kernels, dtype: torch.dtype = torch.float32) -> GatedDeltaNet:
+    """Layer 0 of ``cfg`` without a core, every parameter drawn from N(0, 0.5^2) with torch's global
+    generator; on the default device (build it inside ``with torch.device(...)`` for another)."""
+    return normal_parameters_(GatedDeltaNet(cfg, 0, core=None, kernels=kernels, dtype=dtype), 0.5)
