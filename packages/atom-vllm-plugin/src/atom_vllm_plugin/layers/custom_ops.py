@@ -20,7 +20,7 @@ plan. They go through ops of their own, so that the plan is chosen from the toke
 - ``vllm::atom_moe_gate_router(x, gate_weight, num_experts, top_k, renormalize, num_shared, tickets)``: the
   router's Linear + top-k (one fused launch at decode-sized ``T``) -> ``(weights, ids)``;
 - ``vllm::atom_moe_experts(x, weights, ids, w13, w2)`` / ``vllm::atom_moe_experts_fp8(...)``: the routed
-  experts (the reference backend groups tokens by expert on the host, which Dynamo cannot trace either).
+  experts (the reference backend groups tokens by expert on the host, which Dynamo cannot trace).
 
 These four call the backend kernels bound by :func:`compilable_kernels` (``atom_kernels.Kernels``, per device
 type and dtype) and return new tensors; they stay inside the compiled pieces.
