@@ -8,6 +8,10 @@ and the same numbers through the op as through the direct call.
    ``torch.compile(fullgraph=True)`` the op stays one opaque call, and with this step's metadata (the op
    finds it, as in vLLM, through the forward context) it writes what ``run(md, ...)`` returns, with zeros in
    the padding rows after the real tokens.
+3. ``fp8_linear`` and ``moe_gate_router`` (launch plans chosen on the host from the token count) go through
+   ``vllm::atom_fp8_linear`` / ``vllm::atom_moe_gate_router``: the same numbers as the kernels called
+   directly, fake impls with the real outputs' shapes and dtypes (``torch.library.opcheck``), and one
+   opaque call in a ``fullgraph`` Dynamo graph, so that the plan is not frozen at the traced token count.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ pytest.importorskip("vllm")
 
 from atom_core import Qwen3NextConfig  # noqa: E402
 from atom_kernels import select_kernels  # noqa: E402
+from atom_models.modules import Fp8Linear  # noqa: E402
 from atom_models.moe import SparseMoeBlock  # noqa: E402
 from atom_models.testing import tiny_config  # noqa: E402
 from atom_vllm_plugin.layers import attention as attention_mod  # noqa: E402
@@ -33,6 +38,29 @@ def _moe_config() -> Qwen3NextConfig:
     )
 
 
+def _capturing(graphs: list):
+    """A Dynamo backend that keeps each traced graph and runs it as traced."""
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return backend
+
+
+def _calls(gm: torch.fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _fp8_case(m: int, n: int = 200, k: int = 256, seed: int = 0):
+    """x [m, k], e4m3 weight [n, k] with 128x128 block scales, bias [n], the layer's tickets."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = (torch.randn(n, k, generator=g) * 0.2).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(-(-n // 128), -(-k // 128), generator=g) + 0.5
+    return x, w, scale_inv, torch.randn(n, generator=g), torch.zeros(-(-n // 16), dtype=torch.int32)
+
+
 def test_moe_block_compiles_in_one_graph_and_matches_eager():
     torch.manual_seed(0)
     kern = select_kernels("cpu", torch.float32, backend="reference")
@@ -44,13 +72,19 @@ def test_moe_block_compiles_in_one_graph_and_matches_eager():
     direct = SparseMoeBlock(_moe_config(), kern, dtype=torch.float32)
     direct.load_state_dict(block.state_dict())
     torch._dynamo.reset()
-    compiled = torch.compile(block, fullgraph=True, backend="eager", dynamic=True)
+    graphs: list = []
+    compiled = torch.compile(block, fullgraph=True, backend=_capturing(graphs), dynamic=True)
     with torch.no_grad():
         want = direct(x)
         got = compiled(x)
         got7 = compiled(torch.randn(7, 32))  # another token count: the same dynamic graph
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert got7.shape == (7, 32)
+    # the fused router (a bias-free Linear gate) and the experts are one opaque call each
+    (gm,) = graphs
+    calls = _calls(gm)
+    assert calls.count(torch.ops.vllm.atom_moe_gate_router) == 1, calls
+    assert calls.count(torch.ops.vllm.atom_moe_experts) == 1, calls
 
 
 def test_attention_forward_goes_through_the_op(monkeypatch):
@@ -79,3 +113,78 @@ def test_attention_forward_goes_through_the_op(monkeypatch):
     got = compiled(q, k, v)
     torch.testing.assert_close(got, want * 2.0, rtol=0, atol=0)
     assert not got[5:].any() and want[:5].abs().sum() > 0
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 70])
+def test_fp8_linear_op_equals_the_kernel(m):
+    kern = select_kernels("cpu", torch.float32, backend="reference")
+    ops = custom_ops.compilable_kernels(kern)
+    x, w, scale_inv, bias, tickets = _fp8_case(m)
+    for b in (bias, None):
+        want = kern.fp8_linear(x, w, scale_inv, (128, 128), b, tickets=tickets)
+        got = ops.fp8_linear(x, w, scale_inv, (128, 128), b, tickets=tickets)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got3 = ops.fp8_linear(x.reshape(1, m, -1), w, scale_inv, (128, 128))  # leading dims kept
+    torch.testing.assert_close(got3, kern.fp8_linear(x, w, scale_inv).reshape(1, m, -1), rtol=0, atol=0)
+    assert not tickets.any()
+
+
+@pytest.mark.parametrize(("t", "renormalize", "num_shared"), [(1, True, 1), (2, False, 0), (9, True, 2)])
+def test_gate_router_op_equals_the_kernel(t, renormalize, num_shared):
+    kern = select_kernels("cpu", torch.float32, backend="reference")
+    ops = custom_ops.compilable_kernels(kern)
+    g = torch.Generator().manual_seed(t)
+    x, gate = torch.randn(t, 32, generator=g), torch.randn(12, 32, generator=g)  # 8 experts + gate + padding
+    tickets = torch.zeros(1, dtype=torch.int32)
+    want = kern.moe_gate_router(x, gate, 8, 2, renormalize, num_shared, tickets=tickets)
+    got = ops.moe_gate_router(x, gate, 8, 2, renormalize, num_shared, tickets=tickets)
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.int64
+    assert got[0].shape == got[1].shape == (t, 2 + num_shared)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    assert torch.equal(got[1], want[1])
+
+
+def test_fake_impls_match_the_real_outputs():
+    """opcheck runs each op for real and under FakeTensorMode and compares shapes, dtypes and strides. Its
+    schema check is left out for atom_fp8_linear: it compares every aten op's inputs before and after
+    with ``allclose``, which has no float8 kernel on CPU."""
+    custom_ops.compilable_kernels(select_kernels("cpu", torch.float32, backend="reference"))
+    x, w, scale_inv, bias, tickets = _fp8_case(3)
+    fp8_utils = ("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration")
+    for args in [
+        (x, w, scale_inv, [128, 128], bias, tickets),
+        (x.reshape(3, 1, -1), w, scale_inv, [128, 128], None, None),
+    ]:
+        torch.library.opcheck(torch.ops.vllm.atom_fp8_linear.default, args, test_utils=fp8_utils)
+    gate = torch.randn(10, 256)
+    for args in [(x, gate, 8, 2, True, 1, tickets[:1]), (x, gate, 9, 3, False, 0, None)]:
+        torch.library.opcheck(torch.ops.vllm.atom_moe_gate_router.default, args)
+
+
+def test_fp8_linear_is_one_opaque_call_in_the_compiled_graph():
+    torch.manual_seed(0)
+    kern = select_kernels("cpu", torch.float32, backend="reference")
+    layer = Fp8Linear(
+        256, 200, (128, 128), custom_ops.compilable_kernels(kern), bias=True, dtype=torch.float32
+    )
+    _, w, scale_inv, bias, _ = _fp8_case(1)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.weight_scale_inv.copy_(scale_inv)
+        layer.bias.copy_(bias)
+    direct = Fp8Linear(256, 200, (128, 128), kern, bias=True, dtype=torch.float32)
+    direct.load_state_dict(layer.state_dict())
+    torch._dynamo.reset()
+    graphs: list = []
+    compiled = torch.compile(
+        lambda x: layer(x) * 2.0, fullgraph=True, backend=_capturing(graphs), dynamic=True
+    )
+    # traced at the first count, one dynamic graph serves the others (Dynamo would specialise M = 1; vLLM
+    # drops the guards and runs its single trace at every count)
+    for m in (64, 2, 5):
+        x = torch.randn(m, 256)
+        torch.testing.assert_close(compiled(x), direct(x) * 2.0, rtol=0, atol=0)
+    (gm,) = graphs
+    calls = _calls(gm)
+    assert calls.count(torch.ops.vllm.atom_fp8_linear) == 1, calls
+    assert not layer.tickets.any()

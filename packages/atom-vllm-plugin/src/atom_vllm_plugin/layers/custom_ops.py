@@ -1,22 +1,34 @@
-"""The plugin's layers as vLLM custom ops, so that vLLM's torch.compile treats them as opaque calls.
+"""The plugin's layers and host-planned kernels as vLLM custom ops, so that vLLM's torch.compile treats
+them as opaque calls.
 
 vLLM compiles a model decorated with ``support_torch_compile`` in one Dynamo trace (``fullgraph=True``, guards
-dropped). What happens between the token mixers (norms, projections, RoPE, MoE routing, residuals) is traced
-and compiled; the token mixers are not traceable (they read vLLM's per-step metadata from the forward context
-and branch on it on the host) and are registered here, like vLLM's own ``unified_attention_with_output`` and
+dropped). What happens between the token mixers (norms, projections, RoPE, residuals) is traced and compiled;
+the token mixers are not traceable (they read vLLM's per-step metadata from the forward context and branch on
+it on the host) and are registered here, like vLLM's own ``unified_attention_with_output`` and
 ``qwen_gdn_attention_core``, with :func:`vllm.utils.torch_utils.direct_register_custom_op`:
 
 - ``vllm::atom_attention_with_output(q, k, v, output, layer_name)``: KV write + paged attention of one layer;
 - ``vllm::atom_gdn_core(mixed_qkv, b, a, conv_weight, conv_bias, A_log, dt_bias, output, layer_name)``: the
-  GDN pipeline of one layer (conv, gating, prefill / decode / verify delta rule, state updates);
+  GDN pipeline of one layer (conv, gating, prefill / decode / verify delta rule, state updates).
+
+Some kernels choose their launch plan on the host from the token count: traced, the plan of the trace's
+(large, dummy) token count would be frozen into the graph, and every decode step would run the prefill
+plan. They go through ops of their own, so that the plan is chosen from the token count at run time:
+
+- ``vllm::atom_fp8_linear(x, w_fp8, scale_inv, block, bias, tickets)``: the W8A8 block-scaled linear
+  (one-launch decode kernel, split-K or prefill tiles by ``M``);
+- ``vllm::atom_moe_gate_router(x, gate_weight, num_experts, top_k, renormalize, num_shared, tickets)``: the
+  router's Linear + top-k (one fused launch at decode-sized ``T``) -> ``(weights, ids)``;
 - ``vllm::atom_moe_experts(x, weights, ids, w13, w2)`` / ``vllm::atom_moe_experts_fp8(...)``: the routed
-  experts (the reference backend groups tokens by expert on the host, which Dynamo cannot trace; the
-  router before it is traced).
+  experts (the reference backend groups tokens by expert on the host, which Dynamo cannot trace).
+
+These four call the backend kernels bound by :func:`compilable_kernels` (``atom_kernels.Kernels``, per device
+type and dtype) and return new tensors; they stay inside the compiled pieces.
 
 The two layer ops write into an ``output`` allocated by the compiled graph (the "with output" convention of
 vLLM's attention op), so with piecewise CUDA graphs the next piece reads a buffer of the graph's memory pool.
 They are the plugin's splitting ops (:data:`SPLITTING_OPS`, added to ``compilation_config.splitting_ops``
-by :mod:`atom_vllm_plugin.patches.compile_splitting_ops`); the MoE op stays inside the compiled pieces.
+by :func:`atom_vllm_plugin.models.common.add_splitting_ops`).
 The layer ops find their layer in vLLM's forward context (``no_compile_layers``, filled from the static
 forward context the layers register in), as vLLM's ops do.
 """
@@ -92,18 +104,70 @@ def _atom_gdn_core_fake(
     return None
 
 
-# ---- routed experts ---------------------------------------------------------------------------------
-_EXPERTS: dict[tuple[str, torch.dtype], object] = {}
-"""The backend kernels (``atom_kernels.Kernels``) the expert ops call, per (device type, dtype)."""
+# ---- kernels behind ops: bound backend, plans chosen at run time -----------------------------------
+_KERNELS: dict[tuple[str, torch.dtype], object] = {}
+"""The backend kernels (``atom_kernels.Kernels``) the kernel ops call, per (device type, dtype)."""
 
 
 def _kernels(x: torch.Tensor):
     try:
-        return _EXPERTS[(x.device.type, x.dtype)]
+        return _KERNELS[(x.device.type, x.dtype)]
     except KeyError:
         raise RuntimeError(
-            f"atom_moe_experts: no kernels bound for {x.device.type}/{x.dtype} (see compilable_kernels)"
+            f"atom kernel ops: no kernels bound for {x.device.type}/{x.dtype} (see compilable_kernels)"
         ) from None
+
+
+# ``tickets`` (fp8_linear, moe_gate_router): int32 counters the kernels take atomically and return to zero
+# within the launch, so the op leaves them as it found them. They are not declared mutated: that would make
+# functionalisation clone them (a copy and a zeroed buffer per call) and give the graph a write-back.
+def atom_fp8_linear(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: list[int],
+    bias: torch.Tensor | None,
+    tickets: torch.Tensor | None,
+) -> torch.Tensor:
+    return _kernels(x).fp8_linear(x, w_fp8, scale_inv, tuple(block), bias, tickets=tickets)
+
+
+def _atom_fp8_linear_fake(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: list[int],
+    bias: torch.Tensor | None,
+    tickets: torch.Tensor | None,
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w_fp8.shape[0]))
+
+
+def atom_moe_gate_router(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    renormalize: bool,
+    num_shared: int,
+    tickets: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels(x).moe_gate_router(
+        x, gate_weight, num_experts, top_k, renormalize, num_shared, tickets=tickets
+    )
+
+
+def _atom_moe_gate_router_fake(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    renormalize: bool,
+    num_shared: int,
+    tickets: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (x.shape[0], top_k + num_shared)  # routed columns, then the shared pseudo-experts
+    return x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.int64)
 
 
 def atom_moe_experts(
@@ -144,6 +208,17 @@ def _atom_moe_experts_fp8_fake(
     return torch.empty_like(x)
 
 
+# The ``Kernels`` fields (atom_kernels.signatures) that call the ops above.
+def _fp8_linear_op(x, w_fp8, scale_inv, block=(128, 128), bias=None, *, tickets=None):
+    return torch.ops.vllm.atom_fp8_linear(x, w_fp8, scale_inv, [int(block[0]), int(block[1])], bias, tickets)
+
+
+def _gate_router_op(x, gate_weight, num_experts, top_k, renormalize, num_shared=0, *, tickets=None):
+    return torch.ops.vllm.atom_moe_gate_router(
+        x, gate_weight, int(num_experts), int(top_k), bool(renormalize), int(num_shared), tickets
+    )
+
+
 def _experts_op(x, weights, ids, w13, w2):
     return torch.ops.vllm.atom_moe_experts(x, weights, ids, w13, w2)
 
@@ -155,12 +230,19 @@ def _experts_fp8_op(x, weights, ids, w13, w13_scale_inv, w2, w2_scale_inv, block
 
 
 def compilable_kernels(kernels):
-    """``kernels`` with the routed experts going through the opaque ops above (same backend underneath)."""
+    """``kernels`` with ``fp8_linear``, ``moe_gate_router`` and the routed experts going through the opaque
+    ops above (same backend underneath)."""
     import dataclasses
 
     register_ops()
-    _EXPERTS[(kernels.device.type, kernels.dtype)] = kernels
-    return dataclasses.replace(kernels, moe_experts=_experts_op, moe_experts_fp8=_experts_fp8_op)
+    _KERNELS[(kernels.device.type, kernels.dtype)] = kernels
+    return dataclasses.replace(
+        kernels,
+        fp8_linear=_fp8_linear_op,
+        moe_gate_router=_gate_router_op,
+        moe_experts=_experts_op,
+        moe_experts_fp8=_experts_fp8_op,
+    )
 
 
 _registered = False
@@ -182,6 +264,16 @@ def register_ops() -> None:
         op_func=atom_gdn_core,
         mutates_args=["output"],
         fake_impl=_atom_gdn_core_fake,
+    )
+    direct_register_custom_op(
+        op_name="atom_fp8_linear",
+        op_func=atom_fp8_linear,
+        fake_impl=_atom_fp8_linear_fake,
+    )
+    direct_register_custom_op(
+        op_name="atom_moe_gate_router",
+        op_func=atom_moe_gate_router,
+        fake_impl=_atom_moe_gate_router_fake,
     )
     direct_register_custom_op(
         op_name="atom_moe_experts",
