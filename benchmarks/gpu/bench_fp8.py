@@ -223,6 +223,14 @@ def moe_rows(ceil, device, quick: bool) -> list[dict]:
                 "triton bf16 fused": (lambda w, i: moe_triton.moe_experts(x, w, i, w13, w2),
                                       touched * 3 * INTER * H * 2 + act),
             }  # fmt: skip
+            # the default is the pair path there: the aligned one beside it
+            if t <= triton_fp8.PAIR_MAX_TOKENS:
+                fns["triton fp8 aligned"] = (
+                    lambda w, i: triton_fp8.moe_experts_fp8(
+                        x, w, i, q13, s13, q2, s2, config={"PAIRS": False}
+                    ),
+                    fp8_bytes,
+                )
             for impl, (fn, nbytes) in fns.items():
                 ms = common.time_ms(lambda: [fn(w, i) for w, i in routes], graph=True, rep_ms=30) / reps
                 eager = common.time_ms(lambda: fn(wts, ids)) if impl.startswith("triton fp8") else None

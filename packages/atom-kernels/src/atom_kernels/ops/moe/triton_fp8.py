@@ -1,5 +1,8 @@
 """Triton fused MoE experts with FP8 block-scaled weights (W8A8, dynamic per-token-group activations).
 
+Up to ``PAIR_MAX_TOKENS`` tokens :func:`moe_experts_fp8` takes the pair path of
+:mod:`atom_kernels.ops.moe.triton_fp8_decode`; above it, the aligned path below.
+
 The structure of :mod:`atom_kernels.ops.moe.triton` (same align, same tile plans, same weighted sum),
 with e4m3 operands:
 
