@@ -25,7 +25,7 @@ from atom_core import Qwen3NextConfig  # noqa: E402
 from atom_kernels import select_kernels  # noqa: E402
 from atom_models.modules import Fp8Linear  # noqa: E402
 from atom_models.moe import SparseMoeBlock  # noqa: E402
-from atom_models.testing import tiny_config  # noqa: E402
+from atom_models.testing import normal_parameters_, tiny_config  # noqa: E402
 from atom_vllm_plugin.layers import attention as attention_mod  # noqa: E402
 from atom_vllm_plugin.layers import custom_ops  # noqa: E402
 from atom_vllm_plugin.layers.attention import AtomAttentionCore  # noqa: E402
@@ -65,9 +65,7 @@ def test_moe_block_compiles_in_one_graph_and_matches_eager():
     torch.manual_seed(0)
     kern = select_kernels("cpu", torch.float32, backend="reference")
     block = SparseMoeBlock(_moe_config(), custom_ops.compilable_kernels(kern), dtype=torch.float32)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0, 0.3)
+    normal_parameters_(block, 0.3)
     x = torch.randn(5, 32)
     direct = SparseMoeBlock(_moe_config(), kern, dtype=torch.float32)
     direct.load_state_dict(block.state_dict())
