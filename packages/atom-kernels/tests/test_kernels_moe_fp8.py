@@ -15,6 +15,12 @@ TOL = {
     # bf16: GEMM outputs round to bf16 before the activation's quantisation, so a different accumulation
     # order can move one e4m3 step (2^-4 of one element's contribution): measured 1.7e-03 (|out| ~ 0.6)
     ("moe_fp8", torch.bfloat16): (3e-2, 2e-2),
+    # triton on the H200: Hopper's e4m3 tensor-core accumulation (less than float32 inside one dot) can move
+    # an activation across an e4m3 rounding boundary, one e4m3 step of one element's contribution, in
+    # float32 too. Measured over 6 seeds, pair and aligned paths alike: float32 2.0e-02 (T=3 H=384 I=512,
+    # |out| ~ 1.05), 1.3e-02 (I=192); bf16 3.2e-02 (I=512), 3.65e-02 (the pair test's I=512 case)
+    ("moe_fp8", torch.float32, "triton"): (3e-2, 2e-2),
+    ("moe_fp8", torch.bfloat16, "triton"): (5e-2, 2e-2),
 }
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -112,11 +118,11 @@ def test_moe_experts_fp8_bad_inputs(impl, device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("tokens", "hidden", "inter"), [(1, 256, 64), (2, 256, 192), (3, 384, 128), (5, 320, 64)]
+    ("tokens", "hidden", "inter"), [(1, 256, 64), (2, 256, 192), (3, 384, 512), (5, 320, 64)]
 )
 def test_moe_experts_fp8_pair_path_vs_aligned(device, dtype, tokens, hidden, inter):
-    """The pair path (no align, activations quantised in the GEMMs) against the per-token loop and the
-    aligned path, forced both ways at the same tokens; H = 320 and I = 64 leave a partial K group."""
+    """The pair path (no align, activations quantised in the GEMMs) against the per-token loop, and bit-equal
+    to the aligned path, forced both ways at the same tokens; H = 320 and I = 64 leave a partial K group."""
     if device.type != "cuda":
         pytest.skip("the triton FP8 kernels run on a GPU (the CPU interpreter mis-rounds e4m3)")
     from atom_kernels.ops.moe import triton_fp8
@@ -131,7 +137,10 @@ def test_moe_experts_fp8_pair_path_vs_aligned(device, dtype, tokens, hidden, int
     aligned = triton_fp8.moe_experts_fp8(x, weights, ids, q13, s13, q2, s2, block, config={"PAIRS": False})
     expected = per_token_loop(x, weights, ids, q13, s13, q2, s2, block)
     what = f"{dtype} T={tokens} H={hidden} I={inter}"
-    assert_close(pairs, expected, TOL[("moe_fp8", dtype)], f"pair path {what}")
-    assert_close(pairs, aligned.double(), TOL[("moe_fp8", dtype)], f"pair vs aligned {what}")
+    tol = TOL[("moe_fp8", dtype, "triton")]
+    assert_close(pairs, expected, tol, f"pair path {what}")
+    # same operands, scales and per-group products in the same order: bit-equal on the H200
+    diff = (pairs.float() - aligned.float()).abs().max().item()
+    assert torch.equal(pairs, aligned), f"pair path != aligned path {what} (max |diff| {diff:.3e})"
     again = triton_fp8.moe_experts_fp8(x, weights, ids, q13, s13, q2, s2, block, config={"PAIRS": True})
     assert torch.equal(pairs, again), "pair path is not deterministic"
