@@ -154,9 +154,10 @@ def moe_experts_fp8(
     check_ids_on_cpu("moe_experts_fp8", ids, num_experts)
     flat_ids = ids.reshape(-1).contiguous()
     flat_w = weights.reshape(-1).contiguous()
-    if (config or {}).get("PAIRS", num_tokens <= PAIR_MAX_TOKENS):
+    config = config or {}
+    if config.get("PAIRS", num_tokens <= PAIR_MAX_TOKENS):
         y = pair_gemms_fp8(
-            x, flat_ids, w13, w13_scale, w2, w2_scale, (bn, bk), top_k, {**PAIR_TILES, **(config or {})}
+            x, flat_ids, w13, w13_scale, w2, w2_scale, (bn, bk), top_k, {**PAIR_TILES, **config}
         )
         return weighted_sum(y, flat_w, out, top_k)
     cfg = plan(num_tokens, top_k, num_experts, config)

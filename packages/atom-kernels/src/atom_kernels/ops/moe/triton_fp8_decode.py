@@ -43,6 +43,25 @@ T = 2 on the H200; T = 1 picks the same first GEMM and a second within 2%)."""
 
 
 @triton.jit
+def _token_group(ptrs, k0, offs_g, c_ok, n_k, EVEN_K: tl.constexpr, EPS: tl.constexpr, FMAX: tl.constexpr):
+    """Channels ``k0 .. k0 + GROUP`` of one row (``ptrs``: ``[GROUP, 2]``, column 1 masked off) quantised
+    as the dot's right operand: ``(q [GROUP, 2] e4m3, s [2])``, column 1 zero."""
+    if EVEN_K:
+        x = tl.load(ptrs + k0, mask=c_ok[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs + k0, mask=((k0 + offs_g) < n_k)[:, None] & c_ok[None, :], other=0.0)
+    return _quant_e4m3(x.to(tl.float32), 0, EPS, FMAX)  # one group per column
+
+
+@triton.jit
+def _weight_group(ptrs, k0, offs_g, n_ok, n_k, EVEN_K: tl.constexpr):
+    """The ``[BLOCK_N, GROUP]`` weight tile at channel ``k0`` (rows past N and channels past ``n_k`` zero)."""
+    if EVEN_K:
+        return tl.load(ptrs + k0, mask=n_ok[:, None], other=0.0)
+    return tl.load(ptrs + k0, mask=n_ok[:, None] & ((k0 + offs_g) < n_k)[None, :], other=0.0)
+
+
+@triton.jit
 def _moe_pair_gemm1_fp8_kernel(
     x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, H, inter, nb_inter,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_at,
@@ -70,16 +89,9 @@ def _moe_pair_gemm1_fp8_kernel(
     acc_u = tl.zeros([BLOCK_N, 2], tl.float32)
     for g in range(0, tl.cdiv(H, GROUP)):
         k0 = g * GROUP
-        if EVEN_K:
-            x = tl.load(x_ptrs + k0, mask=c_ok[None, :], other=0.0).to(tl.float32)
-            wg = tl.load(g_ptrs + k0, mask=n_ok[:, None], other=0.0)
-            wu = tl.load(u_ptrs + k0, mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = (k0 + offs_g) < H
-            x = tl.load(x_ptrs + k0, mask=k_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
-            wg = tl.load(g_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            wu = tl.load(u_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        a, a_s = _quant_e4m3(x, 0, EPS, FMAX)  # one group per column
+        a, a_s = _token_group(x_ptrs, k0, offs_g, c_ok, H, EVEN_K, EPS, FMAX)
+        wg = _weight_group(g_ptrs, k0, offs_g, n_ok, H, EVEN_K)
+        wu = _weight_group(u_ptrs, k0, offs_g, n_ok, H, EVEN_K)
         g_s = tl.load(gs_ptrs + g, mask=n_ok, other=0.0)
         u_s = tl.load(us_ptrs + g, mask=n_ok, other=0.0)
         acc_g += tl.dot(wg, a) * a_s[None, :] * g_s[:, None]
@@ -115,14 +127,8 @@ def _moe_pair_gemm2_fp8_kernel(
     acc = tl.zeros([BLOCK_N, 2], tl.float32)
     for g in range(0, tl.cdiv(inter, GROUP)):
         k0 = g * GROUP
-        if EVEN_K:
-            x = tl.load(a_ptrs + k0, mask=c_ok[None, :], other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = (k0 + offs_g) < inter
-            x = tl.load(a_ptrs + k0, mask=k_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        a, a_s = _quant_e4m3(x, 0, EPS, FMAX)
+        a, a_s = _token_group(a_ptrs, k0, offs_g, c_ok, inter, EVEN_K, EPS, FMAX)
+        w = _weight_group(w_ptrs, k0, offs_g, n_ok, inter, EVEN_K)
         w_s = tl.load(s_ptrs + g, mask=n_ok, other=0.0)
         acc += tl.dot(w, a) * a_s[None, :] * w_s[:, None]
     out = y_ptr + p.to(tl.int64) * stride_yt + offs_n[:, None] + offs_c[None, :] * 0
