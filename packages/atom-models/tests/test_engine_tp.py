@@ -214,3 +214,24 @@ def test_the_root_cause_is_reported_not_the_broken_collective_it_left():
     assert rank == 1 and payload[0].startswith("ValueError"), (rank, payload)
     only_follow_on = {1: ("RuntimeError: NCCL error: unhandled system error", "", None)}
     assert _root_cause(only_follow_on, queue.Queue(), wait_s=0.05)[0] == 1
+
+
+@pytest.mark.parametrize(
+    "device_type, backend, match",
+    [
+        ("cpu", "nccl", "backend must be 'gloo', or 'nccl' with device_type 'cuda'"),
+        ("cpu", "mpi", "backend must be 'gloo'"),
+    ],
+)
+def test_launch_refuses_a_backend_the_device_cannot_use(device_type, backend, match):
+    with pytest.raises(ValueError, match=match):
+        launch(fail_on_rank_1, 2, device_type=device_type, backend=backend)
+
+
+def test_gloo_ranks_share_the_visible_gpus_round_robin(monkeypatch):
+    from atom_models.engine.tp_launch import rank_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert [rank_device(r, "cuda", "gloo") for r in range(2)] == [torch.device("cuda", 0)] * 2
+    assert rank_device(1, "cuda", "nccl") == torch.device("cuda", 1)
+    assert rank_device(1, "cpu", "gloo") == torch.device("cpu")

@@ -31,6 +31,11 @@ class VllmTensorParallel:
     def world_size(self) -> int:
         return self._world_size
 
+    @property
+    def capturable(self) -> bool:
+        """True: vLLM captures its CUDA graphs with its own communicators (custom all-reduce, NCCL)."""
+        return True
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         from vllm.distributed import tensor_model_parallel_all_reduce
 

@@ -208,7 +208,8 @@ class LLMEngine:
                 num_speculative_tokens=k,
                 max_blocks=math.ceil((ec.max_model_len + 2 * k + 1) / bs),
                 device=self.device,
-                capture=self.device.type == "cuda",
+                # gloo's collectives (ranks sharing a GPU) cannot be captured: the same forwards run eagerly
+                capture=self.device.type == "cuda" and parallel.capturable,
             )
             if use_graphs
             else None

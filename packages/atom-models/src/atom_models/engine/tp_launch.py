@@ -1,5 +1,6 @@
 """Run a function on ``N`` tensor-parallel ranks: one spawned process per rank with ``torch.distributed``
-initialised (gloo on the CPU, NCCL with ``cuda:<rank>`` on GPUs), the results returned in rank order.
+initialised (gloo on the CPU, NCCL with ``cuda:<rank>`` on GPUs, or gloo with every rank on a GPU shared round
+robin: ``backend="gloo"``), the results returned in rank order.
 
 ``launch(fn, N, device_type=..., args=...)`` calls ``fn(parallel, device, *args)`` in every rank, where
 ``parallel`` is a :class:`~atom_models.parallel.TorchDistributed` over the world group and ``device`` the
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # the default backend per device type
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -53,7 +54,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, device_type, timeout_s, fn, args, results) -> None:
+def rank_device(rank: int, device_type: str, backend: str) -> torch.device:
+    """Rank ``rank``'s device: the CPU; ``cuda:<rank>`` under NCCL (one GPU per rank); under gloo on GPUs
+    ``cuda:<rank mod visible GPUs>`` (ranks may share a GPU: gloo's collectives copy through the host)."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", rank if backend == "nccl" else rank % torch.cuda.device_count())
+
+
+def _worker(rank, world_size, port, device_type, backend, timeout_s, fn, args, results) -> None:
     import torch.distributed as dist
 
     from atom_models.parallel import TorchDistributed
@@ -69,17 +78,15 @@ def _worker(rank, world_size, port, device_type, timeout_s, fn, args, results) -
         for var, value in NO_MULTICAST.items():
             os.environ.setdefault(var, value)
     try:
-        if device_type == "cuda":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-        else:
-            device = torch.device("cpu")
+        device = rank_device(rank, device_type, backend)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         dist.init_process_group(
-            BACKENDS[device_type],
+            backend,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
-            device_id=device if device_type == "cuda" else None,
+            device_id=device if backend == "nccl" else None,
         )
         out = fn(TorchDistributed(), device, *args)
         results.put((rank, "ok", out))
@@ -136,27 +143,39 @@ def launch(
     device_type: str = "cpu",
     args: Sequence[Any] = (),
     timeout_s: float = 600.0,
+    backend: str | None = None,
 ) -> list[Any]:
     """``[fn(parallel, device, *args) of rank r for r in range(world_size)]``, each run in its own process.
 
-    ``device_type``: ``cpu`` (gloo) or ``cuda`` (NCCL, rank r on ``cuda:r``; needs ``world_size`` GPUs).
+    ``device_type``: ``cpu`` or ``cuda``. ``backend``: the process group's, by default gloo on the CPU and
+    NCCL on GPUs (rank r on ``cuda:r``; needs ``world_size`` GPUs); ``"gloo"`` on GPUs places the ranks on
+    the visible GPUs round robin (several may share one; see :func:`rank_device`), for tests of the
+    sharded model on fewer GPUs than ranks. Gloo's collectives cannot be captured in a CUDA graph.
     ``timeout_s``: the process group's collective timeout and the longest the caller waits for all ranks.
     """
     if device_type not in BACKENDS:
         raise ValueError(f"device_type must be one of {sorted(BACKENDS)}, got {device_type!r}")
+    backend = BACKENDS[device_type] if backend is None else backend
+    if backend not in ("gloo", "nccl") or (backend == "nccl" and device_type != "cuda"):
+        raise ValueError(
+            f"backend must be 'gloo', or 'nccl' with device_type 'cuda', got {backend!r} on {device_type}"
+        )
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if device_type == "cuda" and torch.cuda.device_count() < world_size:
+    visible = torch.cuda.device_count() if device_type == "cuda" else 0
+    if backend == "nccl" and visible < world_size:
         raise ValueError(
-            f"tensor parallel size {world_size} needs {world_size} GPUs, {torch.cuda.device_count()} visible"
+            f"tensor parallel size {world_size} over NCCL needs {world_size} GPUs, {visible} visible"
         )
+    if device_type == "cuda" and visible < 1:
+        raise ValueError("device_type 'cuda' needs a visible GPU, none is visible")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, device_type, timeout_s, fn, tuple(args), results),
+            args=(r, world_size, port, device_type, backend, timeout_s, fn, tuple(args), results),
             name=f"tp-rank-{r}",
             daemon=True,
         )
@@ -245,13 +264,16 @@ def generate_tp(
     device_type: str = "cpu",
     threads: int = 1,
     timeout_s: float = 600.0,
+    backend: str | None = None,
 ) -> list[list[tuple[list, float]]]:
-    """Every run of ``runs`` on ``world_size`` ranks (one process each, :func:`launch`), each rank loading
-    its shards of ``ckpt_dir``. Returns, per rank, per run, ``(GenerationResults, generate seconds)``."""
+    """Every run of ``runs`` on ``world_size`` ranks (one process each, :func:`launch`; ``backend`` as
+    there), each rank loading its shards of ``ckpt_dir``. Returns, per rank, per run,
+    ``(GenerationResults, generate seconds)``."""
     return launch(
         _generate_rank,
         world_size,
         device_type=device_type,
         args=(str(ckpt_dir), dtype, list(runs), threads),
         timeout_s=timeout_s,
+        backend=backend,
     )

@@ -36,6 +36,11 @@ class ParallelContext(Protocol):
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor: ...
 
+    @property
+    def capturable(self) -> bool:
+        """Whether the collectives can run inside a CUDA graph capture (NCCL's can, gloo's cannot)."""
+        ...
+
 
 @dataclass(frozen=True)
 class SingleProcess:
@@ -43,6 +48,7 @@ class SingleProcess:
 
     rank: int = 0
     world_size: int = 1
+    capturable: bool = True  # no collectives to capture
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -62,6 +68,7 @@ class RankWithoutGroup:
 
     rank: int
     world_size: int
+    capturable: bool = True  # nothing it runs is a collective
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"rank {self.rank} of {self.world_size} has no process group: no collectives")
@@ -100,6 +107,11 @@ class TorchDistributed:
     @property
     def world_size(self) -> int:
         return self._world_size
+
+    @property
+    def capturable(self) -> bool:
+        """False for gloo with more than one rank: its collectives copy through the host."""
+        return self._world_size == 1 or self._dist.get_backend(self.group) != "gloo"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self._world_size == 1:
