@@ -4,7 +4,6 @@ the same shape, the MoE pair GEMMs at T = 2). Run under `ncu --kernel-name regex
 import sys
 
 import torch
-
 from atom_kernels.ops.fp8.triton import fp8_linear
 from atom_kernels.ops.moe.triton_fp8 import moe_experts_fp8
 
@@ -33,7 +32,7 @@ else:
     w2 = torch.randn(e, h, inter, device=dev).to(torch.float8_e4m3fn)
     s2 = torch.rand(e, h // 128, inter // 128, device=dev) + 0.5
     x = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
-    for i in range(12):
+    for _ in range(12):
         ids = torch.stack([torch.randperm(512, device=dev)[:topk] for _ in range(m)]).to(torch.int32)
         ids[:, -1] = 512
         wts = torch.rand(m, topk, device=dev)
