@@ -17,9 +17,8 @@ too, and ``decode_best`` in the JSON (printed at the end) gives, per shape and M
 config beside the one-launch defaults, the three-launch plan and cuBLAS. MoE (``moe_experts_fp8``, 512
 experts top-10, H=2048, I=512, with the caller's tickets) against our bf16 fused MoE on the same routing;
 at T <= 8 (the pair path) also the pair path with the routed sum in a third launch (``FUSED_SUM=False``)
-and the aligned path. Every case is first checked
-against the float32 reference (max abs error stored); sweep rows store their max difference from the default
-plan. Times are CUDA-graph replays (launch gaps out; a split-K plan's per-call ticket memset is in the
+and the aligned path. Every case is first checked against the float32 reference (max abs error stored);
+sweep rows store their max difference from the default plan. Times are CUDA-graph replays (launch gaps out; a split-K plan's per-call ticket memset is in the
 graph); the eager time of the default plan is stored too. Bytes: weights (fp8: 1 B/element + block scales;
 bf16: 2 B) + activations in + out.
 
