@@ -15,9 +15,10 @@ At M <= 64 a sweep of the one-launch plan (``gemm_sweep`` rows: column tile, spl
 weight-as-left-operand, each row the one-launch plan's default tiles with the keys shown replaced) is timed
 too, and ``decode_best`` in the JSON (printed at the end) gives, per shape and M, the fastest one-launch
 config beside the one-launch defaults, the three-launch plan and cuBLAS. MoE (``moe_experts_fp8``, 512
-experts top-10, H=2048, I=512) against our bf16 fused MoE on the same routing. Every case is first checked
-against the float32 reference (max abs error stored); sweep rows store their max difference from the default
-plan. Times are CUDA-graph replays (launch gaps out; a split-K plan's per-call ticket memset is in the
+experts top-10, H=2048, I=512, with the caller's tickets) against our bf16 fused MoE on the same routing;
+at T <= 8 (the pair path) also the pair path with the routed sum in a third launch (``FUSED_SUM=False``)
+and the aligned path. Every case is first checked against the float32 reference (max abs error stored);
+sweep rows store their max difference from the default plan. Times are CUDA-graph replays (launch gaps out; a split-K plan's per-call ticket memset is in the
 graph); the eager time of the default plan is stored too. Bytes: weights (fp8: 1 B/element + block scales;
 bf16: 2 B) + activations in + out.
 
@@ -188,9 +189,9 @@ def routing(tokens, seed, device):
 
 
 def moe_rows(ceil, device, quick: bool) -> list[dict]:
+    from atom_kernels.ops.moe import experts_fp8_tickets, triton_fp8
     from atom_kernels.ops.moe import reference as moe_ref
     from atom_kernels.ops.moe import triton as moe_triton
-    from atom_kernels.ops.moe import triton_fp8
 
     torch.manual_seed(0)
     w13 = torch.randn(E, 2 * INTER, H, device=device, dtype=torch.bfloat16) * H**-0.5
@@ -210,7 +211,8 @@ def moe_rows(ceil, device, quick: bool) -> list[dict]:
             reps = 8 if t <= 64 else (2 if t <= 256 else 1)
             routes = [routing(t, 100 + r, device) for r in range(reps)]
             wts, ids = routes[0]
-            got = triton_fp8.moe_experts_fp8(x, wts, ids, q13, s13, q2, s2)
+            tickets = torch.zeros(experts_fp8_tickets(H), dtype=torch.int32, device=device)  # the module's
+            got = triton_fp8.moe_experts_fp8(x, wts, ids, q13, s13, q2, s2, tickets=tickets)
             expect = moe_ref.moe_experts_fp8(x, wts, ids, q13, s13, q2, s2)
             err = (got.float() - expect.float()).abs().max().item()
             touched = torch.unique(ids).numel()
@@ -218,13 +220,20 @@ def moe_rows(ceil, device, quick: bool) -> list[dict]:
             act = 2 * t * H * 2
             fp8_bytes = touched * (3 * INTER * H + 4 * 3 * 16 * 4) + act
             fns = {
-                "triton fp8 fused": (lambda w, i: triton_fp8.moe_experts_fp8(x, w, i, q13, s13, q2, s2),
-                                     fp8_bytes),
+                "triton fp8 fused": (lambda w, i: triton_fp8.moe_experts_fp8(x, w, i, q13, s13, q2, s2,
+                                                                             tickets=tickets), fp8_bytes),
                 "triton bf16 fused": (lambda w, i: moe_triton.moe_experts(x, w, i, w13, w2),
                                       touched * 3 * INTER * H * 2 + act),
             }  # fmt: skip
-            # the default is the pair path there: the aligned one beside it
+            # the default is the pair path there (its second GEMM sums the routed rows): the pair path with
+            # the sum in a launch of its own, and the aligned path, beside it
             if t <= triton_fp8.PAIR_MAX_TOKENS:
+                fns["triton fp8 pairs, sum launch"] = (
+                    lambda w, i: triton_fp8.moe_experts_fp8(
+                        x, w, i, q13, s13, q2, s2, config={"FUSED_SUM": False}
+                    ),
+                    fp8_bytes,
+                )
                 fns["triton fp8 aligned"] = (
                     lambda w, i: triton_fp8.moe_experts_fp8(
                         x, w, i, q13, s13, q2, s2, config={"PAIRS": False}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from atom_kernels.ops.moe import TICKET_COLUMNS, TICKET_TOKENS, experts_fp8_tickets
 from atom_kernels.testing import assert_close, randn
 
 E4M3 = torch.float8_e4m3fn
@@ -114,6 +115,21 @@ def test_moe_experts_fp8_bad_inputs(impl, device):
         fn(x, w, ids, q13.float(), s13, q2, s2, (128, 128))
     with pytest.raises(ValueError, match="block must be a pair of positive ints"):
         fn(x, w, ids, q13, s13, q2, s2, (128,))
+    need = experts_fp8_tickets(256)  # 8 tokens x 256 / 16 columns
+    assert need == 128
+    bad_tickets = [
+        (
+            torch.zeros(need - 1, dtype=torch.int32, device=device),
+            r"tickets holds 127 counters, needs >= 128",
+        ),
+        (torch.zeros(need, dtype=torch.int64, device=device), "tickets must have dtype int32"),
+        (torch.zeros(need, 2, dtype=torch.int32, device=device), r"tickets must have shape \[C\]"),
+        (torch.zeros(2 * need, dtype=torch.int32, device=device)[::2], "tickets must be contiguous"),
+        (torch.zeros(need, dtype=torch.int32, device="meta"), "tickets is on meta"),
+    ]
+    for tickets, msg in bad_tickets:
+        with pytest.raises(ValueError, match=msg):
+            fn(x, w, ids, q13, s13, q2, s2, (128, 128), tickets=tickets)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -144,3 +160,74 @@ def test_moe_experts_fp8_pair_path_vs_aligned(device, dtype, tokens, hidden, int
     assert torch.equal(pairs, aligned), f"pair path != aligned path {what} (max |diff| {diff:.3e})"
     again = triton_fp8.moe_experts_fp8(x, weights, ids, q13, s13, q2, s2, block, config={"PAIRS": True})
     assert torch.equal(pairs, again), "pair path is not deterministic"
+
+
+def pair_module(device: torch.device, dtype: torch.dtype):
+    """:mod:`atom_kernels.ops.moe.triton_fp8`, or skip: its kernels run on a GPU, or (fused against unfused
+    only: both round e4m3 the interpreter's way) on CPU under ``TRITON_INTERPRET=1`` in float32."""
+    from atom_kernels.ops._triton_env import interpreting
+
+    if device.type == "cpu" and not (interpreting() and dtype == torch.float32):
+        pytest.skip("the triton FP8 kernels run on a GPU, or on CPU under TRITON_INTERPRET=1 in float32")
+    from atom_kernels.ops.moe import triton_fp8
+
+    return triton_fp8
+
+
+def test_pair_path_tickets_cover_its_launches():
+    """The pair path's default launches fit in ``experts_fp8_tickets(H)`` counters at every hidden size."""
+    from atom_kernels.ops.moe.triton_fp8_decode import PAIR_MAX_TOKENS, PAIR_TILES
+
+    assert PAIR_MAX_TOKENS <= TICKET_TOKENS and PAIR_TILES["PN2"] >= TICKET_COLUMNS
+    for hidden in (1, 15, 16, 17, 320, 2048, 2049):
+        assert PAIR_MAX_TOKENS * -(-hidden // PAIR_TILES["PN2"]) <= experts_fp8_tickets(hidden)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8])
+def test_moe_experts_fp8_fused_sum_is_bit_equal(device, dtype, tokens):
+    """The pair path's second GEMM summing each token's rows itself (ticket per (token, column tile)) gives
+    the three-launch result bit for bit, and leaves the caller's tickets zero: a shared pseudo-expert in
+    every token's last column (weight 0.7), tokens sharing experts, H = 200 (not a multiple of the 64-column
+    tile; partial K groups) and I = 192."""
+    fp8 = pair_module(device, dtype)
+    num_experts, hidden, inter, top_k, block = 8, 200, 192, 3, (128, 128)
+    q13, s13, q2, s2 = make_experts(num_experts + 1, hidden, inter, block, device, seed=6)
+    x = randn(tokens, hidden, seed=7, dtype=dtype, device=device)
+    logits = randn(tokens, num_experts, seed=8, dtype=torch.float32, device=device)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
+    ids[0, 1] = ids[-1, 0]  # two tokens (or two slots) on one expert
+    weights = torch.cat([weights, torch.full((tokens, 1), 0.7, device=device)], 1)
+    ids = torch.cat([ids, torch.full((tokens, 1), num_experts, dtype=ids.dtype, device=device)], 1)
+    args = (x, weights, ids, q13, s13, q2, s2, block)
+    tickets = torch.zeros(experts_fp8_tickets(hidden), dtype=torch.int32, device=device)
+    fused = fp8.moe_experts_fp8(*args, tickets=tickets, config={"PAIRS": True})
+    assert not tickets.any(), "the fused sum left a ticket non-zero"
+    unfused = fp8.moe_experts_fp8(*args, config={"PAIRS": True, "FUSED_SUM": False})
+    diff = (fused.float() - unfused.float()).abs().max().item()
+    assert torch.equal(fused, unfused), (
+        f"fused sum != three launches {dtype} T={tokens} (max |diff| {diff:.3e})"
+    )
+    again = fp8.moe_experts_fp8(*args, tickets=tickets, config={"PAIRS": True})  # tickets reused
+    assert torch.equal(fused, again) and not tickets.any()
+    own = fp8.moe_experts_fp8(*args, config={"PAIRS": True})  # tickets allocated by the call
+    assert torch.equal(fused, own)
+    if device.type == "cuda":
+        expected = per_token_loop(*args)
+        assert_close(fused, expected, TOL[("moe_fp8", dtype, "triton")], f"fused sum {dtype} T={tokens}")
+
+
+def test_moe_experts_fp8_forced_pairs_need_enough_tickets(device):
+    """Forced onto the pair path past ``TICKET_TOKENS`` tokens, the caller's tickets may be too few for the
+    launch: a ValueError naming them, before any launch."""
+    fp8 = pair_module(device, torch.float32)
+    q13, s13, q2, s2 = make_experts(4, 64, 64, (128, 128), device)
+    tokens = TICKET_TOKENS + 1
+    x = randn(tokens, 64, seed=1, dtype=torch.float32, device=device)
+    w = torch.full((tokens, 2), 0.5, device=device)
+    ids = torch.zeros(tokens, 2, dtype=torch.int64, device=device)
+    tickets = torch.zeros(experts_fp8_tickets(64), dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"tickets holds 32 counters, the pair path needs 36"):
+        fp8.moe_experts_fp8(
+            x, w, ids, q13, s13, q2, s2, (128, 128), tickets=tickets, config={"PAIRS": True, "PN2": 16}
+        )

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from atom_core import Qwen3NextConfig
+from atom_kernels.ops.moe import experts_fp8_tickets
 from atom_models import (
     CheckpointError,
     DenseCoreFactory,
@@ -207,9 +208,13 @@ def test_engine_serves_fp8_weights_with_an_fp8_kv_cache(fp8_dir, greedy_cases, k
         ec = EngineConfig(num_speculative_tokens=k, max_num_seqs=2, max_model_len=128, kv_cache_dtype="fp8")
         eng = LLMEngine.from_pretrained(fp8_dir, ec, dtype=torch.float32)
         assert all(kc.dtype == E4M3 for kc, _ in eng.caches.kv.values())
-        assert isinstance(eng.target.model.layers[3].mlp.experts, Fp8Experts)
+        experts = eng.target.model.layers[3].mlp.experts
+        assert isinstance(experts, Fp8Experts)
+        assert experts.tickets.shape == (experts_fp8_tickets(experts.w2.shape[1]),)
         tickets = [m.tickets for m in eng.target.modules() if hasattr(m, "tickets")]
-        assert tickets and all(int(t.abs().sum()) == 0 for t in tickets), "Fp8Linear tickets not zeroed"
+        assert tickets and all(int(t.abs().sum()) == 0 for t in tickets), (
+            "Fp8Linear / Fp8Experts tickets not zeroed"
+        )
         routers = [m.router_tickets for m in eng.target.modules() if hasattr(m, "router_tickets")]
         assert routers and all(int(t.abs().sum()) == 0 for t in routers), "router tickets not zeroed"
         assert not any(name.endswith("tickets") for name in eng.target.state_dict()), "tickets in state_dict"

@@ -1,17 +1,18 @@
 """The plugin's vLLM custom ops: traceable by Dynamo in one graph (what vLLM's support_torch_compile needs),
 and the same numbers through the op as through the direct call.
 
-1. A MoE block (router traced, experts through ``vllm::atom_moe_experts``) compiled with
-   ``fullgraph=True`` equals the eager block; a graph break (the reference experts group tokens on the
-   host) would raise instead.
+1. A MoE block (router traced, experts through ``vllm::atom_moe_experts``, or with FP8 experts through
+   ``vllm::atom_moe_experts_fp8``) compiled with ``fullgraph=True`` equals the eager block; a graph break
+   (the reference experts group tokens on the host) would raise instead.
 2. ``AtomAttentionCore.forward`` goes through ``vllm::atom_attention_with_output``: under
    ``torch.compile(fullgraph=True)`` the op stays one opaque call, and with this step's metadata (the op
    finds it, as in vLLM, through the forward context) it writes what ``run(md, ...)`` returns, with zeros in
    the padding rows after the real tokens.
-3. ``fp8_linear`` and ``moe_gate_router`` (launch plans chosen on the host from the token count) go through
-   ``vllm::atom_fp8_linear`` / ``vllm::atom_moe_gate_router``: the same numbers as the kernels called
-   directly, fake impls with the real outputs' shapes and dtypes (``torch.library.opcheck``), and one
-   opaque call in a ``fullgraph`` Dynamo graph, so that the plan is not frozen at the traced token count.
+3. ``fp8_linear``, ``moe_gate_router`` and ``moe_experts_fp8`` (launch plans chosen on the host from the
+   token count) go through ``vllm::atom_fp8_linear`` / ``vllm::atom_moe_gate_router`` /
+   ``vllm::atom_moe_experts_fp8``: the same numbers as the kernels called directly, fake impls with the
+   real outputs' shapes and dtypes (``torch.library.opcheck``), and one opaque call in a ``fullgraph``
+   Dynamo graph, so that the plan is not frozen at the traced token count.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ pytest.importorskip("vllm")
 
 from atom_core import Qwen3NextConfig  # noqa: E402
 from atom_kernels import select_kernels  # noqa: E402
+from atom_kernels.ops.moe import experts_fp8_tickets  # noqa: E402
 from atom_models.modules import Fp8Linear  # noqa: E402
-from atom_models.moe import SparseMoeBlock  # noqa: E402
+from atom_models.moe import Fp8Experts, SparseMoeBlock  # noqa: E402
 from atom_models.testing import normal_parameters_, tiny_config  # noqa: E402
 from atom_vllm_plugin.layers import attention as attention_mod  # noqa: E402
 from atom_vllm_plugin.layers import custom_ops  # noqa: E402
@@ -61,13 +63,34 @@ def _fp8_case(m: int, n: int = 200, k: int = 256, seed: int = 0):
     return x, w, scale_inv, torch.randn(n, generator=g), torch.zeros(-(-n // 16), dtype=torch.int32)
 
 
-def test_moe_block_compiles_in_one_graph_and_matches_eager():
+def _fp8_experts(num_experts: int, hidden: int, inter: int, num_shared: int, seed: int = 0) -> Fp8Experts:
+    """:class:`Fp8Experts` (block 128 x 128) with random e4m3 weights and scales in [0.5, 1.5)."""
+    g = torch.Generator().manual_seed(seed)
+    experts = Fp8Experts(num_experts, hidden, inter, (128, 128), num_shared=num_shared)
+    with torch.no_grad():
+        for w in (experts.w13, experts.w2):
+            w.copy_((torch.randn(w.shape, generator=g) * 0.3).to(torch.float8_e4m3fn))
+        for sc in (experts.w13_scale_inv, experts.w2_scale_inv):
+            sc.copy_(torch.rand(sc.shape, generator=g) + 0.5)
+    return experts
+
+
+def _moe_block(kernels, fp8: bool) -> SparseMoeBlock:
+    block = SparseMoeBlock(_moe_config(), kernels, dtype=torch.float32)
+    if fp8:  # the routed + shared pseudo-experts with FP8 weights, as the loader converts them
+        e = block.experts
+        block.experts = _fp8_experts(e.num_experts, e.w13.shape[2], e.w2.shape[2], e.num_shared)
+    return block
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_moe_block_compiles_in_one_graph_and_matches_eager(fp8):
     torch.manual_seed(0)
     kern = select_kernels("cpu", torch.float32, backend="reference")
-    block = SparseMoeBlock(_moe_config(), custom_ops.compilable_kernels(kern), dtype=torch.float32)
-    normal_parameters_(block, 0.3)
+    block = _moe_block(custom_ops.compilable_kernels(kern), fp8)
+    normal_parameters_(block.gate if fp8 else block, 0.3)  # _fp8_experts drew the FP8 experts
     x = torch.randn(5, 32)
-    direct = SparseMoeBlock(_moe_config(), kern, dtype=torch.float32)
+    direct = _moe_block(kern, fp8)
     direct.load_state_dict(block.state_dict())
     torch._dynamo.reset()
     graphs: list = []
@@ -82,7 +105,13 @@ def test_moe_block_compiles_in_one_graph_and_matches_eager():
     (gm,) = graphs
     calls = _calls(gm)
     assert calls.count(torch.ops.vllm.atom_moe_gate_router) == 1, calls
-    assert calls.count(torch.ops.vllm.atom_moe_experts) == 1, calls
+    experts_op = torch.ops.vllm.atom_moe_experts_fp8 if fp8 else torch.ops.vllm.atom_moe_experts
+    assert calls.count(experts_op) == 1, calls
+    assert (
+        calls.count(torch.ops.vllm.atom_moe_experts_fp8) + calls.count(torch.ops.vllm.atom_moe_experts) == 1
+    )
+    if fp8:
+        assert not block.experts.tickets.any()
 
 
 def test_attention_forward_goes_through_the_op(monkeypatch):
@@ -142,10 +171,37 @@ def test_gate_router_op_equals_the_kernel(t, renormalize, num_shared):
     assert torch.equal(got[1], want[1])
 
 
+def _experts_fp8_case(t: int, seed: int = 0):
+    """x [t, 256], top-2 of 8 routed experts + the shared pseudo-expert 8, the FP8 experts' tensors, the
+    module's tickets."""
+    g = torch.Generator().manual_seed(seed)
+    experts = _fp8_experts(8, 256, 64, 1, seed)
+    x = torch.randn(t, 256, generator=g)
+    weights, ids = torch.softmax(torch.randn(t, 8, generator=g), -1).topk(2, -1)
+    weights = torch.cat([weights, torch.full((t, 1), 0.6)], 1)
+    ids = torch.cat([ids, torch.full((t, 1), 8)], 1)
+    tensors = (experts.w13, experts.w13_scale_inv, experts.w2, experts.w2_scale_inv)
+    return x, weights, ids, tensors, experts.tickets
+
+
+@pytest.mark.parametrize("t", [1, 3, 9])
+def test_experts_fp8_op_equals_the_kernel(t):
+    kern = select_kernels("cpu", torch.float32, backend="reference")
+    ops = custom_ops.compilable_kernels(kern)
+    x, weights, ids, (w13, s13, w2, s2), tickets = _experts_fp8_case(t, seed=t)
+    assert tickets.numel() == experts_fp8_tickets(256)
+    want = kern.moe_experts_fp8(x, weights, ids, w13, s13, w2, s2, (128, 128), tickets=tickets)
+    got = ops.moe_experts_fp8(x, weights, ids, w13, s13, w2, s2, (128, 128), tickets=tickets)
+    assert got.shape == x.shape and got.dtype == x.dtype and want.abs().sum() > 0
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(ops.moe_experts_fp8(x, weights, ids, w13, s13, w2, s2), want, rtol=0, atol=0)
+    assert not tickets.any()
+
+
 def test_fake_impls_match_the_real_outputs():
     """opcheck runs each op for real and under FakeTensorMode and compares shapes, dtypes and strides. Its
-    schema check is left out for atom_fp8_linear: it compares every aten op's inputs before and after
-    with ``allclose``, which has no float8 kernel on CPU."""
+    schema check is left out for atom_fp8_linear and atom_moe_experts_fp8: it compares every aten op's
+    inputs before and after with ``allclose``, which has no float8 kernel on CPU."""
     custom_ops.compilable_kernels(select_kernels("cpu", torch.float32, backend="reference"))
     x, w, scale_inv, bias, tickets = _fp8_case(3)
     fp8_utils = ("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration")
@@ -157,6 +213,10 @@ def test_fake_impls_match_the_real_outputs():
     gate = torch.randn(10, 256)
     for args in [(x, gate, 8, 2, True, 1, tickets[:1]), (x, gate, 9, 3, False, 0, None)]:
         torch.library.opcheck(torch.ops.vllm.atom_moe_gate_router.default, args)
+    x, weights, ids, tensors, experts_tickets = _experts_fp8_case(3)
+    for tk in (experts_tickets, None):
+        args = (x, weights, ids, *tensors, [128, 128], tk)
+        torch.library.opcheck(torch.ops.vllm.atom_moe_experts_fp8.default, args, test_utils=fp8_utils)
 
 
 def test_fp8_linear_is_one_opaque_call_in_the_compiled_graph():

@@ -84,6 +84,8 @@ class MoeExpertsFp8(Protocol):
         w2: Tensor,
         w2_scale: Tensor,
         block: tuple[int, int] = (128, 128),
+        *,
+        tickets: Tensor | None = None,
     ) -> Tensor: ...
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from atom_core import Qwen3NextConfig
+from atom_kernels.ops.moe import experts_fp8_tickets
 from torch import nn
 
 from atom_models.modules import GatedMLP, Linear
@@ -113,10 +114,26 @@ class Fp8Experts(nn.Module):
         self.w13_scale_inv = param(e, 2 * -(-i // bn), -(-h // bk), dtype=torch.float32)
         self.w2 = param(e, h, i, dtype=fp8)
         self.w2_scale_inv = param(e, -(-h // bn), -(-i // bk), dtype=torch.float32)
+        # the op's per-(token, column tile) counters for its in-kernel routed sum (int32 zeros, left zero by
+        # every launch): owned here so that no launch has to zero fresh ones (runtime state, not in the
+        # state dict)
+        self.register_buffer(
+            "tickets",
+            torch.zeros(experts_fp8_tickets(h), dtype=torch.int32, device=device),
+            persistent=False,
+        )
 
     def forward(self, kernels, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return kernels.moe_experts_fp8(
-            x, weights, ids, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, self.block
+            x,
+            weights,
+            ids,
+            self.w13,
+            self.w13_scale_inv,
+            self.w2,
+            self.w2_scale_inv,
+            self.block,
+            tickets=self.tickets,
         )
 
 

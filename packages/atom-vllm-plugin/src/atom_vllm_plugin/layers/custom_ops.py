@@ -19,8 +19,10 @@ plan. They go through ops of their own, so that the plan is chosen from the toke
   (one-launch decode kernel, split-K or prefill tiles by ``M``);
 - ``vllm::atom_moe_gate_router(x, gate_weight, num_experts, top_k, renormalize, num_shared, tickets)``: the
   router's Linear + top-k (one fused launch at decode-sized ``T``) -> ``(weights, ids)``;
-- ``vllm::atom_moe_experts(x, weights, ids, w13, w2)`` / ``vllm::atom_moe_experts_fp8(...)``: the routed
-  experts (the reference backend groups tokens by expert on the host, which Dynamo cannot trace).
+- ``vllm::atom_moe_experts(x, weights, ids, w13, w2)`` / ``vllm::atom_moe_experts_fp8(x, weights, ids, w13,
+  w13_scale_inv, w2, w2_scale_inv, block, tickets)``: the routed experts (the reference backend groups
+  tokens by expert on the host, which Dynamo cannot trace; the Triton FP8 experts take the pair path or
+  the aligned path by ``T``).
 
 These four call the backend kernels bound by :func:`compilable_kernels` (``atom_kernels.Kernels``, per device
 type and dtype) and return new tensors; they stay inside the compiled pieces.
@@ -118,7 +120,7 @@ def _kernels(x: torch.Tensor):
         ) from None
 
 
-# ``tickets`` (fp8_linear, moe_gate_router): int32 counters the kernels take atomically and return to zero
+# ``tickets`` (fp8_linear, moe_gate_router, moe_experts_fp8): int32 counters the kernels take atomically and return to zero
 # within the launch, so the op leaves them as it found them. They are not declared mutated: that would make
 # functionalisation clone them (a copy and a zeroed buffer per call) and give the graph a write-back.
 def atom_fp8_linear(
@@ -191,8 +193,11 @@ def atom_moe_experts_fp8(
     w2: torch.Tensor,
     w2_scale_inv: torch.Tensor,
     block: list[int],
+    tickets: torch.Tensor | None,
 ) -> torch.Tensor:
-    return _kernels(x).moe_experts_fp8(x, weights, ids, w13, w13_scale_inv, w2, w2_scale_inv, tuple(block))
+    return _kernels(x).moe_experts_fp8(
+        x, weights, ids, w13, w13_scale_inv, w2, w2_scale_inv, tuple(block), tickets=tickets
+    )
 
 
 def _atom_moe_experts_fp8_fake(
@@ -204,6 +209,7 @@ def _atom_moe_experts_fp8_fake(
     w2: torch.Tensor,
     w2_scale_inv: torch.Tensor,
     block: list[int],
+    tickets: torch.Tensor | None,
 ) -> torch.Tensor:
     return torch.empty_like(x)
 
@@ -223,9 +229,9 @@ def _experts_op(x, weights, ids, w13, w2):
     return torch.ops.vllm.atom_moe_experts(x, weights, ids, w13, w2)
 
 
-def _experts_fp8_op(x, weights, ids, w13, w13_scale_inv, w2, w2_scale_inv, block):
+def _experts_fp8_op(x, weights, ids, w13, w13_scale_inv, w2, w2_scale_inv, block=(128, 128), *, tickets=None):
     return torch.ops.vllm.atom_moe_experts_fp8(
-        x, weights, ids, w13, w13_scale_inv, w2, w2_scale_inv, [int(block[0]), int(block[1])]
+        x, weights, ids, w13, w13_scale_inv, w2, w2_scale_inv, [int(block[0]), int(block[1])], tickets
     )
 
 

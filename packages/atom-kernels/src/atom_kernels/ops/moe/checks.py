@@ -4,6 +4,18 @@ import torch
 
 from atom_kernels.ops._checks import FLOAT_DTYPES, FP8_DTYPES, Checker
 
+# ``moe_experts_fp8``'s ``tickets``: one counter per (token, column tile) of a launch that sums the experts'
+# outputs in place, for up to TICKET_TOKENS tokens and column tiles of at least TICKET_COLUMNS channels
+# (the narrowest tile a tensor-core dot takes), so ``experts_fp8_tickets(H)`` counters serve every plan.
+TICKET_TOKENS = 8
+TICKET_COLUMNS = 16
+
+
+def experts_fp8_tickets(hidden_size: int) -> int:
+    """How many int32 counters ``moe_experts_fp8``'s ``tickets`` must hold for hidden size ``H``:
+    ``TICKET_TOKENS * ceil(H / TICKET_COLUMNS)``."""
+    return TICKET_TOKENS * -(-int(hidden_size) // TICKET_COLUMNS)
+
 
 def check_moe_router(logits: torch.Tensor, top_k: int, renormalize: bool, num_shared: int = 0) -> int:
     """Returns the number of routed experts ``E`` (``logits`` is ``[T, E]``, or ``[T, E + 1]`` with
@@ -77,6 +89,7 @@ def check_moe_experts_fp8(
     w2: torch.Tensor,
     w2_scale: torch.Tensor,
     block: object,
+    tickets: torch.Tensor | None = None,
 ) -> None:
     c = Checker("moe_experts_fp8")
     c.tensor("x", x, ("T", "H"), FLOAT_DTYPES)
@@ -96,3 +109,12 @@ def check_moe_experts_fp8(
     c.dims["ceil(I/bk)"] = -(-c.dim("I") // bk)
     c.tensor("w13_scale", w13_scale, ("E", "2*ceil(I/bn)", "ceil(H/bk)"), (torch.float32,))
     c.tensor("w2_scale", w2_scale, ("E", "ceil(H/bn)", "ceil(I/bk)"), (torch.float32,))
+    c.optional("tickets", tickets, ("C",), (torch.int32,))
+    if tickets is not None:
+        c.require(tickets.is_contiguous(), "tickets must be contiguous")
+        need = experts_fp8_tickets(c.dim("H"))
+        c.require(
+            tickets.numel() >= need,
+            f"tickets holds {tickets.numel()} counters, needs >= {need} "
+            f"({TICKET_TOKENS} * ceil(H={c.dim('H')} / {TICKET_COLUMNS}))",
+        )

@@ -156,6 +156,8 @@ def moe_experts_fp8(
     w2: torch.Tensor,
     w2_scale: torch.Tensor,
     block: tuple[int, int] = (128, 128),
+    *,
+    tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`moe_experts` with FP8 block-scaled expert weights (W8A8, dynamic activation scales).
 
@@ -171,11 +173,15 @@ def moe_experts_fp8(
             the up projection's (each half blocked on its own, so ``I`` need not be a multiple of ``bn``).
         w2: ``[E, H, I]`` float8_e4m3fn; w2_scale: ``[E, ceil(H/bn), ceil(I/bk)]`` float32.
         block: ``(bn, bk)``.
+        tickets: None, or int32 zeros, contiguous, at least
+            :func:`~atom_kernels.ops.moe.checks.experts_fp8_tickets` ``(H)`` of them, that a backend may use
+            as per-(token, column tile) counters and must leave zero (owned by the caller, so that no launch
+            zeroes fresh ones); never changes the result. The reference does not use them.
 
     Returns:
         ``[T, H]`` in x.dtype.
     """
-    check_moe_experts_fp8(x, weights, ids, w13, w13_scale, w2, w2_scale, block)
+    check_moe_experts_fp8(x, weights, ids, w13, w13_scale, w2, w2_scale, block, tickets)
     bn, bk = int(block[0]), int(block[1])
     inter = w13.shape[1] // 2
     nb = -(-inter // bn)

@@ -30,7 +30,7 @@ from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.fp8.triton import _act_quant_2d
 from atom_kernels.ops.moe.checks import check_moe_experts_fp8
 from atom_kernels.ops.moe.triton import check_ids_on_cpu, moe_align, plan, weighted_sum
-from atom_kernels.ops.moe.triton_fp8_decode import PAIR_MAX_TOKENS, PAIR_TILES, pair_gemms_fp8
+from atom_kernels.ops.moe.triton_fp8_decode import PAIR_MAX_TOKENS, PAIR_TILES, pair_experts_fp8
 
 
 @triton.jit
@@ -128,14 +128,18 @@ def moe_experts_fp8(
     w2_scale: torch.Tensor,
     block: tuple[int, int] = (128, 128),
     *,
+    tickets: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """FP8 routed experts (semantics: the reference ``moe_experts_fp8``). Ids must lie in ``[0, E)``
     (checked only on CPU). Up to ``PAIR_MAX_TOKENS`` tokens the pair path of
     :mod:`~atom_kernels.ops.moe.triton_fp8_decode` runs (``config["PAIRS"]`` forces it on or off), else the
-    aligned path. ``config`` overrides the tile plans (keys of :func:`atom_kernels.ops.moe.triton.plan`,
-    and ``PAIR_TILES``' keys)."""
-    check_moe_experts_fp8(x, weights, ids, w13, w13_scale, w2, w2_scale, block)
+    aligned path. ``tickets``: int32 zeros, at least ``experts_fp8_tickets(H)``, that the pair path's
+    second GEMM takes as its per-(token, column tile) counters for the routed sum and leaves zero (without
+    them it allocates zeroed counters per call: one memset). ``config`` overrides the tile plans (keys of
+    :func:`atom_kernels.ops.moe.triton.plan`, ``PAIR_TILES``' keys, and ``FUSED_SUM``: False sums the
+    pair path's rows in a launch of its own)."""
+    check_moe_experts_fp8(x, weights, ids, w13, w13_scale, w2, w2_scale, block, tickets)
     bn, bk = int(block[0]), int(block[1])
     if bk < 32 or bk & (bk - 1):
         raise ValueError(f"moe_experts_fp8 (triton): block[1] must be a power of two >= 32, got {bk}")
@@ -156,10 +160,10 @@ def moe_experts_fp8(
     flat_w = weights.reshape(-1).contiguous()
     config = config or {}
     if config.get("PAIRS", num_tokens <= PAIR_MAX_TOKENS):
-        y = pair_gemms_fp8(
-            x, flat_ids, w13, w13_scale, w2, w2_scale, (bn, bk), top_k, {**PAIR_TILES, **config}
+        cfg = {**PAIR_TILES, **config}
+        return pair_experts_fp8(
+            x, flat_ids, flat_w, w13, w13_scale, w2, w2_scale, (bn, bk), top_k, cfg, out, tickets
         )
-        return weighted_sum(y, flat_w, out, top_k)
     cfg = plan(num_tokens, top_k, num_experts, config)
     k1 = k2 = min(128, bk)  # one scale group per K tile (measured faster than 64 for fp8 at 4096 tokens)
     bm = cfg["BLOCK_M"]

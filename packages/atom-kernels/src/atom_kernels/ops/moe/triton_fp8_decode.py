@@ -12,8 +12,14 @@ Here the pair is the unit of work:
    by the token's group scale and the weight block's scale, applies SiLU-and-mul and stores the pair's
    activation row in x.dtype;
 2. ``_moe_pair_gemm2_fp8_kernel``, program ``(pair, column tile)``: quantises the pair's activation row
-   the same way, multiplies it with ``w2[e]`` and stores the pair's output row in x.dtype;
-3. ``weighted_sum`` (``_moe_sum_kernel``) adds each token's ``K`` pair rows times their routing weights.
+   the same way, multiplies it with ``w2[e]`` and stores the pair's output row in x.dtype; then it takes
+   an atomic ticket of its (token, column tile), and the last of the token's ``K`` programs of that tile
+   adds the token's ``K`` pair rows times their routing weights (float32, in pair order: the arithmetic of
+   ``_moe_sum_kernel``) into the output tile and returns the ticket to 0 (the counters stay zero between
+   launches: CUDA-graph safe). The tickets are the caller's (``tickets``: a zeroed buffer the caller
+   keeps, e.g. one per experts module), else zeros allocated per call (a memset).
+   ``config={"FUSED_SUM": False}`` leaves the sum to a third launch, ``weighted_sum``
+   (``_moe_sum_kernel``); the result is the same bit for bit.
 
 The arithmetic is that of :mod:`atom_kernels.ops.moe.triton_fp8` (same operands, scales, roundings and
 per-group float32 accumulation); an expert two tokens share is read twice (from L2 when the programs run
@@ -31,6 +37,7 @@ from atom_kernels.ops._fp8_math import FP8_MAX
 from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.fp8.reference import ACT_SCALE_EPS
 from atom_kernels.ops.fp8.triton import _quant_e4m3
+from atom_kernels.ops.moe.triton import weighted_sum
 
 # H200, 80B-A3B experts (513 x [1024 x 2048] / [2048 x 512] e4m3, top-10 + the shared expert), CUDA graphs,
 # weights rotating over 8 routings: pair path vs aligned path 19.6 / 27.9 us at T = 1, 25.1 / 34.8 at T = 2,
@@ -106,12 +113,17 @@ def _moe_pair_gemm1_fp8_kernel(
 
 @triton.jit
 def _moe_pair_gemm2_fp8_kernel(
-    a_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, inter,
-    stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
-    EPS: tl.constexpr, FMAX: tl.constexpr, BN_Q: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
+    a_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, topw_ptr, out_ptr, count_ptr, H, inter,
+    stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt, stride_ot,
+    EPS: tl.constexpr, FMAX: tl.constexpr, BN_Q: tl.constexpr, GROUP: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, FUSED_SUM: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """``y[p, n-tile] = quant(act[p]) @ w2[ids[p]].T`` for pair ``p = program_id(0)``, in y's dtype."""
+    """``y[p, n-tile] = quant(act[p]) @ w2[ids[p]].T`` for pair ``p = program_id(0)``, in y's dtype.
+
+    FUSED_SUM: then the ticket ``count[token, n-tile]`` (one per token and column tile, ``token = p //
+    TOP_K``); the last of the token's ``TOP_K`` programs of this tile to take it writes ``out[token,
+    n-tile] = sum_j topw[token * TOP_K + j] * y[token * TOP_K + j, n-tile]`` (float32, in pair order: the
+    arithmetic of ``_moe_sum_kernel``) and resets the ticket to 0."""
     pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -133,17 +145,52 @@ def _moe_pair_gemm2_fp8_kernel(
         acc += tl.dot(w, a) * a_s[None, :] * w_s[:, None]
     out = y_ptr + p.to(tl.int64) * stride_yt + offs_n[:, None] + offs_c[None, :] * 0
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & c_ok[None, :])
+    if FUSED_SUM:
+        tok = p // TOP_K
+        count = count_ptr + tok * tl.num_programs(1) + pid_n
+        tl.debug_barrier()  # every thread's part of the tile is written before the ticket is taken
+        ticket = tl.atomic_add(count, 1, sem="acq_rel")
+        if ticket == TOP_K - 1:
+            t = tok.to(tl.int64)
+            s = tl.zeros([BLOCK_N], tl.float32)
+            for j in tl.static_range(TOP_K):  # pair order, as _moe_sum_kernel
+                rw = tl.load(topw_ptr + t * TOP_K + j).to(tl.float32)
+                yj = tl.load(y_ptr + (t * TOP_K + j) * stride_yt + offs_n, mask=n_ok, other=0.0)
+                s += rw * yj.to(tl.float32)
+            tl.store(out_ptr + t * stride_ot + offs_n, s.to(out_ptr.dtype.element_ty), mask=n_ok)
+            tl.atomic_xchg(count, 0)  # reset for the next launch
 
 
-def pair_gemms_fp8(x, flat_ids, w13, w13_scale, w2, w2_scale, block, top_k, cfg) -> torch.Tensor:
-    """The two GEMMs of the pair path: ``x [T, H]`` (unit last stride), ``flat_ids [T * K]`` -> the
-    per-pair expert outputs ``y [T * K, H]`` in x.dtype (``cfg``: ``PN1``, ``PW1``, ``PS1`` for the first
-    GEMM's column tile, warps and stages, ``PN2``, ``PW2``, ``PS2`` for the second)."""
+def pair_experts_fp8(
+    x, flat_ids, flat_w, w13, w13_scale, w2, w2_scale, block, top_k, cfg, out, tickets=None
+) -> torch.Tensor:
+    """The pair path: ``x [T, H]`` (unit last stride), ``flat_ids`` / ``flat_w [T * K]`` -> ``out [T, H]``
+    (x.dtype), ``out[t] = sum_j flat_w[t * K + j] * y[t * K + j]`` over the per-pair expert outputs ``y``.
+
+    ``cfg``: ``PN1``, ``PW1``, ``PS1`` for the first GEMM's column tile, warps and stages, ``PN2``, ``PW2``,
+    ``PS2`` for the second; ``FUSED_SUM`` (default True): the second GEMM sums each token's pair rows
+    itself (per-(token, column tile) tickets: ``tickets``, int32 zeros the launch leaves zero, at least
+    ``T * ceil(H / PN2)`` of them, else zeros allocated here), otherwise a third launch
+    (``_moe_sum_kernel``) does, with the same arithmetic: the two agree bit for bit."""
     bn, bk = block
     num_pairs = flat_ids.numel()
-    hidden = x.shape[1]
+    num_tokens, hidden = x.shape
     inter = w13.shape[1] // 2
     dev = x.device
+    tiles = triton.cdiv(hidden, cfg["PN2"])
+    fused = bool(cfg.get("FUSED_SUM", True))
+    count = flat_ids  # unused without the fused sum
+    if fused:
+        need = num_tokens * tiles
+        if tickets is None:
+            count = torch.zeros((need,), dtype=torch.int32, device=dev)
+        elif tickets.numel() < need:
+            raise ValueError(
+                f"moe_experts_fp8 (triton): tickets holds {tickets.numel()} counters, the pair path needs "
+                f"{need} (T={num_tokens} x ceil(H={hidden} / PN2={cfg['PN2']}))"
+            )
+        else:
+            count = tickets
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=dev)
     _moe_pair_gemm1_fp8_kernel[(num_pairs, triton.cdiv(inter, cfg["PN1"]))](
         x_ptr=x, ids_ptr=flat_ids, w_ptr=w13, ws_ptr=w13_scale, act_ptr=act, H=hidden, inter=inter,
@@ -154,11 +201,12 @@ def pair_gemms_fp8(x, flat_ids, w13, w13_scale, w2, w2_scale, block, top_k, cfg)
         **launch_options(dev),
     )  # fmt: skip
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=dev)
-    _moe_pair_gemm2_fp8_kernel[(num_pairs, triton.cdiv(hidden, cfg["PN2"]))](
-        a_ptr=act, ids_ptr=flat_ids, w_ptr=w2, ws_ptr=w2_scale, y_ptr=y, H=hidden, inter=inter,
-        stride_at=act.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_se=w2_scale.stride(0),
-        stride_sn=w2_scale.stride(1), stride_yt=y.stride(0), EPS=ACT_SCALE_EPS, FMAX=FP8_MAX, BN_Q=bn,
-        GROUP=bk, BLOCK_N=cfg["PN2"], EVEN_K=inter % bk == 0, num_warps=cfg["PW2"], num_stages=cfg["PS2"],
-        **launch_options(dev),
+    _moe_pair_gemm2_fp8_kernel[(num_pairs, tiles)](
+        a_ptr=act, ids_ptr=flat_ids, w_ptr=w2, ws_ptr=w2_scale, y_ptr=y, topw_ptr=flat_w, out_ptr=out,
+        count_ptr=count, H=hidden, inter=inter, stride_at=act.stride(0), stride_we=w2.stride(0),
+        stride_wn=w2.stride(1), stride_se=w2_scale.stride(0), stride_sn=w2_scale.stride(1),
+        stride_yt=y.stride(0), stride_ot=out.stride(0), EPS=ACT_SCALE_EPS, FMAX=FP8_MAX, BN_Q=bn, GROUP=bk,
+        TOP_K=top_k, BLOCK_N=cfg["PN2"], EVEN_K=inter % bk == 0, FUSED_SUM=fused, num_warps=cfg["PW2"],
+        num_stages=cfg["PS2"], **launch_options(dev),
     )  # fmt: skip
-    return y
+    return out if fused else weighted_sum(y, flat_w, out, top_k)
