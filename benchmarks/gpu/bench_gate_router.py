@@ -3,7 +3,8 @@
 Shapes of Qwen3-Next-80B-A3B with the shared expert folded in: H = 2048, 512 routed experts + the shared
 gate row (router weight padded to 520 rows), top-10, T = 1, 2, 4, 8 tokens. Times are CUDA-graph replays
 (launch gaps removed), so they are what a graphed decode step pays per MoE layer; the fused launch's
-``block_e`` (router rows per program) and ``num_warps`` are swept. ``--out``: ``gate_router_h200.json``.
+``block_e`` (router rows per program) and ``num_warps`` are swept (``--quick``: only the defaults, the
+configuration the model runs; ``--tokens``: the token counts). ``--out``: ``gate_router_h200.json``.
 """
 
 from __future__ import annotations
@@ -24,17 +25,20 @@ H, E, ROWS, TOP_K = 2048, 512, 520, 10
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tokens", default="1,2,4,8", help="token counts, comma-separated (default 1,2,4,8)")
+    ap.add_argument("--quick", action="store_true", help="only the default block_e and num_warps")
     args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
     out = common.out_dir(args.out)
     device = common.require_cuda()
     ceil = common.ceilings(out, device)
     from atom_kernels.ops.moe import triton as moe
-    from atom_kernels.ops.moe.triton_gate_router import moe_gate_router
+    from atom_kernels.ops.moe.triton_gate_router import BLOCK_E, moe_gate_router
 
     w = torch.randn(ROWS, H, device=device, dtype=torch.bfloat16) * H**-0.5
     tickets = torch.zeros(1, dtype=torch.int32, device=device)
     rows = []
-    for t in (1, 2, 4, 8):
+    for t in tokens:
         x = torch.randn(t, H, device=device, dtype=torch.bfloat16)
         nbytes = (E + 1) * H * 2
 
@@ -45,8 +49,8 @@ def main() -> None:
         ms = common.time_ms(two_launches, graph=True)
         rows.append(common.row(bench="gate_router", case=f"T={t}", impl="cublas linear + moe_router", ms=ms,
                                ceil=ceil, nbytes=nbytes))  # fmt: skip
-        for block_e in (1, 2, 4, 8):
-            for warps in (2, 4, 8):
+        for block_e in (BLOCK_E,) if args.quick else (1, 2, 4, 8):
+            for warps in (4,) if args.quick else (2, 4, 8):
 
                 def fused(x=x, block_e=block_e, warps=warps):
                     return moe_gate_router(x, w, E, TOP_K, True, 1, tickets=tickets, block_e=block_e,

@@ -75,6 +75,15 @@ def _gate_router_kernel(
     tl.debug_barrier()  # every thread's logits are written before the ticket is taken
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
     if ticket == tl.num_programs(0) - 1:
+        tl.atomic_xchg(count_ptr, 0)  # every program has taken its ticket: reset for the next launch
+        row = TOP_K + NUM_SHARED  # output columns per token: routed, then shared
+        if NUM_SHARED > 0:  # the shared gate logit sits after the routed ones
+            gate = tl.sigmoid(tl.load(logits_ptr + offs_t * cols + num_experts, mask=t_ok, other=0.0))
+            for j in tl.static_range(NUM_SHARED):
+                tl.store(weights_ptr + offs_t * row + TOP_K + j, gate, mask=t_ok)
+                tl.store(
+                    ids_ptr + offs_t * row + TOP_K + j, (offs_t * 0 + num_experts + j).to(tl.int64), mask=t_ok
+                )
         offs = tl.arange(0, E_P2)
         routed = offs < num_experts
         lg = tl.load(
@@ -93,45 +102,33 @@ def _gate_router_kernel(
         lane = tl.broadcast_to(offs[None, :], [ROWS, E_P2])
         # Stage 1: expert (s * GROUPS + g) * LANES + l is [., s, g, l]; each round takes every group's
         # best key (reduced over s and l) and the highest index holding it, then marks that expert taken.
+        # Candidates are kept as key * 2^32 + index (int64: the same order as (key, index)).
         key4 = tl.reshape(key, [ROWS, SUB, GROUPS, LANES])
         lane4 = tl.reshape(lane, [ROWS, SUB, GROUPS, LANES])
         cslot = tl.arange(0, K_P2)[None, None, :]
-        cand_k = tl.full([ROWS, GROUPS, K_P2], INT32_MIN, tl.int32)
-        cand_i = tl.full([ROWS, GROUPS, K_P2], -1, tl.int32)
+        cand = tl.full([ROWS, GROUPS, K_P2], INT32_MIN * 2**32, tl.int64)
         for j in tl.static_range(TOP_K):
             v = tl.max(tl.max(key4, 1), 2)  # [ROWS, GROUPS]
             i = tl.max(tl.max(tl.where(key4 == v[:, None, :, None], lane4, -1), 1), 2)
-            cand_k = tl.where(cslot == j, v[:, :, None], cand_k)
-            cand_i = tl.where(cslot == j, i[:, :, None], cand_i)
+            cand = tl.where(cslot == j, ((v.to(tl.int64) << 32) | i.to(tl.int64))[:, :, None], cand)
             key4 = tl.where(lane4 == i[:, None, :, None], INT32_MIN, key4)
-        # Stage 2: a candidate's rank is the number of candidates ahead of it. The real candidates have
-        # distinct indices, so ranks 0 .. TOP_K - 1 name one each (there are >= TOP_K of them: a group
-        # yields min(TOP_K, its experts)); unfilled slots (INT32_MIN) rank after them.
-        ck = tl.reshape(cand_k, [ROWS, GROUPS * K_P2])
-        ci = tl.reshape(cand_i, [ROWS, GROUPS * K_P2])
-        a_k, a_i = ck[:, :, None], ci[:, :, None]
-        b_k, b_i = ck[:, None, :], ci[:, None, :]
-        rank = tl.sum(((b_k > a_k) | ((b_k == a_k) & (b_i > a_i))).to(tl.int32), 2)
+        # Stage 2: a candidate's rank is the number of candidates ahead of it. The real candidates are
+        # distinct, so ranks 0 .. TOP_K - 1 name one each (there are >= TOP_K of them: a group yields
+        # min(TOP_K, its experts)); unfilled slots and exhausted groups' picks (INT32_MIN) rank after them.
+        c = tl.reshape(cand, [ROWS, GROUPS * K_P2])
+        rank = tl.sum((c[:, None, :] > c[:, :, None]).to(tl.int32), 2)
         slots = tl.arange(0, K_P2)
         at = rank[:, :, None] == slots[None, None, :]  # [ROWS, candidates, slots]
-        top_key = tl.max(tl.where(at, a_k, INT32_MIN), 1)
-        top_i = tl.max(tl.where(at, a_i, -1), 1).to(tl.int64)
+        best = tl.max(tl.where(at, c[:, :, None], INT32_MIN * 2**32), 1)  # [ROWS, slots]
+        top_i = best & 0xFFFFFFFF
+        top_key = (best >> 32).to(tl.int32)
         top_w = tl.where(top_key >= 0, top_key.to(tl.float32, bitcast=True), float("nan"))
         if RENORM:
             top_w = top_w / tl.sum(tl.where(slots[None, :] < TOP_K, top_w, 0.0), 1)[:, None]
-        row = TOP_K + NUM_SHARED  # output columns per token: routed, then shared
         out = offs_t[:, None] * row + slots[None, :]
         keep = t_ok[:, None] & (slots < TOP_K)[None, :]
         tl.store(weights_ptr + out, top_w, mask=keep)
         tl.store(ids_ptr + out, top_i, mask=keep)
-        if NUM_SHARED > 0:  # the shared gate logit sits after the routed ones
-            gate = tl.sigmoid(tl.load(logits_ptr + offs_t * cols + num_experts, mask=t_ok, other=0.0))
-            for j in tl.static_range(NUM_SHARED):
-                tl.store(weights_ptr + offs_t * row + TOP_K + j, gate, mask=t_ok)
-                tl.store(
-                    ids_ptr + offs_t * row + TOP_K + j, (offs_t * 0 + num_experts + j).to(tl.int64), mask=t_ok
-                )
-        tl.atomic_xchg(count_ptr, 0)  # reset for the next launch
 
 
 def moe_gate_router(
