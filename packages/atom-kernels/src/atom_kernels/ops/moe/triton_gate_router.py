@@ -172,7 +172,7 @@ def moe_gate_router(
     logits = torch.empty((num_tokens, cols), dtype=torch.float32, device=x.device)
     rows = max(2, triton.next_power_of_2(num_tokens))
     e_p2 = triton.next_power_of_2(num_experts)
-    lanes = min(32, e_p2)
+    lanes = min(32, e_p2)  # the top-k's stage-1 groups: one per warp, LANES x SUB experts each
     groups = min(num_warps, e_p2 // lanes)
     _gate_router_kernel[(triton.cdiv(cols, block_e),)](
         x_ptr=x, w_ptr=gate_weight, logits_ptr=logits, weights_ptr=weights, ids_ptr=ids, count_ptr=tickets,
