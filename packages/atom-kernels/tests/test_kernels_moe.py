@@ -165,6 +165,46 @@ def test_moe_gate_router_nan_token(impl, tol, device):
     assert_close(weights[:1], clean_w, tol("moe_router", torch.float32), "the other token's weights")
 
 
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "num_shared"), [(12, 4, 1), (60, 10, 0), (60, 10, 1), (100, 10, 1), (512, 10, 1)]
+)
+@pytest.mark.parametrize("num_tokens", [1, 2])
+@pytest.mark.parametrize("nan_token", [False, True])
+def test_moe_gate_router_ranks_as_router(impl, device, num_experts, top_k, num_shared, num_tokens, nan_token):
+    """The fused launch ranks exactly as ``moe_router`` on the same logits: the same ids, weights bit for
+    bit. Token t's hidden state is the unit vector e_t, so its logits are exactly column t of the weight
+    (float32: one product by 1, the others by 0). Column 0: multiples of 0.5 (exact ties, also across the
+    top_k boundary) and neighbouring float32 values around 0.01 (distinct logits, equal probabilities);
+    column 1: three logits near 0 and -1e30 elsewhere (fewer than top_k nonzero probabilities: ties at 0).
+    ``nan_token``: the last token's hidden state holds a NaN (a NaN row: NaN weights, distinct ids)."""
+    fn = impl("moe_gate_router", torch.float32)
+    router = impl("moe_router", torch.float32)
+    cols = num_experts + (1 if num_shared else 0)
+    hidden = 16
+    gen = torch.Generator().manual_seed(num_experts + top_k)
+    w = torch.full((cols + 3, hidden), float("nan"))  # rows past the router's columns: never read
+    w[:cols] = torch.randn(cols, hidden, generator=gen)
+    w[:cols, 0] = torch.randint(-3, 4, (cols,), generator=gen).float() * 0.5
+    near = torch.arange(min(8, num_experts))
+    w[near * 5 % num_experts, 0] = (
+        torch.nextafter(torch.full((len(near),), 0.01), torch.tensor(1.0)) + near * 1e-9
+    )
+    w[:cols, 1] = -1e30
+    w[[1, num_experts // 2, num_experts - 1], 1] = torch.tensor([0.0, 0.25, 0.0])
+    x = torch.zeros(num_tokens, hidden)
+    x[torch.arange(num_tokens), torch.arange(num_tokens)] = 1.0
+    if nan_token:
+        x[-1, hidden - 1] = float("nan")
+    logits = torch.where(x.isnan().any(1, keepdim=True), float("nan"), w[:cols, :num_tokens].T)
+    x, w, logits = x.to(device), w.to(device), logits.contiguous().to(device)
+    weights, ids = fn(x, w, num_experts, top_k, True, num_shared)
+    want_w, want_ids = router(logits, top_k, True, num_shared)
+    assert torch.equal(ids.cpu(), want_ids.cpu()), f"ids {ids.tolist()} != moe_router's {want_ids.tolist()}"
+    torch.testing.assert_close(weights, want_w, rtol=0.0, atol=0.0, equal_nan=True)
+    nan_rows = weights[:, :top_k].isnan().all(1).tolist()
+    assert nan_rows == [nan_token and t == num_tokens - 1 for t in range(num_tokens)], f"NaN rows {nan_rows}"
+
+
 def test_moe_gate_router_bad_inputs(impl, device):
     fn = impl("moe_gate_router", torch.float32)
     x, w = torch.randn(2, 16, device=device), torch.randn(8, 16, device=device)

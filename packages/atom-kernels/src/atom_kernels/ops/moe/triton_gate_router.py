@@ -1,15 +1,24 @@
 """Triton ``moe_gate_router``: the MoE router's Linear and the softmax top-k in one launch at decode sizes.
 
 At ``T <= FUSED_MAX_T`` tokens (a batch-1 decode or k = 1 verify), ``_gate_router_kernel`` runs over
-column tiles of the router weight: program ``p`` computes the logits of ``BLOCK_E`` router rows for every token (float32 products and sums over
-``H``, rounded to x.dtype as a Linear's output) and writes them to a float32 scratch ``[T, C]``; the last
-program to take the grid-wide ticket (which it returns to 0) routes all tokens at once: softmax over the
-``E`` routed columns, ``top_k`` rounds of argmax, renormalisation, and the shared columns
-(``sigmoid(logit E)``, ids ``E .. E + m - 1``): the rules of :func:`~atom_kernels.ops.moe.triton.moe_router`
-(NaN ranks as -inf, exact ties go to the higher index), one max reduction per round on a packed
-(probability, index) key. Each program holds its weight rows in registers (the whole row at the 80B
-model's H = 2048) and reads them once for all tokens; the router's weight is read once by ``C / BLOCK_E``
-programs in one launch where a cuBLAS GEMM and the separate router kernel take two.
+column tiles of the router weight: program ``p`` computes the logits of ``BLOCK_E`` router rows for every
+token (float32 products and sums over ``H``, rounded to x.dtype as a Linear's output) and writes them to a
+float32 scratch ``[T, C]``; the last program to take the grid-wide ticket (which it returns to 0) routes
+all tokens at once: softmax over the ``E`` routed columns, the top ``top_k``, renormalisation, and the
+shared columns (``sigmoid(logit E)``, ids ``E .. E + m - 1``), with the results of
+:func:`~atom_kernels.ops.moe.triton.moe_router` (NaN ranks as -inf, exact ties go to the higher index).
+Each program holds its weight rows in registers (the whole row at the 80B model's H = 2048) and reads them
+once for all tokens; the router's weight is read once by ``C / BLOCK_E`` programs in one launch where a
+cuBLAS GEMM and the separate router kernel take two.
+
+The top-k ranks experts by an int32 key (the bits of the probability; -1 for NaN) and then by the higher
+index, in two stages. Stage 1 splits the experts into ``GROUPS`` groups (one per warp, matching the layout
+Triton gives the softmax: lane ``l`` of warp ``g`` holds experts ``(s * GROUPS + g) * 32 + l``), and takes
+``top_k`` rounds of (max key, then max index at that key) inside each group: warp reductions without
+shared memory or barriers. The top ``top_k`` of all experts lie among these ``GROUPS * top_k`` candidates;
+stage 2 ranks each candidate by the number of candidates ahead of it (one comparison matrix and one sum),
+so that slot ``j`` takes the candidate of rank ``j``. The weights are the probabilities of the chosen
+experts, renormalised as in ``moe_router``.
 
 Larger ``T``: the Linear (``torch.nn.functional.linear``, all ``R`` rows so that the output rows stay
 aligned) and :func:`~atom_kernels.ops.moe.triton.moe_router`. No host synchronisation (CUDA-graph safe).
@@ -32,6 +41,7 @@ from atom_kernels.ops.moe.triton import moe_router
 FUSED_MAX_T = 2
 BLOCK_E = 2  # router rows per program (fastest or within 0.3 us of the sweep's best at T = 1, 2)
 MAX_TILE = 4096  # weight elements a program holds in registers per step: the whole row at H = 2048
+INT32_MIN = tl.constexpr(-(2**31))  # rank key of padding lanes and taken experts
 
 
 @triton.jit
@@ -39,7 +49,7 @@ def _gate_router_kernel(
     x_ptr, w_ptr, logits_ptr, weights_ptr, ids_ptr, count_ptr, T, H, cols, num_experts, stride_x, stride_w,
     TOP_K: tl.constexpr, RENORM: tl.constexpr, NUM_SHARED: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SUB: tl.constexpr, GROUPS: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Logits of router rows ``[pid * BLOCK_E, +BLOCK_E)`` for tokens ``0 .. T - 1`` (``T <= ROWS``), then,
     in the last program to arrive, the routing of every token (module docstring)."""
@@ -65,6 +75,15 @@ def _gate_router_kernel(
     tl.debug_barrier()  # every thread's logits are written before the ticket is taken
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
     if ticket == tl.num_programs(0) - 1:
+        tl.atomic_xchg(count_ptr, 0)  # every program has taken its ticket: reset for the next launch
+        row = TOP_K + NUM_SHARED  # output columns per token: routed, then shared
+        if NUM_SHARED > 0:  # the shared gate logit sits after the routed ones
+            gate = tl.sigmoid(tl.load(logits_ptr + offs_t * cols + num_experts, mask=t_ok, other=0.0))
+            for j in tl.static_range(NUM_SHARED):
+                tl.store(weights_ptr + offs_t * row + TOP_K + j, gate, mask=t_ok)
+                tl.store(
+                    ids_ptr + offs_t * row + TOP_K + j, (offs_t * 0 + num_experts + j).to(tl.int64), mask=t_ok
+                )
         offs = tl.arange(0, E_P2)
         routed = offs < num_experts
         lg = tl.load(
@@ -76,40 +95,40 @@ def _gate_router_kernel(
         m = tl.max(lg, 1)
         p = tl.exp(lg - m[:, None])
         p = p / tl.sum(p, 1)[:, None]
-        # One max per round: key = (bits of p) << 32 | expert, monotonic in p for p >= 0, ties to the
-        # higher index; NaN ranks below every number (key = expert - 2^32, still the higher index
-        # first) and taken experts and padding lanes below all (the rules of moe_router's kernel: the ids
-        # stay distinct in [0, E), a NaN row keeps NaN weights).
-        lane = offs[None, :].to(tl.int64)
-        bits = p.to(tl.int32, bitcast=True).to(tl.int64)
-        key = tl.where(p == p, (bits << 32) | lane, lane - (1 << 32))
-        taken = -(1 << 62)
-        key = tl.where(routed[None, :], key, taken)
-        slots = tl.arange(0, K_P2)
-        top_w = tl.zeros([ROWS, K_P2], tl.float32)
-        top_i = tl.zeros([ROWS, K_P2], tl.int64)
+        # Rank key (int32): the bits of p (monotonic in p for p >= 0), -1 for NaN (below every number),
+        # INT32_MIN for padding lanes and taken experts (below all); equal keys rank the higher index first.
+        key = tl.where(p == p, p.to(tl.int32, bitcast=True), -1)
+        key = tl.where(routed[None, :], key, INT32_MIN)
+        lane = tl.broadcast_to(offs[None, :], [ROWS, E_P2])
+        # Stage 1: expert (s * GROUPS + g) * LANES + l is [., s, g, l]; each round takes every group's
+        # best key (reduced over s and l) and the highest index holding it, then marks that expert taken.
+        # Candidates are kept as key * 2^32 + index (int64: the same order as (key, index)).
+        key4 = tl.reshape(key, [ROWS, SUB, GROUPS, LANES])
+        lane4 = tl.reshape(lane, [ROWS, SUB, GROUPS, LANES])
+        cslot = tl.arange(0, K_P2)[None, None, :]
+        cand = tl.full([ROWS, GROUPS, K_P2], INT32_MIN * 2**32, tl.int64)
         for j in tl.static_range(TOP_K):
-            best = tl.max(key, 1)
-            i = best & 0xFFFFFFFF
-            w = tl.where(best >= 0, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), float("nan"))
-            top_w = tl.where(slots[None, :] == j, w[:, None], top_w)
-            top_i = tl.where(slots[None, :] == j, i[:, None], top_i)
-            key = tl.where(lane == i[:, None], taken, key)
+            v = tl.max(tl.max(key4, 1), 2)  # [ROWS, GROUPS]
+            i = tl.max(tl.max(tl.where(key4 == v[:, None, :, None], lane4, -1), 1), 2)
+            cand = tl.where(cslot == j, ((v.to(tl.int64) << 32) | i.to(tl.int64))[:, :, None], cand)
+            key4 = tl.where(lane4 == i[:, None, :, None], INT32_MIN, key4)
+        # Stage 2: a candidate's rank is the number of candidates ahead of it. The real candidates are
+        # distinct, so ranks 0 .. TOP_K - 1 name one each (there are >= TOP_K of them: a group yields
+        # min(TOP_K, its experts)); unfilled slots and exhausted groups' picks (INT32_MIN) rank after them.
+        c = tl.reshape(cand, [ROWS, GROUPS * K_P2])
+        rank = tl.sum((c[:, None, :] > c[:, :, None]).to(tl.int32), 2)
+        slots = tl.arange(0, K_P2)
+        at = rank[:, :, None] == slots[None, None, :]  # [ROWS, candidates, slots]
+        best = tl.max(tl.where(at, c[:, :, None], INT32_MIN * 2**32), 1)  # [ROWS, slots]
+        top_i = best & 0xFFFFFFFF
+        top_key = (best >> 32).to(tl.int32)
+        top_w = tl.where(top_key >= 0, top_key.to(tl.float32, bitcast=True), float("nan"))
         if RENORM:
             top_w = top_w / tl.sum(tl.where(slots[None, :] < TOP_K, top_w, 0.0), 1)[:, None]
-        row = TOP_K + NUM_SHARED  # output columns per token: routed, then shared
         out = offs_t[:, None] * row + slots[None, :]
         keep = t_ok[:, None] & (slots < TOP_K)[None, :]
         tl.store(weights_ptr + out, top_w, mask=keep)
         tl.store(ids_ptr + out, top_i, mask=keep)
-        if NUM_SHARED > 0:  # the shared gate logit sits after the routed ones
-            gate = tl.sigmoid(tl.load(logits_ptr + offs_t * cols + num_experts, mask=t_ok, other=0.0))
-            for j in tl.static_range(NUM_SHARED):
-                tl.store(weights_ptr + offs_t * row + TOP_K + j, gate, mask=t_ok)
-                tl.store(
-                    ids_ptr + offs_t * row + TOP_K + j, (offs_t * 0 + num_experts + j).to(tl.int64), mask=t_ok
-                )
-        tl.atomic_xchg(count_ptr, 0)  # reset for the next launch
 
 
 def moe_gate_router(
@@ -152,12 +171,16 @@ def moe_gate_router(
         tickets = torch.zeros(1, dtype=torch.int32, device=x.device)
     logits = torch.empty((num_tokens, cols), dtype=torch.float32, device=x.device)
     rows = max(2, triton.next_power_of_2(num_tokens))
+    e_p2 = triton.next_power_of_2(num_experts)
+    lanes = min(32, e_p2)  # the top-k's stage-1 groups: one per warp, LANES x SUB experts each
+    groups = min(num_warps, e_p2 // lanes)
     _gate_router_kernel[(triton.cdiv(cols, block_e),)](
         x_ptr=x, w_ptr=gate_weight, logits_ptr=logits, weights_ptr=weights, ids_ptr=ids, count_ptr=tickets,
         T=num_tokens, H=hidden, cols=cols, num_experts=num_experts, stride_x=x.stride(0),
         stride_w=gate_weight.stride(0), TOP_K=top_k, RENORM=bool(renormalize), NUM_SHARED=num_shared,
         ROWS=rows, BLOCK_E=block_e, BLOCK_H=min(triton.next_power_of_2(hidden), MAX_TILE // block_e),
-        E_P2=triton.next_power_of_2(num_experts), K_P2=triton.next_power_of_2(top_k), num_warps=num_warps,
+        E_P2=e_p2, K_P2=triton.next_power_of_2(top_k), SUB=e_p2 // (groups * lanes), GROUPS=groups,
+        LANES=lanes, num_warps=num_warps,
         **launch_options(x.device),
     )  # fmt: skip
     return weights, ids
