@@ -32,3 +32,13 @@ def float32_engine(
         num_speculative_tokens=k, cuda_graphs=graphs, **{"max_model_len": 256, "max_num_seqs": 8, **kw}
     )
     return LLMEngine.from_pretrained(model_dir, cfg, dtype=torch.float32, device=device)
+
+
+def greedy_mismatch(results, cases) -> str | None:
+    """The first case whose output differs from ``greedy.json``'s, as ``"case i: first mismatch at token
+    j (reference margin m)"``; None when every output equals its reference."""
+    for i, (r, c) in enumerate(zip(results, cases)):
+        if r.output_ids != c["greedy_ids"]:
+            j = next(j for j, (a, b) in enumerate(zip(r.output_ids, c["greedy_ids"])) if a != b)
+            return f"case {i}: first mismatch at token {j} (reference margin {c['top1_margin'][j]:.4f})"
+    return None

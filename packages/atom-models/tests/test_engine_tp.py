@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import greedy_mismatch
 from atom_models.engine import EngineConfig, LLMEngine, SamplingParams
 from atom_models.engine.tp_launch import RankFailed, TPRun, launch
 
@@ -82,13 +83,9 @@ def test_tp2_greedy_reproduces_the_reference(tp2, greedy_cases, k):
     cases = greedy_cases["cases"]
     for rank, runs in enumerate(tp2):
         results, _ = runs[KS.index(k)]
-        for i, (r, c) in enumerate(zip(results, cases)):
-            if r.output_ids != c["greedy_ids"]:
-                j = next(j for j, (a, b) in enumerate(zip(r.output_ids, c["greedy_ids"])) if a != b)
-                pytest.fail(
-                    f"TP=2 rank {rank} k={k} case {i}: first mismatch at token {j} "
-                    f"(reference margin {c['top1_margin'][j]:.4f})"
-                )
+        mismatch = greedy_mismatch(results, cases)
+        if mismatch:
+            pytest.fail(f"TP=2 rank {rank} k={k} {mismatch}")
         if k:
             drafts = sum(r.stats.num_drafts for r in results)
             accepted = sum(r.stats.num_accepted_tokens for r in results)

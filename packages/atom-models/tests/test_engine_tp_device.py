@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from _helpers import greedy_mismatch
 from atom_models.engine import EngineConfig, LLMEngine, SamplingParams
 from atom_models.engine.tp_launch import TPRun, generate_tp
 
@@ -68,13 +69,9 @@ def tp2(model_dir, greedy_cases, prompts):
 def test_tp2_on_gpus_reproduces_the_float32_reference(tp2, greedy_cases, k):
     for rank, runs in enumerate(tp2):
         results, _ = runs[KS.index(k)]
-        for i, (r, c) in enumerate(zip(results, greedy_cases["cases"])):
-            if r.output_ids != c["greedy_ids"]:
-                j = next(j for j, (a, b) in enumerate(zip(r.output_ids, c["greedy_ids"])) if a != b)
-                pytest.fail(
-                    f"TP=2 ({_backend()}) rank {rank} k={k} case {i}: first mismatch at token {j} "
-                    f"(reference margin {c['top1_margin'][j]:.4f})"
-                )
+        mismatch = greedy_mismatch(results, greedy_cases["cases"])
+        if mismatch:
+            pytest.fail(f"TP=2 ({_backend()}) rank {rank} k={k} {mismatch}")
 
 
 def test_tp2_on_gpus_bucketed_steps_reproduce_the_reference(tp2, greedy_cases):
