@@ -36,9 +36,9 @@ from atom_kernels.ops.moe.checks import check_moe_gate_router
 from atom_kernels.ops.moe.triton import moe_router
 
 # The fused launch's largest token count. H200, 80B router (2048 x 513, top-10), CUDA graphs
-# (gate_router_h200.json): fused 7.5 / 7.9 / 11.1 / 18.0 us at T = 1 / 2 / 4 / 8 against 9.4-9.6 us for
-# cuBLAS + moe_router: every program multiplies all T rows, so past T = 2 the two launches win.
-FUSED_MAX_T = 2
+# (gate_router_h200.json): fused 5.5 / 6.1 / 8.9 / 14.8 us at T = 1 / 2 / 4 / 8 against 9.6-9.8 us for
+# cuBLAS + moe_router: every program multiplies all T rows, so past T = 4 the two launches win.
+FUSED_MAX_T = 4
 BLOCK_E = 2  # router rows per program (fastest or within 0.3 us of the sweep's best at T = 1, 2)
 MAX_TILE = 4096  # weight elements a program holds in registers per step: the whole row at H = 2048
 INT32_MIN = tl.constexpr(-(2**31))  # rank key of padding lanes and taken experts
