@@ -57,6 +57,23 @@ def test_rms_norm_residual(impl, tol, device, dtype):
     assert_close(y, rms_oracle(h, 1e-6) * (1 + w.double().cpu()), tol("rms_norm", dtype), "rms_norm residual")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_strided_heads(impl, device, dtype):
+    """``[T, H, D]`` views as the attention layer passes them (the query half of ``[T, Hq, 2D]`` and ``k`` of
+    a fused q/k/v projection's output: row strides > H * D, NaN around them), for T = 1, 3, 65: exactly the
+    contiguous call's output."""
+    fn = impl("rms_norm", dtype)
+    w = randn(64, seed=15, dtype=torch.float32, device=device, scale=0.1)
+    for t in (1, 3, 65):
+        qg = randn(t, 4 * 128, seed=16, dtype=dtype, device=device, scale=2.0)
+        q = row_strided(qg).unflatten(1, (4, 128))[..., :64]
+        assert q.stride()[1:] == (128, 1) and (t == 1 or q.stride(0) == 4 * 128 + 10)
+        assert torch.equal(fn(q, w, 1e-6), fn(q.contiguous(), w, 1e-6)), f"T={t}: query half"
+        k = randn(t, 2 * 64, seed=17, dtype=dtype, device=device, scale=2.0)
+        ks = row_strided(k).unflatten(1, (2, 64))
+        assert torch.equal(fn(ks, w, 1e-6), fn(k.view(t, 2, 64), w, 1e-6)), f"T={t}: row-strided k"
+
+
 def test_rms_norm_matches_transformers(impl, tol, device):
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 

@@ -147,7 +147,7 @@ def test_fp8_checkpoint_generates_as_when_built_in_the_model_dtype(fp8_dir, gree
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ec = EngineConfig(num_speculative_tokens=k, cuda_graphs=False, **ENGINE)
     meta = LLMEngine.from_pretrained(fp8_dir, ec, dtype=torch.float32)
-    assert isinstance(meta.target.model.layers[3].self_attn.q_proj, Fp8Linear)
+    assert isinstance(meta.target.model.layers[3].self_attn.qkv_proj, Fp8Linear)
     got = [r.output_ids for r in meta.generate(prompts, params)]
     eager = LLMEngine(meta.config, ec, dtype=torch.float32)
     _eager_models(eager, fp8_dir)

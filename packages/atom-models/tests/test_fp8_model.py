@@ -96,7 +96,7 @@ def test_fp8_weights_stay_fp8(fp8_dir, kernels32):
     load_target(target, fp8_dir)
     load_mtp(mtp, fp8_dir)
     layer = target.model.layers[3]
-    assert isinstance(layer.self_attn.q_proj, Fp8Linear) and layer.self_attn.q_proj.weight.dtype == E4M3
+    assert isinstance(layer.self_attn.qkv_proj, Fp8Linear) and layer.self_attn.qkv_proj.weight.dtype == E4M3
     assert isinstance(layer.mlp.experts, Fp8Experts) and layer.mlp.experts.w13.dtype == E4M3
     assert isinstance(layer.mlp.shared_expert.gate_up_proj, Fp8Linear)  # Is = 2 I: not folded in
     for kept in (layer.mlp.gate, layer.mlp.shared_expert_gate, target.model.layers[0].linear_attn.in_proj_ba,

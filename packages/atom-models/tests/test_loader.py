@@ -113,9 +113,10 @@ def test_loads_stacked_experts_and_fused_rows(model_dir, kernels32):
         shared[shared.shape[0] // 2 :], tensor("model.layers.2.mlp.shared_expert.up_proj.weight")
     )
     # mtp.layers.0 lands in the layer with absolute index num_hidden_layers (4)
-    assert torch.equal(
-        mtp.layers["4"].self_attn.q_proj.weight, tensor("mtp.layers.0.self_attn.q_proj.weight")
-    )
+    # q_proj / k_proj / v_proj are the rows [q | k | v] of the fused qkv_proj
+    qkv = mtp.layers["4"].self_attn.qkv_proj.weight
+    q, k, v = (tensor(f"mtp.layers.0.self_attn.{p}_proj.weight") for p in "qkv")
+    assert q.shape[0] != k.shape[0] and torch.equal(qkv, torch.cat([q, k, v]))
     assert torch.equal(mtp.fc.weight, tensor("mtp.fc.weight"))
 
 

@@ -267,13 +267,24 @@ def test_fp8_rank_slices_equal_tp1_slices(model_dir, kernels32, tmp_path):
     assert len(fp8) > 20
     for n in fp8:
         assert ranks[0][n].numel() * TP == full[n].numel(), n
-    # attention q_proj: rows by head; experts: gate rows, up rows, down columns; shared expert down columns
-    q = "model.layers.3.self_attn.q_proj.weight"
+    # attention qkv_proj: q rows by query head, k / v rows by KV head (with their own block-scale rows);
+    # experts: gate rows, up rows, down columns; shared expert down columns
+    qkv = "model.layers.3.self_attn.qkv_proj.weight"
     w13, w2 = "model.layers.1.mlp.experts.w13", "model.layers.1.mlp.experts.w2"
     down = "model.layers.2.mlp.shared_expert.down_proj.weight"
     for r, p in enumerate(ranks):
         u8 = lambda t: t.view(torch.uint8)  # noqa: E731
-        assert torch.equal(u8(p[q]), u8(full[q][r * 512 : (r + 1) * 512]))
+        rows = [
+            (r * 512, (r + 1) * 512),
+            (1024 + r * 128, 1024 + (r + 1) * 128),
+            (1280 + r * 128, 1280 + (r + 1) * 128),
+        ]
+        assert torch.equal(u8(p[qkv]), u8(torch.cat([full[qkv][s:e] for s, e in rows])))
+        # TP=1's scale rows: [q 8 | k 2 | v 2] blocks of 128 rows
+        scale_rows = [(r * 4, (r + 1) * 4), (8 + r, 9 + r), (10 + r, 11 + r)]
+        assert torch.equal(
+            p[qkv + "_scale_inv"], torch.cat([full[qkv + "_scale_inv"][s:e] for s, e in scale_rows])
+        )
         i = full[w13].shape[1] // 2
         h = i // TP
         want = torch.cat([full[w13][:, r * h : (r + 1) * h], full[w13][:, i + r * h : i + (r + 1) * h]], 1)

@@ -2,10 +2,10 @@
 
 Everything is validated from the safetensors headers first (missing, unexpected and mis-shaped tensors
 are collected into ONE :class:`CheckpointError`); then tensors are streamed one at a time (``safe_open``)
-straight into the parameters (stacked experts and fused gate/up rows are written in place, no second
-full copy). The renames/fuses/stacks, and the part-major regrouping of the GDN input projections' rows
-(with their FP8 block scales), come from :mod:`atom_models.weight_map`; a MoE block with the shared expert
-folded in gets that expert's tensors as slices of its stacked experts and the shared gate row as the
+straight into the parameters (stacked experts and fused gate/up and q/k/v rows are written in place, no
+second full copy). The renames/fuses/stacks, and the part-major regrouping of the GDN input projections'
+rows (with their FP8 block scales), come from :mod:`atom_models.weight_map`; a MoE block with the shared
+expert folded in gets that expert's tensors as slices of its stacked experts and the shared gate row as the
 router's last row (:mod:`atom_models.folded_shared`). The plan's types are in :mod:`atom_models.load_plan`.
 
 FP8 block-quantised checkpoints (``quantization_config.quant_method: fp8``): by default the weights stay
@@ -51,7 +51,7 @@ from atom_models.modules import Fp8Linear, Linear
 from atom_models.moe import Experts, Fp8Experts
 from atom_models.parallel import slices
 from atom_models.parallel.layout import TPLayout
-from atom_models.parallel.shard import check_fp8_shard
+from atom_models.parallel.shard import COLUMN, check_fp8_shard
 from atom_models.weight_map import LM_HEAD, Target, group_parts, map_name
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -188,14 +188,39 @@ def convert_fp8_modules(module: nn.Module, scope: Scope, quant, kernels) -> list
     return converted
 
 
-def _dest_view(param: torch.Tensor, t: Target) -> torch.Tensor:
+def _part_rows(module: nn.Module, pname: str, t: Target, scale: bool) -> tuple[int, ...] | None:
+    """The row counts of the ``t.shard`` parts of parameter ``pname`` when its module is a fused
+    column-parallel linear with that many parts (``LinearShard.local_parts``; its FP8 block scales'
+    ``ceil(rows / block)`` per part when ``scale``), else None (equal blocks)."""
+    if t.shard is None:
+        return None
+    owner = module.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else module
+    shard = getattr(owner, "shard", None)
+    if not isinstance(owner, (Linear, Fp8Linear)) or shard is None or shard.kind != COLUMN:
+        return None
+    if len(shard.parts) != t.shard[1]:
+        return None
+    rows = shard.local_parts
+    if scale:
+        bn = owner.block[0]
+        rows = tuple(-(-n // bn) for n in rows)
+    return rows
+
+
+def _dest_view(param: torch.Tensor, t: Target, part_rows: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``param[t.expert]``, then its ``t.shard`` part: rows ``part_rows`` (see :func:`_part_rows`) or
+    equal blocks."""
     view = param
     if t.expert is not None:
         view = view[t.expert]
     if t.shard is not None:
         part, parts = t.shard
-        rows = view.shape[0] // parts
-        view = view[part * rows : (part + 1) * rows]
+        if part_rows is None:
+            rows = view.shape[0] // parts
+            view = view[part * rows : (part + 1) * rows]
+        else:
+            start = sum(part_rows[:part])
+            view = view[start : start + part_rows[part]]
     return view
 
 
@@ -285,7 +310,9 @@ def _plan(
                         f"unexpected tensor {name} in {fname} (no parameter of the {what} takes it)"
                     )
                     continue
-                view = _dest_view(params[target.param], target)
+                view = _dest_view(
+                    params[target.param], target, _part_rows(module, target.param, target, False)
+                )
                 shape = tuple(f.get_slice(name).get_shape())
                 full = slices.full_shape(target.tp, tuple(view.shape), layout, config)
                 if shape != full:
@@ -305,7 +332,8 @@ def _plan(
                     used_scales.add(copy.scale)
                     sparam = target.param + SCALE_SUFFIX
                     if fp8_dest:
-                        copy.scale_view = _dest_view(all_params[sparam], target)
+                        scale_rows = _part_rows(module, target.param, target, True)
+                        copy.scale_view = _dest_view(all_params[sparam], target, scale_rows)
                     want = tuple(copy.scale_view.shape) if fp8_dest else None
                     copy.scale_pieces = slices.scale_pieces(
                         target.param.rsplit(".", 1)[0], copy.pieces, fp8_block, layout.world_size

@@ -3,7 +3,9 @@
 Names are relative to a *scope*: ``model.`` for the target trunk, ``mtp.`` for the MTP head (whose
 ``mtp.layers.j`` become ``layers.{num_hidden_layers + j}``). ``{layer}`` and ``{expert}`` are integers.
 A rule writes the whole checkpoint tensor into ``param`` or, with ``expert``, into ``param[expert]``,
-and with ``shard=(i, n)`` into the i-th of n equal row blocks (dim 0) of that.
+and with ``shard=(i, n)`` into the i-th of n row blocks (dim 0) of that: the i-th part of a fused linear
+(its ``LinearShard.local_parts``; FP8 block scales: ``ceil(rows / block)`` scale rows per part, as
+:class:`~atom_models.modules.Fp8Linear` holds them), equal blocks otherwise (stacked experts).
 
 The ``tp`` column says which part of the checkpoint tensor tensor-parallel rank r reads (the parameter
 holds only that part; the loader reads it with ``get_slice``):
@@ -42,7 +44,7 @@ REGROUPS = (GDN_QKVZ, GDN_BA)
 class Rule:
     src: str  # checkpoint name template (relative to the scope)
     dst: str  # parameter name template (relative to the module's scope)
-    shard: tuple[int, int] | None = None  # (part, parts) of dim 0 of the destination (after expert indexing)
+    shard: tuple[int, int] | None = None  # (part, parts) of dim 0 of the destination (module docstring)
     tp: str | None = None  # what rank r reads of the checkpoint tensor (module docstring); None: all of it
     regroup: str | None = None  # row layout transform of the rank's part (module docstring); None: as read
 
@@ -63,11 +65,12 @@ RULES: tuple[Rule, ...] = (
     # --- decoder layer norms ------------------------------------------------------------------------------
     Rule(_L + "input_layernorm.weight", _L + "input_layernorm.weight"),
     Rule(_L + "post_attention_layernorm.weight", _L + "post_attention_layernorm.weight"),
-    # --- gated full attention (q_proj keeps HF's per-head [query | gate] packing: a head's rows are
-    #     contiguous); o_proj's bias is added once, on rank 0 ------------------------------------------------
+    # --- gated full attention: q_proj / k_proj / v_proj fused into qkv_proj's rows [q | k | v] (q keeps
+    #     HF's per-head [query | gate] packing: a head's rows are contiguous); o_proj's bias is added once,
+    #     on rank 0 ----------------------------------------------------------------------------------------
     *(
-        Rule(_L + f"self_attn.{p}_proj.{w}", _L + f"self_attn.{p}_proj.{w}", tp=tp)
-        for p, tp in (("q", ROWS), ("k", KV_ROWS), ("v", KV_ROWS))
+        Rule(_L + f"self_attn.{p}_proj.{w}", _L + f"self_attn.qkv_proj.{w}", shard=(i, 3), tp=tp)
+        for i, (p, tp) in enumerate((("q", ROWS), ("k", KV_ROWS), ("v", KV_ROWS)))
         for w in ("weight", "bias")
     ),
     Rule(_L + "self_attn.o_proj.weight", _L + "self_attn.o_proj.weight", tp=COLS),

@@ -25,9 +25,11 @@ def _rms_norm_kernel(
     y_ptr,
     h_ptr,
     num_rows,
+    inner,
     H,
     eps,
-    stride_x,
+    s_xa,
+    s_xb,
     stride_r,
     stride_y,
     stride_h,
@@ -41,7 +43,8 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK_H)
     rows64 = rows.to(tl.int64)
     mask = (rows < num_rows)[:, None] & (cols < H)[None, :]
-    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    p_x = x_ptr + (rows64 // inner * s_xa + rows64 % inner * s_xb)[:, None] + cols[None, :]
+    x = tl.load(p_x, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
         h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -114,24 +117,27 @@ def _launch_shape(num_rows: int, width: int) -> tuple[int, int, int, int]:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Zero-centred RMS norm ``x_hat * (1 + weight)``; with ``residual`` returns ``(y, x + residual)``."""
+    """Zero-centred RMS norm ``x_hat * (1 + weight)``; with ``residual`` returns ``(y, x + residual)``.
+    ``x`` may have any strides in its last two leading dims (e.g. ``k[T, Hkv, D]`` a view of a fused
+    projection's output, or the query half of ``[T, Hq, 2D]``) without a copy; the last dim needs stride 1
+    (otherwise a copy); ``y`` (and ``h``) are contiguous."""
     check_rms_norm(x, weight, eps, residual)
     hidden = x.shape[-1]
-    x2 = _rows_2d(x)
+    x3 = _rows_3d(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y2 = y.view(-1, hidden)
-    num_rows = x2.shape[0]
+    num_rows = y2.shape[0]
     if residual is not None:
         r2 = _rows_2d(residual)
         h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         h2 = h.view(-1, hidden)
     else:
-        r2 = h2 = x2
+        r2 = h2 = y2
     if num_rows:
         block, rows, warps, grid = _launch_shape(num_rows, hidden)
         _rms_norm_kernel[(grid,)](
-            x2, r2, weight, y2, h2, num_rows, hidden, float(eps),
-            x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
+            x3, r2, weight, y2, h2, num_rows, x3.shape[1], hidden, float(eps),
+            x3.stride(0), x3.stride(1), r2.stride(0), y2.stride(0), h2.stride(0),
             HAS_RES=residual is not None, ROWS=rows, BLOCK_H=block, num_warps=warps,
             **launch_options(x.device),
         )  # fmt: skip
