@@ -8,11 +8,12 @@ and the same numbers through the op as through the direct call.
    ``torch.compile(fullgraph=True)`` the op stays one opaque call, and with this step's metadata (the op
    finds it, as in vLLM, through the forward context) it writes what ``run(md, ...)`` returns, with zeros in
    the padding rows after the real tokens.
-3. ``fp8_linear``, ``moe_gate_router`` and ``moe_experts_fp8`` (launch plans chosen on the host from the
-   token count) go through ``vllm::atom_fp8_linear`` / ``vllm::atom_moe_gate_router`` /
-   ``vllm::atom_moe_experts_fp8``: the same numbers as the kernels called directly, fake impls with the
-   real outputs' shapes and dtypes (``torch.library.opcheck``), and one opaque call in a ``fullgraph``
-   Dynamo graph, so that the plan is not frozen at the traced token count.
+3. ``linear``, ``fp8_linear``, ``moe_gate_router`` and ``moe_experts_fp8`` (launch plans chosen on the host
+   from the token count) go through ``vllm::atom_linear`` / ``vllm::atom_fp8_linear`` /
+   ``vllm::atom_moe_gate_router`` / ``vllm::atom_moe_experts_fp8``: the same numbers as the kernels called
+   directly, fake impls with the real outputs' shapes and dtypes (``torch.library.opcheck``), and one opaque
+   call in a ``fullgraph`` Dynamo graph (GDN's ``in_proj_ba``, an ``Fp8Linear``), so that the plan is not
+   frozen at the traced token count.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ pytest.importorskip("vllm")
 from atom_core import Qwen3NextConfig  # noqa: E402
 from atom_kernels import select_kernels  # noqa: E402
 from atom_kernels.ops.moe import experts_fp8_tickets  # noqa: E402
+from atom_models.gdn import GatedDeltaNet  # noqa: E402
 from atom_models.modules import Fp8Linear  # noqa: E402
 from atom_models.moe import Fp8Experts, SparseMoeBlock  # noqa: E402
 from atom_models.testing import normal_parameters_, tiny_config  # noqa: E402
@@ -156,6 +158,22 @@ def test_fp8_linear_op_equals_the_kernel(m):
     assert not tickets.any()
 
 
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_linear_op_equals_the_kernel(m):
+    kern = select_kernels("cpu", torch.float32, backend="reference")
+    ops = custom_ops.compilable_kernels(kern)
+    g = torch.Generator().manual_seed(m)
+    x, w, bias = (
+        torch.randn(m, 64, generator=g),
+        torch.randn(24, 64, generator=g),
+        torch.randn(24, generator=g),
+    )
+    for b in (bias, None):
+        torch.testing.assert_close(ops.linear(x, w, b), kern.linear(x, w, b), rtol=0, atol=0)
+    got3 = ops.linear(x.reshape(1, m, -1), w)  # leading dims kept
+    torch.testing.assert_close(got3, kern.linear(x, w).reshape(1, m, -1), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(("t", "renormalize", "num_shared"), [(1, True, 1), (2, False, 0), (9, True, 2)])
 def test_gate_router_op_equals_the_kernel(t, renormalize, num_shared):
     kern = select_kernels("cpu", torch.float32, backend="reference")
@@ -204,6 +222,9 @@ def test_fake_impls_match_the_real_outputs():
     inputs before and after with ``allclose``, which has no float8 kernel on CPU."""
     custom_ops.compilable_kernels(select_kernels("cpu", torch.float32, backend="reference"))
     x, w, scale_inv, bias, tickets = _fp8_case(3)
+    dense = torch.randn(5, x.shape[-1])
+    for args in [(x, dense, bias[:5]), (x.reshape(3, 1, -1), dense[:4], None)]:
+        torch.library.opcheck(torch.ops.vllm.atom_linear.default, args)
     fp8_utils = ("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration")
     for args in [
         (x, w, scale_inv, [128, 128], bias, tickets),
@@ -246,3 +267,31 @@ def test_fp8_linear_is_one_opaque_call_in_the_compiled_graph():
     calls = _calls(gm)
     assert calls.count(torch.ops.vllm.atom_fp8_linear) == 1, calls
     assert not layer.tickets.any()
+
+
+def test_gdn_in_proj_ba_is_one_opaque_call_in_the_compiled_graph():
+    """GDN's ``in_proj_ba`` (built with the plugin's kernels) compiles to one ``vllm::atom_linear`` call, one
+    dynamic graph for every token count, with the values of the layer on the plain kernels; ``in_proj_qkvz``
+    stays a traced matmul."""
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    kern = select_kernels("cpu", torch.float32, backend="reference")
+    layer = normal_parameters_(GatedDeltaNet(cfg, 0, None, custom_ops.compilable_kernels(kern)), 0.5)
+    direct = GatedDeltaNet(cfg, 0, None, kern)
+    direct.load_state_dict(layer.state_dict())
+    torch._dynamo.reset()
+    graphs: list = []
+    compiled = torch.compile(
+        lambda x: (layer.in_proj_ba(x) * 2.0, layer.in_proj_qkvz(x)),
+        fullgraph=True,
+        backend=_capturing(graphs),
+        dynamic=True,
+    )
+    with torch.no_grad():
+        for m in (8, 2, 5):  # not 1: Dynamo would specialise M = 1 (vLLM drops the guards)
+            x = torch.randn(m, cfg.hidden_size)
+            ba, qkvz = compiled(x)
+            torch.testing.assert_close(ba, direct.in_proj_ba(x) * 2.0, rtol=0, atol=0)
+            torch.testing.assert_close(qkvz, direct.in_proj_qkvz(x), rtol=0, atol=0)
+    (gm,) = graphs
+    assert _calls(gm).count(torch.ops.vllm.atom_linear) == 1, _calls(gm)

@@ -24,6 +24,7 @@ class Kernels:
     gated_rms_norm: sig.GatedRmsNorm
     rope: sig.Rope
     silu_and_mul: sig.SiluAndMul
+    linear: sig.Linear
     moe_router: sig.MoeRouter
     moe_gate_router: sig.MoeGateRouter
     moe_experts: sig.MoeExperts

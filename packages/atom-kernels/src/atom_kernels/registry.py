@@ -34,6 +34,7 @@ OPS: tuple[str, ...] = (
     "gated_rms_norm",
     "rope",
     "silu_and_mul",
+    "linear",
     "moe_router",
     "moe_gate_router",
     "moe_experts",

@@ -41,6 +41,12 @@ class SiluAndMul(Protocol):
     def __call__(self, x: Tensor) -> Tensor: ...
 
 
+class Linear(Protocol):
+    """``linear``: Dense ``x @ weight.T + bias`` in x.dtype (``torch.nn.functional.linear``). Spec: :func:`atom_kernels.ops.linear.reference.linear`."""
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor: ...
+
+
 class MoeRouter(Protocol):
     """``moe_router``: Softmax (float32) over the routed experts, top-k, optionally renormalised to sum 1; with ``num_shared = m > 0`` also ``m`` shared columns gated by ``sigmoid(logits[:, E])``. Spec: :func:`atom_kernels.ops.moe.reference.moe_router`."""
 

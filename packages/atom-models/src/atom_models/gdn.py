@@ -81,7 +81,11 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_qkvz = column_parallel_linear(
             h, 2 * config.linear_key_dim + 2 * config.linear_value_dim, parallel, dtype=dtype
         )
-        self.in_proj_ba = column_parallel_linear(h, 2 * config.linear_num_value_heads, parallel, dtype=dtype)
+        # 2 * Hv features (64 on the 80B model, fewer per TP rank): a decode step's tokens are too few for a
+        # GEMM, so the product goes through kernels.linear (the triton backend: one GEMV launch)
+        self.in_proj_ba = column_parallel_linear(
+            h, 2 * config.linear_num_value_heads, parallel, dtype=dtype, kernels=kernels
+        )
         self.conv1d = DepthwiseConv1dWeights(self.conv_dim, self.conv_kernel_size, dtype=dtype)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=dtype), requires_grad=False)

@@ -11,6 +11,7 @@ from atom_kernels.ops.fp8 import reference as fp8
 from atom_kernels.ops.gated_delta_rule import reference as gdr
 from atom_kernels.ops.gdn_gating import reference as gdn_gating
 from atom_kernels.ops.l2norm import reference as l2norm
+from atom_kernels.ops.linear import reference as linear
 from atom_kernels.ops.moe import reference as moe
 from atom_kernels.ops.norm import reference as norm
 from atom_kernels.ops.paged_attention import reference as paged
@@ -25,6 +26,7 @@ REFERENCE_OPS = {
     "gated_rms_norm": norm.gated_rms_norm,
     "rope": rope.rope,
     "silu_and_mul": activation.silu_and_mul,
+    "linear": linear.linear,
     "moe_router": moe.moe_router,
     "moe_gate_router": moe.moe_gate_router,
     "moe_experts": moe.moe_experts,

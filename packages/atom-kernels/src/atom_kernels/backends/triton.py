@@ -77,8 +77,9 @@ register(
     priority=PRIORITY,
 )
 
-# Norms, RoPE, SwiGLU, MoE experts.
+# Dense linear, norms, RoPE, SwiGLU, MoE experts.
 from atom_kernels.ops.activation import triton as _activation  # noqa: E402
+from atom_kernels.ops.linear import triton as _linear  # noqa: E402
 from atom_kernels.ops.moe import triton as _moe  # noqa: E402
 from atom_kernels.ops.moe import triton_gate_router as _moe_gate  # noqa: E402
 from atom_kernels.ops.norm import triton as _norm  # noqa: E402
@@ -88,6 +89,7 @@ register("rms_norm", BACKEND, _norm.rms_norm, available=on_gpu, priority=PRIORIT
 register("gated_rms_norm", BACKEND, _norm.gated_rms_norm, available=on_gpu, priority=PRIORITY)
 register("rope", BACKEND, _rope.rope, available=on_gpu, priority=PRIORITY)
 register("silu_and_mul", BACKEND, _activation.silu_and_mul, available=on_gpu, priority=PRIORITY)
+register("linear", BACKEND, _linear.linear, available=on_gpu, priority=PRIORITY)
 register("moe_router", BACKEND, _moe.moe_router, available=on_gpu, priority=PRIORITY)
 register("moe_gate_router", BACKEND, _moe_gate.moe_gate_router, available=on_gpu, priority=PRIORITY)
 register("moe_experts", BACKEND, _moe.moe_experts, available=on_gpu, priority=PRIORITY)

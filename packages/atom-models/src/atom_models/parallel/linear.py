@@ -44,7 +44,9 @@ def finish(y: torch.Tensor, shard: LinearShard | None) -> torch.Tensor:
 class Linear(nn.Module):
     """``y = x @ weight.T (+ bias)``; ``weight`` is ``[out_features, in_features]`` (this rank's sizes).
 
-    ``shard``: this rank's part of a sharded linear (None: the whole weight on every rank).
+    ``shard``: this rank's part of a sharded linear (None: the whole weight on every rank). ``kernels``: an
+    ``atom_kernels.Kernels`` whose ``linear`` op computes the product (e.g. a one-launch GEMV at decode
+    sizes); None: ``torch.nn.functional.linear``.
     """
 
     def __init__(
@@ -54,18 +56,23 @@ class Linear(nn.Module):
         bias: bool = False,
         dtype: torch.dtype | None = None,
         shard: LinearShard | None = None,
+        kernels=None,
     ):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.shard = shard
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return finish(F.linear(x, self.weight, local_bias(self.bias, self.shard)), self.shard)
+        bias = local_bias(self.bias, self.shard)
+        if self.kernels is None:
+            return finish(F.linear(x, self.weight, bias), self.shard)
+        return finish(self.kernels.linear(x, self.weight, bias), self.shard)
 
     def extra_repr(self) -> str:
         s = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -84,10 +91,12 @@ def column_parallel_linear(
     gather_output: bool = False,
     bias: bool = False,
     dtype: torch.dtype | None = None,
+    kernels=None,
 ) -> Linear:
     """A :class:`Linear` holding this rank's output rows: ``parts`` (default ``(out_features,)``, the fused
     checkpoint tensors' row counts) each split evenly, or the explicit ``ranges`` of each part this rank
-    holds (KV heads). ``gather_output``: all-gather the local outputs into the full ``out_features``."""
+    holds (KV heads). ``gather_output``: all-gather the local outputs into the full ``out_features``.
+    ``kernels``: see :class:`Linear`."""
     parts = (out_features,) if parts is None else tuple(parts)
     if sum(parts) != out_features:
         raise ValueError(f"column-parallel linear: parts {parts} do not add up to {out_features} rows")
@@ -95,7 +104,7 @@ def column_parallel_linear(
         shard = LinearShard.even(COLUMN, parallel, parts, gather=gather_output)
     else:
         shard = LinearShard(COLUMN, parallel, parts, tuple(ranges), gather=gather_output)
-    return Linear(in_features, shard.local_size, bias=bias, dtype=dtype, shard=shard)
+    return Linear(in_features, shard.local_size, bias=bias, dtype=dtype, shard=shard, kernels=kernels)
 
 
 def row_parallel_linear(

@@ -15,6 +15,8 @@ Some kernels choose their launch plan on the host from the token count: traced, 
 (large, dummy) token count would be frozen into the graph, and every decode step would run the prefill
 plan. They go through ops of their own, so that the plan is chosen from the token count at run time:
 
+- ``vllm::atom_linear(x, weight, bias)``: the dense linear (one GEMV launch at decode-sized ``M``, else
+  ``F.linear``; GDN's ``in_proj_ba``);
 - ``vllm::atom_fp8_linear(x, w_fp8, scale_inv, block, bias, tickets)``: the W8A8 block-scaled linear
   (one-launch decode kernel, split-K or prefill tiles by ``M``);
 - ``vllm::atom_moe_gate_router(x, gate_weight, num_experts, top_k, renormalize, num_shared, tickets)``: the
@@ -24,7 +26,7 @@ plan. They go through ops of their own, so that the plan is chosen from the toke
   tokens by expert on the host, which Dynamo cannot trace; the Triton FP8 experts take the pair path or
   the aligned path by ``T``).
 
-These four call the backend kernels bound by :func:`compilable_kernels` (``atom_kernels.Kernels``, per device
+These five call the backend kernels bound by :func:`compilable_kernels` (``atom_kernels.Kernels``, per device
 type and dtype) and return new tensors; they stay inside the compiled pieces.
 
 The two layer ops write into an ``output`` allocated by the compiled graph (the "with output" convention of
@@ -118,6 +120,14 @@ def _kernels(x: torch.Tensor):
         raise RuntimeError(
             f"atom kernel ops: no kernels bound for {x.device.type}/{x.dtype} (see compilable_kernels)"
         ) from None
+
+
+def atom_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _kernels(x).linear(x, weight, bias)
+
+
+def _atom_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 # ``tickets`` (fp8_linear, moe_gate_router, moe_experts_fp8): int32 counters the kernels take atomically and return to zero
@@ -215,6 +225,10 @@ def _atom_moe_experts_fp8_fake(
 
 
 # The ``Kernels`` fields (atom_kernels.signatures) that call the ops above.
+def _linear_op(x, weight, bias=None):
+    return torch.ops.vllm.atom_linear(x, weight, bias)
+
+
 def _fp8_linear_op(x, w_fp8, scale_inv, block=(128, 128), bias=None, *, tickets=None):
     return torch.ops.vllm.atom_fp8_linear(x, w_fp8, scale_inv, [int(block[0]), int(block[1])], bias, tickets)
 
@@ -236,14 +250,15 @@ def _experts_fp8_op(x, weights, ids, w13, w13_scale_inv, w2, w2_scale_inv, block
 
 
 def compilable_kernels(kernels):
-    """``kernels`` with ``fp8_linear``, ``moe_gate_router`` and the routed experts going through the opaque
-    ops above (same backend underneath)."""
+    """``kernels`` with ``linear``, ``fp8_linear``, ``moe_gate_router`` and the routed experts going through
+    the opaque ops above (same backend underneath)."""
     import dataclasses
 
     register_ops()
     _KERNELS[(kernels.device.type, kernels.dtype)] = kernels
     return dataclasses.replace(
         kernels,
+        linear=_linear_op,
         fp8_linear=_fp8_linear_op,
         moe_gate_router=_gate_router_op,
         moe_experts=_experts_op,
@@ -270,6 +285,11 @@ def register_ops() -> None:
         op_func=atom_gdn_core,
         mutates_args=["output"],
         fake_impl=_atom_gdn_core_fake,
+    )
+    direct_register_custom_op(
+        op_name="atom_linear",
+        op_func=atom_linear,
+        fake_impl=_atom_linear_fake,
     )
     direct_register_custom_op(
         op_name="atom_fp8_linear",
