@@ -17,6 +17,9 @@ plan. They go through ops of their own, so that the plan is chosen from the toke
 
 - ``vllm::atom_fp8_linear(x, w_fp8, scale_inv, block, bias, tickets)``: the W8A8 block-scaled linear
   (one-launch decode kernel, split-K or prefill tiles by ``M``);
+- ``vllm::atom_gated_norm_fp8_linear(o, z, norm_weight, eps, w_fp8, scale_inv, block, bias, tickets)``: the
+  GDN output's gated RMS norm and its FP8 ``out_proj`` (one launch at decode-sized ``T``, else the norm and
+  ``fp8_linear``);
 - ``vllm::atom_moe_gate_router(x, gate_weight, num_experts, top_k, renormalize, num_shared, tickets)``: the
   router's Linear + top-k (one fused launch at decode-sized ``T``) -> ``(weights, ids)``;
 - ``vllm::atom_moe_experts(x, weights, ids, w13, w2)`` / ``vllm::atom_moe_experts_fp8(x, weights, ids, w13,
@@ -24,7 +27,7 @@ plan. They go through ops of their own, so that the plan is chosen from the toke
   tokens by expert on the host, which Dynamo cannot trace; the Triton FP8 experts take the pair path or
   the aligned path by ``T``).
 
-These four call the backend kernels bound by :func:`compilable_kernels` (``atom_kernels.Kernels``, per device
+These five call the backend kernels bound by :func:`compilable_kernels` (``atom_kernels.Kernels``, per device
 type and dtype) and return new tensors; they stay inside the compiled pieces.
 
 The two layer ops write into an ``output`` allocated by the compiled graph (the "with output" convention of
@@ -120,7 +123,7 @@ def _kernels(x: torch.Tensor):
         ) from None
 
 
-# ``tickets`` (fp8_linear, moe_gate_router, moe_experts_fp8): int32 counters the kernels take atomically and return to zero
+# ``tickets`` (fp8_linear, gated_norm_fp8_linear, moe_gate_router, moe_experts_fp8): int32 counters the kernels take atomically and return to zero
 # within the launch, so the op leaves them as it found them. They are not declared mutated: that would make
 # functionalisation clone them (a copy and a zeroed buffer per call) and give the graph a write-back.
 def atom_fp8_linear(
@@ -143,6 +146,36 @@ def _atom_fp8_linear_fake(
     tickets: torch.Tensor | None,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], w_fp8.shape[0]))
+
+
+def atom_gated_norm_fp8_linear(
+    o: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: list[int],
+    bias: torch.Tensor | None,
+    tickets: torch.Tensor | None,
+) -> torch.Tensor:
+    return _kernels(o).gated_norm_fp8_linear(
+        o, z, norm_weight, eps, w_fp8, scale_inv, tuple(block), bias, tickets=tickets
+    )
+
+
+def _atom_gated_norm_fp8_linear_fake(
+    o: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: list[int],
+    bias: torch.Tensor | None,
+    tickets: torch.Tensor | None,
+) -> torch.Tensor:
+    return o.new_empty((*o.shape[:-2], w_fp8.shape[0]))
 
 
 def atom_moe_gate_router(
@@ -219,6 +252,14 @@ def _fp8_linear_op(x, w_fp8, scale_inv, block=(128, 128), bias=None, *, tickets=
     return torch.ops.vllm.atom_fp8_linear(x, w_fp8, scale_inv, [int(block[0]), int(block[1])], bias, tickets)
 
 
+def _gated_norm_fp8_linear_op(
+    o, z, norm_weight, eps, w_fp8, scale_inv, block=(128, 128), bias=None, *, tickets=None
+):
+    return torch.ops.vllm.atom_gated_norm_fp8_linear(
+        o, z, norm_weight, float(eps), w_fp8, scale_inv, [int(block[0]), int(block[1])], bias, tickets
+    )
+
+
 def _gate_router_op(x, gate_weight, num_experts, top_k, renormalize, num_shared=0, *, tickets=None):
     return torch.ops.vllm.atom_moe_gate_router(
         x, gate_weight, int(num_experts), int(top_k), bool(renormalize), int(num_shared), tickets
@@ -236,8 +277,8 @@ def _experts_fp8_op(x, weights, ids, w13, w13_scale_inv, w2, w2_scale_inv, block
 
 
 def compilable_kernels(kernels):
-    """``kernels`` with ``fp8_linear``, ``moe_gate_router`` and the routed experts going through the opaque
-    ops above (same backend underneath)."""
+    """``kernels`` with ``fp8_linear``, ``gated_norm_fp8_linear``, ``moe_gate_router`` and the routed experts
+    going through the opaque ops above (same backend underneath)."""
     import dataclasses
 
     register_ops()
@@ -245,6 +286,7 @@ def compilable_kernels(kernels):
     return dataclasses.replace(
         kernels,
         fp8_linear=_fp8_linear_op,
+        gated_norm_fp8_linear=_gated_norm_fp8_linear_op,
         moe_gate_router=_gate_router_op,
         moe_experts=_experts_op,
         moe_experts_fp8=_experts_fp8_op,
@@ -275,6 +317,11 @@ def register_ops() -> None:
         op_name="atom_fp8_linear",
         op_func=atom_fp8_linear,
         fake_impl=_atom_fp8_linear_fake,
+    )
+    direct_register_custom_op(
+        op_name="atom_gated_norm_fp8_linear",
+        op_func=atom_gated_norm_fp8_linear,
+        fake_impl=_atom_gated_norm_fp8_linear_fake,
     )
     direct_register_custom_op(
         op_name="atom_moe_gate_router",
