@@ -109,6 +109,11 @@ def test_compiled_fp8_calls_the_planned_kernels_as_opaque_ops(fp8_dir):
         for op in ("atom_fp8_linear", "atom_moe_gate_router"):
             nodes = re.findall(rf'\w+(?:: "[^"]*")? = torch\.ops\.vllm\.{op}\(', graph)
             assert nodes, f"no vllm::{op} call in traced graph {i}"
+    # the target's GDN layers: their output norm and FP8 out_proj as one op (the draft has no GDN layer)
+    op = "atom_gated_norm_fp8_linear"
+    assert any(re.search(rf'\w+(?:: "[^"]*")? = torch\.ops\.vllm\.{op}\(', g) for g in graphs), (
+        f"no vllm::{op}"
+    )
     # and no FP8 quantisation traced inline: every cast to e4m3 happens inside the custom ops
     assert "torch.float8_e4m3fn" not in log
     prompts = [c["prompt_ids"] for c in greedy_cases()]

@@ -254,11 +254,13 @@ def test_linear_plan_selection():
 
 
 def test_linear_decode_rows_checked():
-    fp8_triton = _fp8_triton()
+    _fp8_triton()
+    from atom_kernels.ops.fp8 import triton_decode as fp8_decode
+
     x, w, s = torch.zeros(3, 256), torch.zeros(64, 256).to(E4M3), torch.ones(1, 2)
     cfg = dict(ONE_LAUNCH=True, ROWS=2, BLOCK_N=32, SPLIT_K=1, SWAP_AB=False, num_warps=4, num_stages=4)
     with pytest.raises(ValueError, match=r"ROWS=2 must be a power of two >= M=3"):
-        fp8_triton._launch_decode(x, w, s, (128, 128), None, cfg)
+        fp8_decode.launch_decode(x, w, s, (128, 128), None, cfg)
 
 
 def _sm90_compiler():
@@ -293,15 +295,18 @@ def test_linear_decode_kernel_compiles_for_sm90(rows, block_n, split, even_k, bi
     arguments equal to 1, which Triton passes as constexprs (N = 1 or M = 1 with split-K). The 2-row cases
     are compiled with ``PDL`` (programmatic dependent launch): their PTX must hold ``griddepcontrol``."""
     ast_source, gpu_target = _sm90_compiler()
-    fp8_triton = _fp8_triton()
+    _fp8_triton()
+    from atom_kernels.ops.fp8 import triton_decode as fp8_decode
+
     sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", y_ptr="*bf16", bias_ptr="*bf16",
                part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32",
                stride_wn="i32", stride_wsn="i32", stride_ym="i32", GROUPS_PER_SPLIT="i32",
-               SPLIT_K="i32")  # fmt: skip
+               SPLIT_K="i32", z_ptr="*bf16", nw_ptr="*bf16", stride_zm="i32")  # fmt: skip
     consts = dict(EPS=1e-10, FMAX=448.0, BN_Q=128, GROUP=128, ROWS=rows, BLOCK_N=block_n, SWAP_AB=swap,
-                  EVEN_K=even_k, SPLIT=split, HAS_BIAS=bias, PDL=rows == 2, **dict.fromkeys(one, 1))  # fmt: skip
+                  EVEN_K=even_k, SPLIT=split, HAS_BIAS=bias, PDL=rows == 2, GATED_NORM=False, NORM_EPS=0.0,
+                  **dict.fromkeys(one, 1))  # fmt: skip
     src = ast_source(
-        fp8_triton._fp8_linear_decode_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
+        fp8_decode._fp8_linear_decode_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
     )
     import triton
 

@@ -4,6 +4,7 @@ FP8 model's logits against the float32 reference."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -128,6 +129,37 @@ def test_fp8_model_logits_follow_the_float32_reference(fp8_dir, kernels32, golde
     err = (logits - ref).abs().max().item()
     print(f"FP8 (W8A8) vs float32 reference: argmax agreement {agree:.3f}, max |logit diff| {err:.3f}")
     assert agree > 0.85, f"argmax agreement {agree:.3f}, max |logit diff| {err:.3f}"
+
+
+def test_gdn_output_norm_goes_into_the_fp8_out_proj(fp8_dir, kernels32):
+    """Every GDN layer with an FP8 ``out_proj`` calls ``gated_norm_fp8_linear`` (and not ``gated_rms_norm``),
+    which equals the norm followed by the layer's ``fp8_linear`` (reference: bit for bit)."""
+    target, _ = _build(fp8_dir, kernels32)
+    load_target(target, fp8_dir)
+    calls: list[str] = []
+
+    def spy(name):
+        fn = getattr(kernels32, name)
+        return lambda *a, **kw: calls.append(name) or fn(*a, **kw)
+
+    kern = dataclasses.replace(
+        kernels32, gated_norm_fp8_linear=spy("gated_norm_fp8_linear"), gated_rms_norm=spy("gated_rms_norm")
+    )
+    gdns = [m for m in target.modules() if hasattr(m, "norm") and hasattr(m, "out_proj")]
+    assert gdns and all(isinstance(g.out_proj, Fp8Linear) and g.out_proj.takes_gated_norm for g in gdns)
+    for g in gdns:
+        g.kernels = g.out_proj.kernels = kern
+    ids = torch.tensor([3, 14, 15, 92, 65])
+    with torch.no_grad():
+        target(ids, torch.arange(ids.shape[0]))
+    assert calls == ["gated_norm_fp8_linear"] * len(gdns), calls
+    g = gdns[0]
+    gen = torch.Generator().manual_seed(0)
+    o = torch.randn(4, g.num_v_heads, g.head_v_dim, generator=gen)
+    z = torch.randn(4, 2 * g.value_dim, generator=gen)[:, g.value_dim :].unflatten(-1, (g.num_v_heads, -1))
+    fused = g.out_proj.forward_gated_norm(o, z, g.norm.weight, g.norm.eps)
+    two = g.out_proj(kernels32.gated_rms_norm(o, z, g.norm.weight, g.norm.eps).reshape(4, g.value_dim))
+    assert torch.equal(fused, two)
 
 
 def test_scale_that_does_not_fit_its_fp8_parameter_is_named(fp8_dir, tmp_path, kernels32):

@@ -8,12 +8,12 @@ and the same numbers through the op as through the direct call.
    ``torch.compile(fullgraph=True)`` the op stays one opaque call, and with this step's metadata (the op
    finds it, as in vLLM, through the forward context) it writes what ``run(md, ...)`` returns, with zeros in
    the padding rows after the real tokens.
-3. ``linear``, ``fp8_linear``, ``moe_gate_router`` and ``moe_experts_fp8`` (launch plans chosen on the host
-   from the token count) go through ``vllm::atom_linear`` / ``vllm::atom_fp8_linear`` /
-   ``vllm::atom_moe_gate_router`` / ``vllm::atom_moe_experts_fp8``: the same numbers as the kernels called
-   directly, fake impls with the real outputs' shapes and dtypes (``torch.library.opcheck``), and one opaque
-   call in a ``fullgraph`` Dynamo graph (GDN's ``in_proj_ba``, an ``Fp8Linear``), so that the plan is not
-   frozen at the traced token count.
+3. ``linear``, ``fp8_linear``, ``gated_norm_fp8_linear``, ``moe_gate_router`` and ``moe_experts_fp8`` (launch
+   plans chosen on the host from the token count) go through ``vllm::atom_linear`` / ``vllm::atom_fp8_linear`` /
+   ``vllm::atom_gated_norm_fp8_linear`` / ``vllm::atom_moe_gate_router`` / ``vllm::atom_moe_experts_fp8``: the
+   same numbers as the kernels called directly, fake impls with the real outputs' shapes and dtypes
+   (``torch.library.opcheck``), and one opaque call in a ``fullgraph`` Dynamo graph (GDN's ``in_proj_ba``, an
+   ``Fp8Linear``, the gated norm + FP8 ``out_proj``), so that the plan is not frozen at the traced token count.
 """
 
 from __future__ import annotations
@@ -174,6 +174,28 @@ def test_linear_op_equals_the_kernel(m):
     torch.testing.assert_close(got3, kern.linear(x, w).reshape(1, m, -1), rtol=0, atol=0)
 
 
+def _gated_norm_case(m: int, hv: int = 2, seed: int = 0):
+    """o [m, hv, 128], the gate z as a row-strided view of a wider projection output, the norm weight."""
+    g = torch.Generator().manual_seed(seed)
+    o = torch.randn(m, hv, 128, generator=g)
+    z = torch.randn(m, 3 * hv * 128, generator=g)[:, hv * 128 : 2 * hv * 128].unflatten(-1, (hv, 128))
+    return o, z, 1.0 + 0.1 * torch.randn(128, generator=g)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 70])
+def test_gated_norm_fp8_linear_op_equals_the_kernel(m):
+    kern = select_kernels("cpu", torch.float32, backend="reference")
+    ops = custom_ops.compilable_kernels(kern)
+    _, w, scale_inv, bias, tickets = _fp8_case(m)
+    o, z, norm_w = _gated_norm_case(m)
+    for b in (bias, None):
+        want = kern.gated_norm_fp8_linear(o, z, norm_w, 1e-6, w, scale_inv, (128, 128), b, tickets=tickets)
+        got = ops.gated_norm_fp8_linear(o, z, norm_w, 1e-6, w, scale_inv, (128, 128), b, tickets=tickets)
+        assert got.shape == (m, 200)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not tickets.any()
+
+
 @pytest.mark.parametrize(("t", "renormalize", "num_shared"), [(1, True, 1), (2, False, 0), (9, True, 2)])
 def test_gate_router_op_equals_the_kernel(t, renormalize, num_shared):
     kern = select_kernels("cpu", torch.float32, backend="reference")
@@ -218,7 +240,8 @@ def test_experts_fp8_op_equals_the_kernel(t):
 
 def test_fake_impls_match_the_real_outputs():
     """opcheck runs each op for real and under FakeTensorMode and compares shapes, dtypes and strides. Its
-    schema check is left out for atom_fp8_linear and atom_moe_experts_fp8: it compares every aten op's
+    schema check is left out for the FP8 ops (atom_fp8_linear, atom_gated_norm_fp8_linear,
+    atom_moe_experts_fp8): it compares every aten op's
     inputs before and after with ``allclose``, which has no float8 kernel on CPU."""
     custom_ops.compilable_kernels(select_kernels("cpu", torch.float32, backend="reference"))
     x, w, scale_inv, bias, tickets = _fp8_case(3)
@@ -231,6 +254,22 @@ def test_fake_impls_match_the_real_outputs():
         (x.reshape(3, 1, -1), w, scale_inv, [128, 128], None, None),
     ]:
         torch.library.opcheck(torch.ops.vllm.atom_fp8_linear.default, args, test_utils=fp8_utils)
+    o, z, norm_w = _gated_norm_case(3)
+    for args in [
+        (o, z, norm_w, 1e-6, w, scale_inv, [128, 128], bias, tickets),
+        (
+            o.reshape(3, 1, 2, 128),
+            z.reshape(3, 1, 2, 128),
+            norm_w,
+            1e-6,
+            w,
+            scale_inv,
+            [128, 128],
+            None,
+            None,
+        ),
+    ]:
+        torch.library.opcheck(torch.ops.vllm.atom_gated_norm_fp8_linear.default, args, test_utils=fp8_utils)
     gate = torch.randn(10, 256)
     for args in [(x, gate, 8, 2, True, 1, tickets[:1]), (x, gate, 9, 3, False, 0, None)]:
         torch.library.opcheck(torch.ops.vllm.atom_moe_gate_router.default, args)
@@ -295,3 +334,35 @@ def test_gdn_in_proj_ba_is_one_opaque_call_in_the_compiled_graph():
             torch.testing.assert_close(qkvz, direct.in_proj_qkvz(x), rtol=0, atol=0)
     (gm,) = graphs
     assert _calls(gm).count(torch.ops.vllm.atom_linear) == 1, _calls(gm)
+
+
+def test_gated_norm_fp8_linear_is_one_opaque_call_in_the_compiled_graph():
+    """``Fp8Linear.forward_gated_norm`` (the GDN output norm + FP8 out_proj) traces to one call of
+    ``vllm::atom_gated_norm_fp8_linear``, the gate a row-strided view of the projection output."""
+    torch.manual_seed(0)
+    kern = select_kernels("cpu", torch.float32, backend="reference")
+    layer = Fp8Linear(256, 200, (128, 128), custom_ops.compilable_kernels(kern), dtype=torch.float32)
+    _, w, scale_inv, _, _ = _fp8_case(1)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.weight_scale_inv.copy_(scale_inv)
+    direct = Fp8Linear(256, 200, (128, 128), kern, dtype=torch.float32)
+    direct.load_state_dict(layer.state_dict())
+    norm_w = 1.0 + 0.1 * torch.randn(128)
+
+    def gdn_out(layer, o, proj):
+        z = proj[:, 256:].unflatten(-1, (2, 128))
+        return layer.forward_gated_norm(o, z, norm_w, 1e-6) * 2.0
+
+    torch._dynamo.reset()
+    graphs: list = []
+    compiled = torch.compile(
+        lambda o, proj: gdn_out(layer, o, proj), fullgraph=True, backend=_capturing(graphs), dynamic=True
+    )
+    for m in (64, 2, 5):
+        o, proj = torch.randn(m, 2, 128), torch.randn(m, 512)
+        torch.testing.assert_close(compiled(o, proj), gdn_out(direct, o, proj), rtol=0, atol=0)
+    (gm,) = graphs
+    calls = _calls(gm)
+    assert calls.count(torch.ops.vllm.atom_gated_norm_fp8_linear) == 1, calls
+    assert not layer.tickets.any()

@@ -41,6 +41,7 @@ class Kernels:
     fp8_block_dequant: sig.Fp8BlockDequant
     fp8_act_quant: sig.Fp8ActQuant
     fp8_linear: sig.Fp8Linear
+    gated_norm_fp8_linear: sig.GatedNormFp8Linear
     fp8_kv_quant: sig.Fp8KvQuant
     fp8_kv_dequant: sig.Fp8KvDequant
     backends: Mapping[str, str] = field(repr=False, compare=False, default_factory=dict)

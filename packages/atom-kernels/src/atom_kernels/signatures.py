@@ -265,6 +265,24 @@ class Fp8Linear(Protocol):
     ) -> Tensor: ...
 
 
+class GatedNormFp8Linear(Protocol):
+    """``gated_norm_fp8_linear``: The Gated-DeltaNet output: its gated RMS norm, then the W8A8 block-scaled ``out_proj``. Spec: :func:`atom_kernels.ops.fp8.reference.gated_norm_fp8_linear`."""
+
+    def __call__(
+        self,
+        o: Tensor,
+        z: Tensor,
+        norm_weight: Tensor,
+        eps: float,
+        w_fp8: Tensor,
+        scale_inv: Tensor,
+        block: tuple[int, int] = (128, 128),
+        bias: Tensor | None = None,
+        *,
+        tickets: Tensor | None = None,
+    ) -> Tensor: ...
+
+
 class Fp8KvQuant(Protocol):
     """``fp8_kv_quant``: Per-tensor scaled quantisation: ``clamp(x / scale, -448, 448)`` as float8_e4m3fn (any shape). Spec: :func:`atom_kernels.ops.fp8.reference.fp8_kv_quant`."""
 

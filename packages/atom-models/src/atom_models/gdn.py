@@ -9,7 +9,7 @@ from torch import nn
 
 from atom_models.gdn_meta import GDNWeights
 from atom_models.gdn_state import GDNGeometry
-from atom_models.modules import column_parallel_linear, row_parallel_linear
+from atom_models.modules import Fp8Linear, column_parallel_linear, row_parallel_linear
 from atom_models.parallel import SINGLE_PROCESS, ParallelContext, TPLayout
 
 
@@ -42,7 +42,9 @@ class GatedDeltaNet(nn.Module):
     projection outputs split into views (row-strided, unit last stride), no copy: the core receives the
     pre-conv ``mixed_qkv = y[:, :conv_dim]`` (``[q | k | v]``), ``b`` and ``a`` as ``[T, Hv]`` views of the
     ``in_proj_ba`` output, the :class:`GDNWeights` it needs (:meth:`gdn_weights`) and ``ctx``; it returns
-    ``o[T, Hv, Dv]``; the norm's gate is ``z = y[:, conv_dim:]`` viewed ``[T, Hv, Dv]``.
+    ``o[T, Hv, Dv]``; the norm's gate is ``z = y[:, conv_dim:]`` viewed ``[T, Hv, Dv]``. An FP8
+    ``out_proj`` (:class:`~atom_models.modules.Fp8Linear`) takes the norm too
+    (``kernels.gated_norm_fp8_linear``: one launch at decode sizes); a bf16 one follows the norm.
 
     Tensor parallel (``layout``): a rank holds ``Hk / tp`` key-head groups with their value heads. The
     per-group checkpoint layout makes its rows of ``in_proj_qkvz`` and ``in_proj_ba`` one contiguous range
@@ -115,5 +117,7 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
         )
         o = self.core(mixed_qkv, b, a, self.gdn_weights(), ctx)
+        if isinstance(self.out_proj, Fp8Linear) and self.out_proj.takes_gated_norm:
+            return self.out_proj.forward_gated_norm(o, z, self.norm.weight, self.norm.eps)
         o = self.kernels.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(t, self.value_dim))

@@ -110,6 +110,33 @@ class Fp8Linear(nn.Module):
             )
         return finish(y, self.shard)
 
+    @property
+    def takes_gated_norm(self) -> bool:
+        """Whether :meth:`forward_gated_norm` applies (one weight, no per-part split)."""
+        return self.part_spans is None
+
+    def forward_gated_norm(
+        self, o: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``forward(gated_rms_norm(o, z, norm_weight, eps).flatten(-2))`` through
+        ``kernels.gated_norm_fp8_linear`` (the GDN output norm folded into this linear: one launch at
+        decode sizes). ``o`` / ``z``: ``[T, Hv, Dv]`` with ``Hv * Dv = in_features``; needs
+        :attr:`takes_gated_norm`."""
+        if self.part_spans is not None:
+            raise ValueError("Fp8Linear.forward_gated_norm: a weight split into parts is not supported")
+        y = self.kernels.gated_norm_fp8_linear(
+            o,
+            z,
+            norm_weight,
+            eps,
+            self.weight,
+            self.weight_scale_inv,
+            self.block,
+            local_bias(self.bias, self.shard),
+            tickets=self.tickets,
+        )
+        return finish(y, self.shard)
+
     def extra_repr(self) -> str:
         s = (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -100,8 +100,9 @@ from atom_kernels.ops.paged_attention import triton as _paged  # noqa: E402
 register("kv_cache_write", BACKEND, _paged.kv_cache_write, available=on_gpu, priority=PRIORITY)
 register("paged_attention", BACKEND, _paged.paged_attention, available=on_gpu, priority=PRIORITY)
 
-# FP8: W8A8 block-scaled GEMM, FP8 fused MoE, block dequant, per-tensor KV quant. Real GPUs only: Triton
-# 3.9's interpreter flushes e4m3 subnormals to zero and does not saturate, so it cannot run the spec.
+# FP8: W8A8 block-scaled GEMM (alone and after the GDN gated norm), FP8 fused MoE, block dequant,
+# per-tensor KV quant. Real GPUs only: Triton 3.9's interpreter flushes e4m3 subnormals to zero and does
+# not saturate, so it cannot run the spec.
 from atom_kernels.ops.fp8 import triton as _fp8  # noqa: E402
 from atom_kernels.ops.moe import triton_fp8 as _moe_fp8  # noqa: E402
 
@@ -113,6 +114,9 @@ def on_real_gpu(device: torch.device, dtype: torch.dtype) -> bool:
 
 register("fp8_act_quant", BACKEND, _fp8.fp8_act_quant, available=on_real_gpu, priority=PRIORITY)
 register("fp8_linear", BACKEND, _fp8.fp8_linear, available=on_real_gpu, priority=PRIORITY)
+register(
+    "gated_norm_fp8_linear", BACKEND, _fp8.gated_norm_fp8_linear, available=on_real_gpu, priority=PRIORITY
+)
 register("fp8_block_dequant", BACKEND, _fp8.fp8_block_dequant, available=on_real_gpu, priority=PRIORITY)
 register("fp8_kv_quant", BACKEND, _fp8.fp8_kv_quant, available=on_real_gpu, priority=PRIORITY)
 register("fp8_kv_dequant", BACKEND, _fp8.fp8_kv_dequant, available=on_real_gpu, priority=PRIORITY)

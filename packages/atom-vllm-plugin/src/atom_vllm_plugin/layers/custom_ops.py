@@ -19,6 +19,9 @@ plan. They go through ops of their own, so that the plan is chosen from the toke
   ``F.linear``; GDN's ``in_proj_ba``);
 - ``vllm::atom_fp8_linear(x, w_fp8, scale_inv, block, bias, tickets)``: the W8A8 block-scaled linear
   (one-launch decode kernel, split-K or prefill tiles by ``M``);
+- ``vllm::atom_gated_norm_fp8_linear(o, z, norm_weight, eps, w_fp8, scale_inv, block, bias, tickets)``: the
+  GDN output's gated RMS norm and its FP8 ``out_proj`` (one launch at decode-sized ``T``, else the norm and
+  ``fp8_linear``);
 - ``vllm::atom_moe_gate_router(x, gate_weight, num_experts, top_k, renormalize, num_shared, tickets)``: the
   router's Linear + top-k (one fused launch at decode-sized ``T``) -> ``(weights, ids)``;
 - ``vllm::atom_moe_experts(x, weights, ids, w13, w2)`` / ``vllm::atom_moe_experts_fp8(x, weights, ids, w13,
@@ -130,7 +133,7 @@ def _atom_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-# ``tickets`` (fp8_linear, moe_gate_router, moe_experts_fp8): int32 counters the kernels take atomically and return to zero
+# ``tickets`` (fp8_linear, gated_norm_fp8_linear, moe_gate_router, moe_experts_fp8): int32 counters the kernels take atomically and return to zero
 # within the launch, so the op leaves them as it found them. They are not declared mutated: that would make
 # functionalisation clone them (a copy and a zeroed buffer per call) and give the graph a write-back.
 def atom_fp8_linear(
@@ -153,6 +156,36 @@ def _atom_fp8_linear_fake(
     tickets: torch.Tensor | None,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], w_fp8.shape[0]))
+
+
+def atom_gated_norm_fp8_linear(
+    o: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: list[int],
+    bias: torch.Tensor | None,
+    tickets: torch.Tensor | None,
+) -> torch.Tensor:
+    return _kernels(o).gated_norm_fp8_linear(
+        o, z, norm_weight, eps, w_fp8, scale_inv, tuple(block), bias, tickets=tickets
+    )
+
+
+def _atom_gated_norm_fp8_linear_fake(
+    o: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: list[int],
+    bias: torch.Tensor | None,
+    tickets: torch.Tensor | None,
+) -> torch.Tensor:
+    return o.new_empty((*o.shape[:-2], w_fp8.shape[0]))
 
 
 def atom_moe_gate_router(
@@ -233,6 +266,14 @@ def _fp8_linear_op(x, w_fp8, scale_inv, block=(128, 128), bias=None, *, tickets=
     return torch.ops.vllm.atom_fp8_linear(x, w_fp8, scale_inv, [int(block[0]), int(block[1])], bias, tickets)
 
 
+def _gated_norm_fp8_linear_op(
+    o, z, norm_weight, eps, w_fp8, scale_inv, block=(128, 128), bias=None, *, tickets=None
+):
+    return torch.ops.vllm.atom_gated_norm_fp8_linear(
+        o, z, norm_weight, float(eps), w_fp8, scale_inv, [int(block[0]), int(block[1])], bias, tickets
+    )
+
+
 def _gate_router_op(x, gate_weight, num_experts, top_k, renormalize, num_shared=0, *, tickets=None):
     return torch.ops.vllm.atom_moe_gate_router(
         x, gate_weight, int(num_experts), int(top_k), bool(renormalize), int(num_shared), tickets
@@ -250,8 +291,8 @@ def _experts_fp8_op(x, weights, ids, w13, w13_scale_inv, w2, w2_scale_inv, block
 
 
 def compilable_kernels(kernels):
-    """``kernels`` with ``linear``, ``fp8_linear``, ``moe_gate_router`` and the routed experts going through
-    the opaque ops above (same backend underneath)."""
+    """``kernels`` with ``linear``, ``fp8_linear``, ``gated_norm_fp8_linear``, ``moe_gate_router`` and the
+    routed experts going through the opaque ops above (same backend underneath)."""
     import dataclasses
 
     register_ops()
@@ -260,6 +301,7 @@ def compilable_kernels(kernels):
         kernels,
         linear=_linear_op,
         fp8_linear=_fp8_linear_op,
+        gated_norm_fp8_linear=_gated_norm_fp8_linear_op,
         moe_gate_router=_gate_router_op,
         moe_experts=_experts_op,
         moe_experts_fp8=_experts_fp8_op,
@@ -295,6 +337,11 @@ def register_ops() -> None:
         op_name="atom_fp8_linear",
         op_func=atom_fp8_linear,
         fake_impl=_atom_fp8_linear_fake,
+    )
+    direct_register_custom_op(
+        op_name="atom_gated_norm_fp8_linear",
+        op_func=atom_gated_norm_fp8_linear,
+        fake_impl=_atom_gated_norm_fp8_linear_fake,
     )
     direct_register_custom_op(
         op_name="atom_moe_gate_router",

@@ -60,6 +60,27 @@ def check_fp8_linear(
         )
 
 
+def check_gated_norm_fp8_linear(
+    o: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: object,
+    bias: torch.Tensor | None,
+    tickets: torch.Tensor | None = None,
+) -> None:
+    c = Checker("gated_norm_fp8_linear")
+    c.tensor("o", o, ("...", "Hv", "Dv"), FLOAT_DTYPES)
+    c.tensor("z", z, tuple(o.shape), FLOAT_DTYPES)
+    c.tensor("norm_weight", norm_weight, ("Dv",), FLOAT_DTYPES)
+    c.positive_float("eps", eps)
+    c.dims["Hv*Dv"] = c.dim("Hv") * c.dim("Dv")
+    c.tensor("w_fp8", w_fp8, ("N", "Hv*Dv"), FP8_DTYPES)
+    check_fp8_linear(o.flatten(-2), w_fp8, scale_inv, block, bias, tickets)
+
+
 def check_fp8_kv_quant(x: torch.Tensor, scale: object) -> None:
     c = Checker("fp8_kv_quant")
     c.tensor("x", x, ("...",), FLOAT_DTYPES)

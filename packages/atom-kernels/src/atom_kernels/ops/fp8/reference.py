@@ -11,7 +11,9 @@ from atom_kernels.ops.fp8.checks import (
     check_fp8_kv_dequant,
     check_fp8_kv_quant,
     check_fp8_linear,
+    check_gated_norm_fp8_linear,
 )
+from atom_kernels.ops.norm.reference import gated_rms_norm
 
 ACT_SCALE_EPS = 1e-10  # floor of a group's absmax (an all-zero group gets scale 1e-10 / 448)
 
@@ -103,6 +105,38 @@ def fp8_linear(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def gated_norm_fp8_linear(
+    o: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    bias: torch.Tensor | None = None,
+    *,
+    tickets: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Gated-DeltaNet output: its gated RMS norm, then the W8A8 block-scaled ``out_proj``.
+
+    ``fp8_linear(gated_rms_norm(o, z, norm_weight, eps).flatten(-2), w_fp8, scale_inv, block, bias)``:
+    each head normalised as :func:`~atom_kernels.ops.norm.reference.gated_rms_norm` does (float32 math,
+    rounded to o.dtype), then quantised per token and group of ``bk`` channels as :func:`fp8_linear` does
+    (with ``Dv == bk`` each group is one head).
+
+    Args:
+        o: ``[..., Hv, Dv]`` float32/bf16/fp16, the core output; z: the gate, same shape (may be a
+            row-strided view); norm_weight: ``[Dv]`` (NOT zero-centred); eps: the norm's epsilon.
+        w_fp8, scale_inv, block, bias, tickets: as for :func:`fp8_linear`, with ``K = Hv * Dv``.
+
+    Returns:
+        ``[..., N]`` in o.dtype.
+    """
+    check_gated_norm_fp8_linear(o, z, norm_weight, eps, w_fp8, scale_inv, block, bias, tickets)
+    y = gated_rms_norm(o, z, norm_weight, eps)
+    return fp8_linear(y.flatten(-2), w_fp8, scale_inv, block, bias, tickets=tickets)
 
 
 def fp8_kv_quant(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:

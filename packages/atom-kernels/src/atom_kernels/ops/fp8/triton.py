@@ -1,10 +1,11 @@
 """Triton FP8 (e4m3) kernels: per-token-group activation quantisation, the W8A8 block-scaled GEMM
-(``fp8_linear``), block dequantisation and per-tensor KV quantisation.
+(``fp8_linear``, and ``gated_norm_fp8_linear``: the GDN output's gated RMS norm folded into it), block
+dequantisation and per-tensor KV quantisation.
 
 Activations are quantised per token and group of ``bk`` channels: absmax / 448 (floored at 1e-10 / 448),
 IEEE division, clamp, round to nearest e4m3, all in one ``@triton.jit`` function, ``_quant_e4m3``, which
-every kernel here that quantises activations calls (``_act_quant_kernel``, the one-launch decode kernel):
-their operands and scales agree bit for bit.
+every kernel here that quantises activations calls (``_act_quant_kernel``, the one-launch decode kernel
+of ``triton_decode.py``): their operands and scales agree bit for bit.
 The e4m3 x e4m3 products run on the tensor cores (``tl.dot``, float32 accumulation), each K tile scaled by
 the token's group scale and the weight block's scale.
 :func:`plan` picks one of three plans from the shapes:
@@ -17,6 +18,9 @@ the token's group scale and the weight block's scale.
   launches: CUDA-graph safe) sums them in split order (deterministic) and adds the bias. Split-K
   allocates its partials (``torch.empty``) per call; its tickets are the caller's (``tickets``: a zeroed
   buffer the caller keeps, e.g. one per linear layer), else zeros allocated per call (a memset).
+  ``gated_norm_fp8_linear`` runs this plan with the kernel's GATED_NORM prologue (each 128-channel
+  activation group is one head, normalised and gated in registers before it is quantised): one launch
+  instead of ``gated_rms_norm`` + ``fp8_linear``. Under the other plans it runs those two ops.
 - decode up to M = 64 otherwise (``ONE_LAUNCH=False``): ``_act_quant_kernel`` (one program per token),
   ``_fp8_gemm_kernel`` with one row tile of ``16 <= BLOCK_M <= 64`` rows and split-K float32 partials
   ``[SPLIT_K, M, N]``, summed in a fixed order by ``_splitk_reduce_kernel`` (deterministic), which also adds
@@ -50,8 +54,11 @@ from atom_kernels.ops.fp8.checks import (
     check_fp8_kv_dequant,
     check_fp8_kv_quant,
     check_fp8_linear,
+    check_gated_norm_fp8_linear,
 )
 from atom_kernels.ops.fp8.reference import ACT_SCALE_EPS
+from atom_kernels.ops.fp8.triton_decode import _quant_e4m3, launch_decode
+from atom_kernels.ops.norm.triton import gated_rms_norm
 
 E4M3 = torch.float8_e4m3fn
 # Largest M whose default plan is the one-launch kernel: each of its programs quantises M x (its K range),
@@ -59,19 +66,6 @@ E4M3 = torch.float8_e4m3fn
 # (fp8_decode_h200.json): at M = 2 its best tiles beat the three-launch plan by 3-15% at the 80B shapes; at
 # M = 8 the three-launch plan is 1.1-1.4x faster on every shape wider than 1024 columns.
 ONE_LAUNCH_MAX_M = 2
-
-
-@triton.jit
-def _quant_e4m3(x, AXIS: tl.constexpr, EPS: tl.constexpr, FMAX: tl.constexpr):
-    """Quantise the float32 tile ``x`` in groups along ``AXIS`` (one group per index of the other axis):
-    ``s = max(max|x|, EPS) / FMAX`` per group, ``q = clamp(div_rn(x, s), -FMAX, FMAX)`` rounded to
-    e4m3. Returns ``(q, s)``, ``q`` of x's shape and ``s`` with ``AXIS`` reduced. Every FP8 kernel
-    quantises activations through this function, so operands and scales agree bit for bit."""
-    s = tl.maximum(tl.max(tl.abs(x), AXIS), EPS) / FMAX
-    sb = tl.expand_dims(s, AXIS)
-    nz = x != 0.0  # div_rn(+-0, s) is +-0: zeros skip the division's slow path
-    q = tl.where(nz, tl.math.div_rn(tl.where(nz, x, 1.0), sb), x)
-    return tl.minimum(tl.maximum(q, -FMAX), FMAX).to(tl.float8e4nv), s
 
 
 @triton.jit
@@ -160,91 +154,6 @@ def _splitk_reduce_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=m, other=0.0).to(tl.float32)
     tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _fp8_linear_decode_kernel(
-    x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, M, N, K,
-    stride_xm, stride_wn, stride_wsn, stride_ym, GROUPS_PER_SPLIT, SPLIT_K,
-    EPS: tl.constexpr, FMAX: tl.constexpr, BN_Q: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
-):  # fmt: skip
-    """``y[:M, n-tile] = x @ w.T`` for decode-sized ``M <= ROWS``; program ``(pid_n, pid_k)``
-    covers ``BLOCK_N`` columns and K groups ``[pid_k * GROUPS_PER_SPLIT, ...)`` of ``GROUP`` channels.
-
-    Each group of the program's K range is quantised here, for the ``ROWS`` rows only, by
-    ``_quant_e4m3`` (``_act_quant_kernel``'s operands and scales bit for bit; rows ``>= M`` are masked), and
-    multiplied on the tensor cores (8-bit ``tl.dot`` takes any row count). SWAP_AB: the weight tile is
-    the left operand (``w_tile @ q.T``; a 16-row instruction then covers 16 weight rows, not the few
-    token rows); the products and their order per K tile are unchanged. SPLIT: float32 partials
-    ``part[pid_k, M, N]``; the last program of a column tile to arrive (``count[pid_n]`` ticket, which it
-    resets to 0) sums them in split order, adds the bias and writes ``y``."""
-    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_r = tl.arange(0, ROWS)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_g = tl.arange(0, GROUP)
-    r_ok = offs_r < M
-    n_ok = offs_n < N
-    g0 = pid_k * GROUPS_PER_SPLIT
-    g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, tl.cdiv(K, GROUP))
-    ws_ptrs = ws_ptr + (offs_n // BN_Q).to(tl.int64) * stride_wsn
-    if SWAP_AB:  # y.T tile = w tile @ q.T: the weight is the [BLOCK_N, GROUP] left operand
-        x_ptrs = x_ptr + offs_r[None, :].to(tl.int64) * stride_xm + offs_g[:, None]
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_g[None, :]
-        acc_t = tl.zeros([BLOCK_N, ROWS], tl.float32)
-        for g in range(g0, g1):
-            k0 = g * GROUP
-            if EVEN_K:
-                x = tl.load(x_ptrs + k0, mask=r_ok[None, :], other=0.0).to(tl.float32)
-                b = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0)
-            else:
-                k_ok = (k0 + offs_g) < K
-                x = tl.load(x_ptrs + k0, mask=k_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-                b = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            a, a_s = _quant_e4m3(x, 0, EPS, FMAX)  # x.T tile: one group per column
-            b_s = tl.load(ws_ptrs + g, mask=n_ok, other=0.0)
-            acc_t += tl.dot(b, a) * a_s[None, :] * b_s[:, None]
-        acc = tl.trans(acc_t)
-    else:
-        x_ptrs = x_ptr + offs_r[:, None].to(tl.int64) * stride_xm + offs_g[None, :]
-        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_g[:, None]
-        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        for g in range(g0, g1):
-            k0 = g * GROUP
-            if EVEN_K:
-                x = tl.load(x_ptrs + k0, mask=r_ok[:, None], other=0.0).to(tl.float32)
-                b = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
-            else:
-                k_ok = (k0 + offs_g) < K
-                x = tl.load(x_ptrs + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                b = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            a, a_s = _quant_e4m3(x, 1, EPS, FMAX)
-            b_s = tl.load(ws_ptrs + g, mask=n_ok, other=0.0)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-    mask = r_ok[:, None] & n_ok[None, :]
-    out = offs_r[:, None].to(tl.int64) * N + offs_n[None, :]
-    if SPLIT:
-        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + out, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
-        ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if ticket == SPLIT_K - 1:
-            acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-            for s in range(0, SPLIT_K):  # fixed order: deterministic
-                # s is a loop tensor; M or N equal to 1 arrive as constexprs (no .to on them)
-                acc += tl.load(part_ptr + s.to(tl.int64) * M * N + out, mask=mask, other=0.0)
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + offs_r[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
-                     acc.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-            tl.atomic_xchg(count_ptr + pid_n, 0)  # reset for the next launch
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_r[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
 
 @triton.jit
@@ -405,48 +314,6 @@ def _launch_gemm(a, a_scales, w, w_scales, block, out_dtype, bias, cfg) -> torch
     return out
 
 
-def _launch_decode(x, w, w_scales, block, bias, cfg, tickets=None) -> torch.Tensor:
-    """One launch of ``_fp8_linear_decode_kernel``: ``x [M, K]`` (unit last stride, ``M <= cfg["ROWS"]``)
-    x ``w [N, K]`` e4m3 with float32 block scales -> ``[M, N]`` in x.dtype. ``tickets``: the caller's
-    zeroed split-K counters (see :func:`fp8_linear`), else zeros allocated here."""
-    m, k = x.shape
-    n = w.shape[0]
-    bn, bk = block
-    rows = cfg["ROWS"]
-    if not m <= rows or rows & (rows - 1):
-        raise ValueError(f"fp8_linear (triton): config ROWS={rows} must be a power of two >= M={m}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    groups = triton.cdiv(k, bk)
-    per = triton.cdiv(groups, max(1, min(int(cfg["SPLIT_K"]), groups)))
-    split = triton.cdiv(groups, per)
-    tiles = triton.cdiv(n, cfg["BLOCK_N"])
-    if split > 1:  # float32 partials; tickets that the kernel returns to 0 (fresh ones cost a memset)
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        if tickets is None:
-            count = torch.zeros((tiles,), dtype=torch.int32, device=x.device)
-        elif tickets.numel() < tiles or tickets.device != x.device:
-            raise ValueError(
-                f"fp8_linear (triton): tickets holds {tickets.numel()} counters on {tickets.device}, the plan "
-                f"needs {tiles} (BLOCK_N={cfg['BLOCK_N']}) on {x.device}"
-            )
-        else:
-            count = tickets
-    else:
-        part, count = out, out
-    has_bias = bias is not None
-    _fp8_linear_decode_kernel[(tiles, split)](
-        x_ptr=x, w_ptr=w, ws_ptr=w_scales, y_ptr=out, bias_ptr=bias if has_bias else out, part_ptr=part,
-        count_ptr=count, M=m, N=n, K=k, stride_xm=x.stride(0), stride_wn=w.stride(0),
-        stride_wsn=w_scales.stride(0), stride_ym=out.stride(0), GROUPS_PER_SPLIT=per, SPLIT_K=split,
-        EPS=ACT_SCALE_EPS, FMAX=FP8_MAX, BN_Q=bn, GROUP=bk, ROWS=rows, BLOCK_N=cfg["BLOCK_N"],
-        SWAP_AB=cfg["SWAP_AB"], EVEN_K=k % bk == 0, SPLIT=split > 1, HAS_BIAS=has_bias,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x.device),
-    )  # fmt: skip
-    return out
-
-
 def fp8_gemm(
     a: torch.Tensor,
     a_scales: torch.Tensor,
@@ -491,10 +358,52 @@ def fp8_linear(
     scales = scale_inv if scale_inv.dtype == torch.float32 else scale_inv.float()
     cfg = plan(x2.shape[0], w_fp8.shape[0], k, bk, _device_sms(x.device), config)
     if cfg["ONE_LAUNCH"]:
-        y = _launch_decode(x2, w_fp8, scales, (bn, bk), bias, cfg, tickets)
+        y = launch_decode(x2, w_fp8, scales, (bn, bk), bias, cfg, tickets)
     else:
         a, a_s = _act_quant_2d(x2, bk)
         y = _launch_gemm(a, a_s, w_fp8, scales, (bn, bk), x.dtype, bias, cfg)
+    return y.reshape(*lead, w_fp8.shape[0])
+
+
+def _unit_rows(t: torch.Tensor, k: int) -> torch.Tensor:
+    """``[..., Hv, Dv]`` as ``[T, Hv * Dv]`` with a unit last stride (a view of a row-strided head view)."""
+    t2 = t.reshape(-1, k)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def gated_norm_fp8_linear(
+    o: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    bias: torch.Tensor | None = None,
+    *,
+    tickets: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``fp8_linear(gated_rms_norm(o, z, norm_weight, eps).flatten(-2), ...)`` ``-> [..., N]`` in o.dtype.
+
+    Where :func:`plan` picks the one-launch plan and a head is one activation group (``Dv == bk``): one
+    launch of the decode kernel with its GATED_NORM prologue; otherwise the two ops (``gated_rms_norm``,
+    then :func:`fp8_linear`). ``z`` may be a row-strided view (the gate part of the projection output);
+    ``tickets`` / ``config`` as for :func:`fp8_linear`."""
+    check_gated_norm_fp8_linear(o, z, norm_weight, eps, w_fp8, scale_inv, block, bias, tickets)
+    if w_fp8.stride(-1) != 1:
+        raise ValueError("gated_norm_fp8_linear (triton): w_fp8 needs a unit last-dim stride")
+    bn, bk = _check_block("gated_norm_fp8_linear", block)
+    lead, dv = o.shape[:-2], o.shape[-1]
+    k = o.shape[-2] * dv
+    o2 = _unit_rows(o, k)
+    cfg = plan(o2.shape[0], w_fp8.shape[0], k, bk, _device_sms(o.device), config)
+    if not (cfg["ONE_LAUNCH"] and dv == bk):
+        y = gated_rms_norm(o, z, norm_weight, eps)
+        return fp8_linear(y.reshape(*lead, k), w_fp8, scale_inv, block, bias, tickets=tickets, config=config)
+    scales = scale_inv if scale_inv.dtype == torch.float32 else scale_inv.float()
+    gate = (_unit_rows(z, k), norm_weight.contiguous(), float(eps))
+    y = launch_decode(o2, w_fp8, scales, (bn, bk), bias, cfg, tickets, gate=gate)
     return y.reshape(*lead, w_fp8.shape[0])
 
 

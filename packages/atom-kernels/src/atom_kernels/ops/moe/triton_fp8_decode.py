@@ -36,7 +36,7 @@ import triton.language as tl
 from atom_kernels.ops._fp8_math import FP8_MAX
 from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.fp8.reference import ACT_SCALE_EPS
-from atom_kernels.ops.fp8.triton import _quant_e4m3
+from atom_kernels.ops.fp8.triton_decode import _quant_e4m3
 from atom_kernels.ops.moe.triton import weighted_sum
 
 # H200, 80B-A3B experts (513 x [1024 x 2048] / [2048 x 512] e4m3, top-10 + the shared expert), CUDA graphs,
