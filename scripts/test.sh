@@ -21,4 +21,5 @@ echo "[test] Triton kernels under the CPU interpreter (TRITON_INTERPRET=1)"
 TRITON_INTERPRET=1 uv run --no-sync pytest -q -p no:cacheprovider -k triton \
     packages/atom-kernels/tests/test_kernels_gdn.py packages/atom-kernels/tests/test_kernels_gdn_verify.py \
     packages/atom-kernels/tests/test_kernels_conv1d.py packages/atom-kernels/tests/test_kernels_triton_paths.py \
-    packages/atom-kernels/tests/test_kernels_dense_ops.py packages/atom-kernels/tests/test_kernels_fp8.py
+    packages/atom-kernels/tests/test_kernels_dense_ops.py packages/atom-kernels/tests/test_kernels_fp8.py \
+    packages/atom-kernels/tests/test_kernels_fp8_gated_norm.py packages/atom-kernels/tests/test_kernels_linear.py
