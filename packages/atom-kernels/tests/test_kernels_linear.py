@@ -17,7 +17,8 @@ from atom_kernels.testing import assert_close, randn, row_strided
 # F.linear. Triton's CPU interpreter converts float32 -> bf16 by truncation (toward zero; 2047 of 2048
 # outputs equal the truncated float64 result), so its bf16 error reaches one ulp where a GPU's
 # round-to-nearest gives half an ulp: rtol 2^-7 (one bf16 ulp) covers both.
-# GPU (--device cuda) errors: NOT measured yet (to be measured by the lead with ATOM_KERNELS_REPORT_ERRORS=1).
+# H200 (--device cuda, ATOM_KERNELS_REPORT_ERRORS=1, every case): float32 max abs 4.3e-07 (7.2e-07 against the
+# reference); bf16 max abs 1.5e-02, rel 3.4e-03 (1.6e-02 / 4.0e-03 against the reference: half an ulp).
 TOL = {
     # measured 2.0e-06, rel 5.9e-07 (reference, CPU, and interpreter)
     ("linear", torch.float32): (2e-5, 1e-5),

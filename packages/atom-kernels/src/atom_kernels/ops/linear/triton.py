@@ -1,7 +1,7 @@
 """Triton ``linear``: one GEMV launch at decode-sized token counts, ``torch.nn.functional.linear`` elsewhere.
 
 At ``M <= GEMV_MAX_M`` rows and ``N <= GEMV_MAX_N`` output features (a GDN layer's ``in_proj_ba`` at decode:
-1-2 tokens, 64 features for the 80B model) the work is one read of a small weight, and cuBLAS's smallest
+1-4 tokens, 64 features for the 80B model) the work is one read of a small weight, and cuBLAS's smallest
 GEMM tile is bound by its launch and latency. ``_gemv_kernel`` instead: program ``p`` computes the output
 features ``[p * BLOCK_N, +BLOCK_N)`` for every row. It walks K in ``BLOCK_K`` chunks, multiplies each
 ``[BLOCK_N, BLOCK_K]`` weight tile (read once, for all rows) elementwise with the ``[ROWS, BLOCK_K]`` chunk
@@ -27,10 +27,11 @@ from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.linear.checks import check_linear
 
 # Largest row count on the GEMV path: every program multiplies all M rows with its weight tile, so the
-# accumulator (and the FMAs per weight byte) grow with M. 2 covers a batch-1 decode and an MTP verify with
-# one draft token, as the other one-launch decode kernels (``fp8_linear``, ``moe_gate_router``) do;
-# benchmarks/gpu/bench_linear.py times M = 4 and 8 through ``max_m`` for raising it.
-GEMV_MAX_M = 2
+# accumulator (and the FMAs per weight byte) grow with M. H200, K = 2048, weights L2-cold, CUDA graphs
+# (benchmarks/results/linear_h200.json): N = 64 (in_proj_ba) 1.6 / 2.2 / 1.6 us at M = 1 / 2 / 4 against
+# 5.3 us for cuBLAS; N = 1024 2.9 / 2.9 / 4.2 us against 12.6 / 10.4 / 9.3 us. 4 covers a batch-1 MTP verify
+# with up to three draft tokens.
+GEMV_MAX_M = 4
 # Widest output on the GEMV path: past ~1024 features cuBLAS's tiles fill the GPU and its launch cost is a
 # small part of the GEMM.
 GEMV_MAX_N = 1024
