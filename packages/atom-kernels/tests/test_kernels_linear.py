@@ -28,8 +28,10 @@ TOL = {
     ("linear", torch.float16): (1e-3, 2**-10),
     # measured 2.2e-06, rel 6.2e-07 (interpreter: another float32 summation order) / 0 (reference)
     ("vs_reference", torch.float32): (2e-5, 1e-5),
-    # measured 3.1e-02, rel 6.9e-03 (interpreter: truncation against round-to-nearest, one ulp)
-    ("vs_reference", torch.bfloat16): (1e-3, 2**-7),
+    # measured 3.1e-02, rel 6.9e-03 (interpreter: truncation against round-to-nearest, one ulp). On the H200
+    # F.linear (cuBLAS) at M = 1, N = 100, K = 200 differed from the GEMV by 1.56e-02 at |y| < 4 where the
+    # GEMV was within 7.7e-03 of float64 (and within one ulp): cuBLAS's own error at that shape, hence atol
+    ("vs_reference", torch.bfloat16): (2e-2, 2**-7),
     # measured 0 (interpreter)
     ("vs_reference", torch.float16): (1e-3, 2**-10),
     # strided / leading-dim inputs against the contiguous call of the same backend: measured 4.8e-07
