@@ -45,7 +45,8 @@ def main() -> None:
     device = common.require_cuda()
     ceil = common.ceilings(out, device)
     from atom_kernels import registry
-    from atom_kernels.ops.linear.triton import _device_sms, plan
+    from atom_kernels.ops._device import device_sms
+    from atom_kernels.ops.linear.triton import plan
 
     gemv = registry.resolve("linear", device, torch.bfloat16, "triton").fn
     tokens = [int(t) for t in (args.tokens or "1,2,4").split(",")]
@@ -57,7 +58,7 @@ def main() -> None:
     )
     modes = ("cold",) if args.quick else ("cold", "hot")
     rep_ms = 20 if args.quick else 100  # per replay; the median of 10 replays is kept
-    sms = _device_sms(device)
+    sms = device_sms(device)
     rows = []
     for n in widths:
         copies = max(1, -(-COLD_BYTES // (n * K * 2)))

@@ -30,7 +30,7 @@ def rms_oracle(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 63, 257])
+@pytest.mark.parametrize("tokens", [0, 1, 63, 257])
 def test_rms_norm(impl, tol, device, dtype, tokens):
     fn = impl("rms_norm", dtype)
     x = randn(tokens, 96, seed=1, dtype=dtype, device=device, scale=3.0)

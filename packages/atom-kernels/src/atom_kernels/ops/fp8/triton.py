@@ -40,12 +40,11 @@ saturate, and rounds values just below a power of two that should round up to it
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from atom_kernels.ops._device import device_sms
 from atom_kernels.ops._fp8_math import FP8_MAX, scale_tensor
 from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.fp8.checks import (
@@ -211,11 +210,6 @@ def fp8_act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torc
     return q.reshape(*lead, k), s.reshape(*lead, s.shape[-1])
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def plan(m: int, n: int, k: int, bk: int, sms: int, config: dict | None = None) -> dict:
     """Launch plan from shapes alone (``sms``: the device's multiprocessor count); ``config`` overrides keys.
 
@@ -270,12 +264,6 @@ def plan(m: int, n: int, k: int, bk: int, sms: int, config: dict | None = None) 
     return cfg
 
 
-def _device_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _check_block(op: str, block: tuple[int, int]) -> tuple[int, int]:
     bn, bk = int(block[0]), int(block[1])
     if bk < 32 or bk & (bk - 1):
@@ -327,7 +315,7 @@ def fp8_gemm(
     """``[M, K] e4m3 (group scales [M, ceil(K/bk)]) x [N, K] e4m3 (block scales) -> [M, N] out_dtype``."""
     bn, bk = _check_block("fp8_gemm", block)
     cfg = plan(
-        a.shape[0], w.shape[0], a.shape[1], bk, _device_sms(a.device), {**(config or {}), "ONE_LAUNCH": False}
+        a.shape[0], w.shape[0], a.shape[1], bk, device_sms(a.device), {**(config or {}), "ONE_LAUNCH": False}
     )
     return _launch_gemm(a, a_scales, w, w_scales, (bn, bk), out_dtype, bias, cfg)
 
@@ -356,7 +344,7 @@ def fp8_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     scales = scale_inv if scale_inv.dtype == torch.float32 else scale_inv.float()
-    cfg = plan(x2.shape[0], w_fp8.shape[0], k, bk, _device_sms(x.device), config)
+    cfg = plan(x2.shape[0], w_fp8.shape[0], k, bk, device_sms(x.device), config)
     if cfg["ONE_LAUNCH"]:
         y = launch_decode(x2, w_fp8, scales, (bn, bk), bias, cfg, tickets)
     else:
@@ -397,7 +385,7 @@ def gated_norm_fp8_linear(
     lead, dv = o.shape[:-2], o.shape[-1]
     k = o.shape[-2] * dv
     o2 = _unit_rows(o, k)
-    cfg = plan(o2.shape[0], w_fp8.shape[0], k, bk, _device_sms(o.device), config)
+    cfg = plan(o2.shape[0], w_fp8.shape[0], k, bk, device_sms(o.device), config)
     if not (cfg["ONE_LAUNCH"] and dv == bk):
         y = gated_rms_norm(o, z, norm_weight, eps)
         return fp8_linear(y.reshape(*lead, k), w_fp8, scale_inv, block, bias, tickets=tickets, config=config)

@@ -16,13 +16,12 @@ No host synchronisation (CUDA-graph safe). Launched with the decode kernels' PDL
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from atom_kernels.ops._device import device_sms
 from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.linear.checks import check_linear
 
@@ -75,18 +74,6 @@ def _gemv_kernel(
         y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_r[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_r < M)[:, None] & (offs_n < N)[None, :])
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_sms(device: torch.device) -> int:
-    """The device's multiprocessor count (4 for CPU tensors: Triton's interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def plan(
@@ -143,7 +130,7 @@ def linear(
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    cfg = plan(m, n, k, _device_sms(x.device), max_m=max_m, max_n=max_n, block_n=block_n,
+    cfg = plan(m, n, k, device_sms(x.device), max_m=max_m, max_n=max_n, block_n=block_n,
                num_warps=num_warps, num_stages=num_stages)  # fmt: skip
     if cfg is None or weight.stride(-1) != 1:
         return F.linear(x, weight, bias)

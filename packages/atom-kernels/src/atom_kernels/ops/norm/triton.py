@@ -9,6 +9,8 @@ compiles for ROCm.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -103,7 +105,9 @@ def _rows_2d(t: torch.Tensor) -> torch.Tensor:
 def _rows_3d(t: torch.Tensor) -> torch.Tensor:
     """``[..., B, H]`` as ``[A, B, H]`` with a unit last stride: a view unless the leading dims do not merge
     or the last stride is not 1 (then a copy); ``[H]`` as ``[1, 1, H]``."""
-    t3 = t.reshape(-1, t.shape[-2] if t.dim() >= 2 else 1, t.shape[-1])
+    if t.dim() < 2:
+        return t.reshape(1, 1, -1) if t.stride(-1) == 1 else t.contiguous().reshape(1, 1, -1)
+    t3 = t.reshape(math.prod(t.shape[:-2]), t.shape[-2], t.shape[-1])  # an explicit size: T = 0 reshapes too
     return t3 if t3.stride(-1) == 1 else t3.contiguous()
 
 
