@@ -40,6 +40,8 @@ saturate, and rounds values just below a power of two that should round up to it
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -384,11 +386,11 @@ def gated_norm_fp8_linear(
     bn, bk = _check_block("gated_norm_fp8_linear", block)
     lead, dv = o.shape[:-2], o.shape[-1]
     k = o.shape[-2] * dv
-    o2 = _unit_rows(o, k)
-    cfg = plan(o2.shape[0], w_fp8.shape[0], k, bk, device_sms(o.device), config)
+    cfg = plan(math.prod(lead), w_fp8.shape[0], k, bk, device_sms(o.device), config)
     if not (cfg["ONE_LAUNCH"] and dv == bk):
         y = gated_rms_norm(o, z, norm_weight, eps)
         return fp8_linear(y.reshape(*lead, k), w_fp8, scale_inv, block, bias, tickets=tickets, config=config)
+    o2 = _unit_rows(o, k)
     scales = scale_inv if scale_inv.dtype == torch.float32 else scale_inv.float()
     gate = (_unit_rows(z, k), norm_weight.contiguous(), float(eps))
     y = launch_decode(o2, w_fp8, scales, (bn, bk), bias, cfg, tickets, gate=gate)
