@@ -15,6 +15,8 @@ Columns 1..k of the spec block table point at slots filled with NaN: nothing may
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -93,7 +95,11 @@ def _md(query_start_loc, **kw) -> AtomGDNAttentionMetadata:
     if base.get("spec_sequence_masks") is not None:
         base["spec_sequence_masks_cpu"] = base["spec_sequence_masks"]
     md = GDNAttentionMetadata(**base)
-    step = gdn_step_from_vllm(md, _i32(query_start_loc))
+    qsl = _i32(query_start_loc)
+    common = SimpleNamespace(
+        query_start_loc_cpu=qsl, num_reqs=len(query_start_loc) - 1, num_actual_tokens=int(qsl[-1])
+    )
+    step = gdn_step_from_vllm(md, common)
     return AtomGDNAttentionMetadata(**vars(md), step=step)
 
 

@@ -45,17 +45,22 @@ class AtomAttentionMetadataBuilder(AttentionMetadataBuilder[AtomAttentionMetadat
 
     No per-step allocation: every tensor is a view of the model runner's persistent buffers (vLLM's
     ``query_start_loc`` / ``seq_lens`` / block table / ``slot_mapping``; the dtype conversions are no-ops
-    for vLLM 0.32's int32 / int64 buffers). The real token count is read from vLLM's host copy of
-    ``query_start_loc``; the op writes zeros into the padding rows after it on the device.
+    for vLLM 0.32's int32 / int64 buffers), and the only Python ints the op reads are fixed by the batch's
+    shape, so a CUDA graph captured over this metadata replays with whatever the runner wrote into those
+    buffers for the next step.
 
-    CUDA graphs: NEVER. The op slices the real tokens with that host count, so a full graph captured at one
-    batch would replay the captured count; vLLM's VLLM_COMPILE mode then captures piecewise graphs around
-    the ``vllm::atom_attention_with_output`` splitting op (it downgrades FULL_AND_PIECEWISE to PIECEWISE).
+    CUDA graphs: ``UNIFORM_BATCH``, full graphs for decode and verify batches of ``1 + k`` tokens per request
+    (the GDN layers beside these cannot capture a prefill). The op itself takes any mix. Under a full graph
+    vLLM pads the batch: ``num_actual_tokens`` is then the padded token count, the padding requests are
+    zero-length rows (``query_start_loc`` repeated, ``seq_lens`` 0, block-table row ``NULL_BLOCK_ID``) and
+    the padding tokens have slot ``PAD_SLOT_ID`` (-1), so the KV write skips them and the attention writes
+    zeros into their rows, all on the device. Without padding it is the real token count and the rows
+    after it (vLLM's piecewise token padding) are zeroed.
     """
 
     # Verification batches of 1 + k tokens per request are "decodes" for our op (it handles any q_len),
     # so vLLM may keep them at the front of the batch like plain decodes: threshold 1 + k.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(
         self,
@@ -75,8 +80,11 @@ class AtomAttentionMetadataBuilder(AttentionMetadataBuilder[AtomAttentionMetadat
     ) -> AtomAttentionMetadata:
         m = common_attn_metadata
         n = m.num_reqs
-        # m.num_actual_tokens may include padding; the real tokens end at query_start_loc[num_reqs].
-        num_tokens = int(m.query_start_loc_cpu[n])
+        # Padded under a full graph (a constant of the captured batch size), else the real token count.
+        num_tokens = m.num_actual_tokens
+        real = int(m.query_start_loc_cpu[n])
+        if num_tokens > real:  # padding tokens write no KV (vLLM fills PAD_SLOT_ID too; made sure here)
+            m.slot_mapping[real:num_tokens].fill_(-1)
         return AtomAttentionMetadata(
             num_actual_tokens=num_tokens,
             num_reqs=n,
@@ -86,6 +94,13 @@ class AtomAttentionMetadataBuilder(AttentionMetadataBuilder[AtomAttentionMetadat
             block_table=m.block_table_tensor[:n].to(torch.int32),
             slot_mapping=m.slot_mapping[:num_tokens].to(torch.int64),
         )
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> AtomAttentionMetadata:
+        """The metadata a full graph is captured with: what :meth:`build` gives for the capture batch (every
+        tensor a view of vLLM's persistent buffers, so the replayed graph reads each later step's values)."""
+        return self.build(0, common_attn_metadata)
 
 
 class AtomAttentionBackend(AttentionBackend):

@@ -18,7 +18,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 from atom_models.gdn_meta import GDNDecodeMeta, GDNPrefillMeta, GDNStepMeta, GDNVerifyMeta
-from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionBackend,
     GDNAttentionMetadata,
@@ -44,6 +44,9 @@ class StepBuffers:
         self.scatter = torch.zeros(max_seqs * max_q, dtype=torch.int64, device=device)
 
 
+PAD_SLOT = -1  # a state index the GDN kernels skip (no state read or written)
+
+
 def _put(buf: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
     """``src`` copied into the front of ``buf`` (a view of it); ``src`` itself (contiguous) without a buffer
     or where it does not fit."""
@@ -54,14 +57,43 @@ def _put(buf: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _padded(buf: torch.Tensor | None, head: torch.Tensor, total: int, pad: int) -> torch.Tensor:
+    """``[total]`` int32: ``head``, then ``pad`` in the rows after it; the front of ``buf`` where it fits,
+    so a full graph captured at ``total`` rows reads this step's values, padding rows included."""
+    n = head.shape[0]
+    if buf is None or total > buf.shape[0]:
+        out = torch.full((total,), pad, dtype=torch.int32, device=head.device)
+    else:
+        out = buf[:total]
+        out[n:].fill_(pad)
+    out[:n].copy_(head, non_blocking=True)
+    return out
+
+
+def _decode_meta(md: GDNAttentionMetadata, bufs: StepBuffers | None) -> GDNDecodeMeta:
+    """The ``num_decodes`` one-token rows at the front of the batch. A full graph's padded batch counts its
+    zero-length padding rows among them (vLLM gives them the null block): their slot becomes ``PAD_SLOT``."""
+    n = md.num_decodes
+    slots = md.non_spec_state_indices_tensor[:n].to(torch.int32)
+    qsl = md.non_spec_query_start_loc
+    if qsl is not None and qsl.shape[0] > n:
+        slots = torch.where(qsl[1 : n + 1] > qsl[:n], slots, PAD_SLOT)
+    return GDNDecodeMeta(n, _padded(None if bufs is None else bufs.slots, slots, n, PAD_SLOT))
+
+
 def _verify_meta(
-    md: GDNAttentionMetadata, query_start_loc_cpu: torch.Tensor, bufs: StepBuffers | None
+    md: GDNAttentionMetadata, m: CommonAttentionMetadata, bufs: StepBuffers | None
 ) -> GDNVerifyMeta:
     """The spec rows of ``md`` (the first ``num_spec_decodes`` rows flagged in ``spec_sequence_masks_cpu``)
-    as one verify part of ``Q = max(lens)`` tokens; ragged or scattered rows get gather/scatter indices."""
+    as one verify part of ``Q = max(lens)`` tokens; ragged or scattered rows get gather/scatter indices.
+
+    A uniform batch (every row ``Q`` tokens, in order from row 0, nothing else) keeps the zero-length
+    padding rows of a full graph's padded batch (``m.num_actual_tokens == m.num_reqs * Q``) as verify rows
+    with slot ``PAD_SLOT`` and ``num_accepted = 1``: the record then has the captured batch's shape.
+    """
     n = md.num_spec_decodes
     dev = md.spec_state_indices_tensor.device
-    qsl = query_start_loc_cpu.numpy().astype(np.int64)
+    qsl = m.query_start_loc_cpu.numpy().astype(np.int64)
     mask = md.spec_sequence_masks_cpu.numpy().astype(bool)
     rows = np.arange(mask.shape[0])[mask][:n]
     starts = qsl[rows]
@@ -71,9 +103,14 @@ def _verify_meta(
     accepted = md.num_accepted_tokens[:n].to(torch.int32)
     b_slots = None if bufs is None else bufs.slots
     b_acc = None if bufs is None else bufs.num_accepted
-    slots, accepted = _put(b_slots, slots), _put(b_acc, accepted)
     if bool((lens == q_len).all()) and bool((starts == starts[0] + q_len * np.arange(n)).all()):
-        return GDNVerifyMeta(n, q_len, slots, accepted, token_start=int(starts[0]))
+        total = n
+        only_verify = md.num_prefills == 0 and md.num_decodes == 0 and starts[0] == 0
+        if only_verify and m.num_reqs > n and m.num_actual_tokens == m.num_reqs * q_len:
+            total = m.num_reqs
+        slots, accepted = _padded(b_slots, slots, total, PAD_SLOT), _padded(b_acc, accepted, total, 1)
+        return GDNVerifyMeta(total, q_len, slots, accepted, token_start=int(starts[0]))
+    slots, accepted = _put(b_slots, slots), _put(b_acc, accepted)
     col = np.arange(q_len)[None, :]
     gather = starts[:, None] + np.minimum(col, np.maximum(lens - 1, 0)[:, None])
     scatter = np.where(col < lens[:, None], starts[:, None] + col, -1)
@@ -85,10 +122,10 @@ def _verify_meta(
 
 
 def gdn_step_from_vllm(
-    md: GDNAttentionMetadata, query_start_loc_cpu: torch.Tensor, bufs: StepBuffers | None = None
+    md: GDNAttentionMetadata, m: CommonAttentionMetadata, bufs: StepBuffers | None = None
 ) -> GDNStepMeta:
-    """Translate vLLM's GDN metadata of one step (``query_start_loc_cpu``: the batch's ``[num_reqs + 1]``
-    token offsets on the host) into the pipeline's record.
+    """Translate vLLM's GDN metadata of one step (``m``: the batch's common metadata, whose host copy of
+    ``query_start_loc`` gives the rows) into the pipeline's record.
 
     Without spec rows vLLM puts the one-token decodes first, then the prompt chunks (contiguous). With spec
     rows (verifications) it counts every other row as a prefill (a one-token one included), and the two
@@ -111,11 +148,10 @@ def gdn_step_from_vllm(
         )
     decodes: tuple[GDNDecodeMeta, ...] = ()
     if md.num_decodes > 0:
-        slots = md.non_spec_state_indices_tensor[: md.num_decodes].to(torch.int32)
-        decodes = (GDNDecodeMeta(md.num_decodes, _put(None if bufs is None else bufs.slots, slots)),)
+        decodes = (_decode_meta(md, bufs),)
     verifies: tuple[GDNVerifyMeta, ...] = ()
     if md.spec_sequence_masks is not None and md.num_spec_decodes > 0:
-        verifies = (_verify_meta(md, query_start_loc_cpu, bufs),)
+        verifies = (_verify_meta(md, m, bufs),)
     return GDNStepMeta(prefill=prefill, decodes=decodes, verifies=verifies)
 
 
@@ -123,14 +159,16 @@ class AtomGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
     """vLLM's GDN metadata (the reorder threshold is 1 + k: a verification batch counts as a decode) and
     the GDN pipeline's record of the same step.
 
-    CUDA graphs: NEVER (vLLM's builder says UNIFORM_BATCH). The record's decode / verify parts are
-    capturable (device tensors in ``StepBuffers``, ints fixed by the batch shape), but this builder has not
-    been run through vLLM's padded full-graph capture (``build_for_cudagraph_capture``, PAD_SLOT_ID rows),
-    and the plugin's attention builder is NEVER anyway; with NEVER, vLLM's VLLM_COMPILE mode captures
-    piecewise graphs around the ``vllm::atom_gdn_core`` splitting op instead.
+    CUDA graphs: ``UNIFORM_BATCH``, as vLLM's own builder: full graphs for decode batches (k = 0) and
+    verify batches of ``1 + k`` tokens per request. The record's decode and verify parts hold only views of
+    ``StepBuffers`` (refilled in place every step) and ints fixed by the batch's shape, and the zero-length
+    padding rows of a padded batch become rows with slot ``PAD_SLOT`` (``num_accepted`` 1), which the
+    kernels skip on the device; so a graph captured at one batch size replays correctly for any real batch
+    padded to it. ``build_for_cudagraph_capture`` is vLLM's (it calls :meth:`build`). A batch with a prompt
+    chunk runs outside full graphs (vLLM's piecewise graphs around the ``vllm::atom_gdn_core`` op).
     """
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -152,7 +190,7 @@ class AtomGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             num_decode_draft_tokens_cpu,
             fast_build,
         )
-        step = gdn_step_from_vllm(md, common_attn_metadata.query_start_loc_cpu, self.step_buffers)
+        step = gdn_step_from_vllm(md, common_attn_metadata, self.step_buffers)
         return AtomGDNAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, step=step)
 
 
