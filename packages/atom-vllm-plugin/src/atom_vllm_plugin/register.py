@@ -1,8 +1,9 @@
 """The ``vllm.general_plugins`` entry point: put ATOM's Qwen3-Next and its MTP draft into vLLM's registry.
 
 vLLM calls :func:`register` once per process (engine core, every worker, the API server), possibly more
-than once; it is idempotent. With ``ATOM_DISABLE_VLLM_PLUGIN=1`` it registers nothing and stock vLLM
-models run.
+than once; it is idempotent. On CUDA and ROCm it also selects vLLM's V1 GPU model runner unless the user
+set ``VLLM_USE_V2_MODEL_RUNNER`` (:mod:`atom_vllm_plugin.model_runner`). With ``ATOM_DISABLE_VLLM_PLUGIN=1``
+it does neither and stock vLLM models run.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def register() -> bool:
             return True
         from vllm import ModelRegistry
 
+        from atom_vllm_plugin.model_runner import pin_v1_model_runner
         from atom_vllm_plugin.patches import apply_patches
 
+        pin_v1_model_runner()
         apply_patches()
         for arch, cls in _model_classes().items():
             ModelRegistry.register_model(arch, cls)
