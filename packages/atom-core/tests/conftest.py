@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from atom_core.paths import default_model_dir
+from atom_core import testing
 
 DATA = Path(__file__).parent / "data"
 
@@ -21,7 +21,4 @@ def fp8_raw() -> dict:
 
 @pytest.fixture
 def tiny_dir() -> Path:
-    try:
-        return default_model_dir()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    return testing.model_dir()

@@ -62,6 +62,8 @@ def test_every_switch_is_documented():
         "ATOM_DISABLE_VLLM_PLUGIN",
         "ATOM_KERNEL_BACKEND",
         "ATOM_KERNELS_PDL",
+        "ATOM_DATA_ROOT",
+        "ATOM_REQUIRE_ORACLES",
     }
     for switch in switches:
         assert switch.name in envs.__doc__

