@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from atom_core import Qwen3NextConfig
 from atom_models.parallel import TPLayout
 from torch import nn
@@ -24,8 +25,11 @@ class VllmCoreFactory:
     takes the per-rank state spec the model class reported to vLLM, checked against ``layout`` here.
     """
 
-    def __init__(self, cfg: AtomVllmConfig, kernels, gdn_state: GDNStateSpec | None) -> None:
+    def __init__(
+        self, cfg: AtomVllmConfig, kernels, gdn_state: GDNStateSpec | None, device: torch.device | None = None
+    ) -> None:
         self.cfg = cfg
+        self.device = device
         self.kernels = kernels
         self.gdn_state = gdn_state
         self.built: dict[str, nn.Module] = {}
@@ -39,6 +43,7 @@ class VllmCoreFactory:
             kernels=self.kernels,
             dtype=self.cfg.dtype,
             is_draft=self.cfg.role == "draft",
+            device=self.device,
         )
         register_layer(prefix, core)
         self.built[prefix] = core

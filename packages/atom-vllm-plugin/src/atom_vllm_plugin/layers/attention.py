@@ -47,6 +47,7 @@ class AtomAttentionCore(nn.Module, AttentionLayerBase):
         kernels,
         dtype: torch.dtype,
         is_draft: bool = False,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         register_ops()
@@ -63,8 +64,9 @@ class AtomAttentionCore(nn.Module, AttentionLayerBase):
         self.dtype = dtype
         self.is_draft_layer = is_draft
         self.kv_cache = torch.tensor([])
-        self.register_buffer("_k_scale", torch.ones((), dtype=torch.float32), persistent=False)
-        self.register_buffer("_v_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        # On ``device`` even while the model is built on the meta device (values, not allocations to fill)
+        self.register_buffer("_k_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("_v_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
 
     # ---- vLLM's AttentionLayerBase -----------------------------------------------------------
     def get_attn_backend(self) -> type[AtomAttentionBackend]:

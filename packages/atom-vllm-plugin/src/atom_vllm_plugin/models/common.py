@@ -72,6 +72,11 @@ def kernels_for(vllm_config: Any, dtype: torch.dtype):
     return compilable_kernels(kernels)
 
 
+def model_device(vllm_config: Any) -> torch.device:
+    """Where vLLM runs the model (``device_config.device``): the models are allocated there, once."""
+    return torch.device(vllm_config.device_config.device)
+
+
 def gdn_state_spec(vllm_config: Any, cfg: AtomVllmConfig | None = None) -> GDNStateSpec:
     """The state of one target GDN layer on one TP rank (every rank holds equal sizes): vLLM asks for it
     through the model class before the model exists, and the model's GDN cores get the same spec."""

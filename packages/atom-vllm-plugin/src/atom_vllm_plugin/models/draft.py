@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from atom_core import ConfigError
 from atom_models import CheckpointError, Qwen3NextMTP, checkpoint_files, load_mtp
+from atom_models.engine.engine import materialize
 from atom_models.folded_shared import sources
+from atom_models.loader import convert_mtp_fp8
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 
@@ -32,6 +34,7 @@ from atom_vllm_plugin.models.common import (
     kernels_for,
     log_compilation,
     log_rank_memory,
+    model_device,
     start_vllm_load_clock,
 )
 from atom_vllm_plugin.parallel import VllmTensorParallel
@@ -77,17 +80,22 @@ class AtomQwen3NextMTP(nn.Module):
         self.atom_config = from_vllm(vllm_config, "draft")
         self.draft_model_config = vllm_config.speculative_config.draft_model_config
         kernels = kernels_for(vllm_config, self.atom_config.dtype)
-        self.cores = VllmCoreFactory(self.atom_config, kernels, gdn_state=None)
+        device = model_device(vllm_config)
+        self.cores = VllmCoreFactory(self.atom_config, kernels, gdn_state=None, device=device)
         self.parallel = VllmTensorParallel()
-        mtp = Qwen3NextMTP(
-            self.atom_config.model,
-            self.cores,
-            kernels,
-            embed_tokens=AwaitingTarget("embed_tokens"),
-            lm_head=AwaitingTarget("lm_head"),
-            dtype=self.atom_config.dtype,
-            parallel=self.parallel,
-        )
+        # meta device, FP8 conversion, one allocation: as the target (models/target.py)
+        with torch.device("meta"):
+            mtp = Qwen3NextMTP(
+                self.atom_config.model,
+                self.cores,
+                kernels,
+                embed_tokens=AwaitingTarget("embed_tokens"),
+                lm_head=AwaitingTarget("lm_head"),
+                dtype=self.atom_config.dtype,
+                parallel=self.parallel,
+            )
+        convert_mtp_fp8(mtp)
+        materialize([mtp], device)
         self.model = mtp
         self.lm_head = mtp.lm_head
         self._sharing_checked = False

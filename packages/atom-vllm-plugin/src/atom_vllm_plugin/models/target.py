@@ -8,7 +8,8 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from atom_models import Qwen3NextForCausalLM, load_target
-from atom_models.loader import check_files
+from atom_models.engine.engine import materialize
+from atom_models.loader import check_files, convert_target_fp8
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
@@ -23,6 +24,7 @@ from atom_vllm_plugin.models.common import (
     kernels_for,
     log_compilation,
     log_rank_memory,
+    model_device,
     start_vllm_load_clock,
 )
 from atom_vllm_plugin.parallel import VllmTensorParallel
@@ -54,11 +56,22 @@ class AtomQwen3NextForCausalLM(nn.Module):
         self.atom_config = from_vllm(vllm_config, "target")
         self.vllm_model_config = vllm_config.model_config
         kernels = kernels_for(vllm_config, self.atom_config.dtype)
-        self.cores = VllmCoreFactory(self.atom_config, kernels, gdn_state_spec(vllm_config, self.atom_config))
+        device = model_device(vllm_config)
+        gdn_state = gdn_state_spec(vllm_config, self.atom_config)
+        self.cores = VllmCoreFactory(self.atom_config, kernels, gdn_state, device=device)
         self.parallel = VllmTensorParallel()
-        self.atom = Qwen3NextForCausalLM(
-            self.atom_config.model, self.cores, kernels, dtype=self.atom_config.dtype, parallel=self.parallel
-        )
+        # Built on the meta device, FP8 modules converted, then allocated once: an FP8 checkpoint's model
+        # never exists in the model dtype (80B-A3B in bf16 would not fit on the one GPU its FP8 form fits).
+        with torch.device("meta"):
+            self.atom = Qwen3NextForCausalLM(
+                self.atom_config.model,
+                self.cores,
+                kernels,
+                dtype=self.atom_config.dtype,
+                parallel=self.parallel,
+            )
+        convert_target_fp8(self.atom)
+        materialize([self.atom], device)
         log_compilation("ATOM Qwen3-Next", vllm_config)
 
     # vLLM's proposer reads target.model.embed_tokens and target.lm_head (see _maybe_share_embeddings)
