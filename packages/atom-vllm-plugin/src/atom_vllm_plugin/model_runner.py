@@ -13,7 +13,9 @@ So on CUDA and ROCm, :func:`pin_v1_model_runner` sets ``VLLM_USE_V2_MODEL_RUNNER
 the variable. It runs from :func:`atom_vllm_plugin.register.register`, which vLLM calls from
 ``EngineArgs.__post_init__`` (and ``AsyncEngineArgs.add_cli_args`` for ``vllm serve``) before the
 ``VllmConfig`` exists, and again in the engine core and in every worker before they read the property; the
-variable also reaches those processes through the environment they inherit. ``vllm.envs`` reads it on
+variable also reaches those processes through the environment they inherit. The front-end process calls
+it before vLLM configures its logging, so the line that shows is the engine core's ("... V1 GPU model
+runner ... VLLM_USE_V2_MODEL_RUNNER=0 in the environment"). ``vllm.envs`` reads it on
 every access until vLLM caches its environment once the engine has started. No vLLM code is patched: the
 variable is vLLM's documented switch.
 
@@ -79,7 +81,7 @@ def choose_model_runner(gpu_platform: str | None, user_value: str | None) -> Run
         None,
         logging.INFO,
         f"ATOM vLLM plugin runs with vLLM's V1 GPU model runner on {gpu_platform} ({ENV}={user_value} in the "
-        "environment)",
+        "environment; the plugin's backends and MTP draft are tested with V1 only)",
     )
 
 
