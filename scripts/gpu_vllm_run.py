@@ -37,14 +37,15 @@ Usage (``PYTHONPATH`` holding the bundle, from the repository root):
     python scripts/gpu_vllm_run.py --check-imports     # imports + VllmConfig of both modes, no engine
     python scripts/gpu_vllm_run.py --check-imports --assume-cuda-platform  # the same without a GPU
     python scripts/gpu_vllm_run.py --mode eager --out DIR   # LLM(enforce_eager=True)
-    python scripts/gpu_vllm_run.py --mode graphs --out DIR  # vLLM's default compilation and CUDA graphs
+    python scripts/gpu_vllm_run.py --mode graphs --k 3 --out DIR  # compiled, FULL_AND_PIECEWISE graphs
 
 A run builds ``LLM(model=data/tiny-qwen3-next-mtp, dtype="float32", speculative_config={"method": "mtp",
-"num_speculative_tokens": 1})``, generates greedily (``ignore_eos``) on the prompts of the reference
+"num_speculative_tokens": k})`` (``--k``, default 1; 0: no speculative decoding; ``--mode graphs`` asks for
+the seed's ``cudagraph_mode: FULL_AND_PIECEWISE``), generates greedily (``ignore_eos``) on the prompts of the reference
 ``greedy.json`` (:func:`atom_core.paths.reference_dir`) and prints, per prompt, whether the tokens equal
 the reference continuation, then the speculative-decoding counters, the model runner class, whether
 ``VllmConfig.use_v2_model_runner`` is set and the CUDA-graph mode the worker resolved. ``--out DIR`` also
-writes ``gpu_vllm_<mode>.json``. Exit status 0 only when every prompt matches.
+writes ``gpu_vllm_<mode>_k<k>.json``. Exit status 0 only when every prompt matches.
 """
 
 from __future__ import annotations
@@ -265,14 +266,17 @@ def check_imports(assume_cuda: bool, modules: tuple[str, ...] = ENGINE_MODULES) 
     return failures
 
 
-def llm_kwargs(mode: str) -> dict[str, Any]:
-    """The ``LLM`` / ``EngineArgs`` arguments of a run (``mode``: ``eager`` or ``graphs``)."""
+def llm_kwargs(mode: str, k: int = 1) -> dict[str, Any]:
+    """The ``LLM`` / ``EngineArgs`` arguments of a run (``mode``: ``eager`` or ``graphs``, the seed's
+    ``FULL_AND_PIECEWISE``; ``k`` speculative tokens, 0: no speculative decoding)."""
     from atom_core.paths import default_model_dir
 
+    graphs = {} if mode == "eager" else {"compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}}
     return {
+        **graphs,
         "model": str(default_model_dir()),
         "dtype": "float32",
-        "speculative_config": {"method": "mtp", "num_speculative_tokens": 1},
+        "speculative_config": {"method": "mtp", "num_speculative_tokens": k} if k > 0 else None,
         "enable_prefix_caching": False,
         "enforce_eager": mode == "eager",
         "max_model_len": 512,
@@ -302,7 +306,7 @@ def check_config(mode: str) -> dict[str, Any]:
         "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
         "speculative": f"{cfg.speculative_config.method} k={cfg.speculative_config.num_speculative_tokens}",
         "draft_architectures": cfg.speculative_config.draft_model_config.architectures,
-    }
+    }  # check_config keeps k = 1
     print(json.dumps(facts), flush=True)
     return facts
 
@@ -339,7 +343,7 @@ def _spec_counters(llm: Any) -> dict[str, Any]:
     return out
 
 
-def run(mode: str, num_prompts: int | None, out_dir: Path | None) -> int:
+def run(mode: str, k: int, num_prompts: int | None, out_dir: Path | None) -> int:
     from atom_core.paths import reference_dir
 
     cases = json.loads((reference_dir() / "greedy.json").read_text())["cases"]
@@ -350,10 +354,10 @@ def run(mode: str, num_prompts: int | None, out_dir: Path | None) -> int:
 
     from vllm import LLM, SamplingParams
 
-    result: dict[str, Any] = {"mode": mode, "bundle": check_bundle(vllm_package_dir())}
+    result: dict[str, Any] = {"mode": mode, "k": k, "bundle": check_bundle(vllm_package_dir())}
     print(json.dumps(result["bundle"]), flush=True)
     t0 = time.perf_counter()
-    llm = LLM(**llm_kwargs(mode))
+    llm = LLM(**llm_kwargs(mode, k))
     result["startup_s"] = round(time.perf_counter() - t0, 1)
     result["front_end_use_v2_model_runner"] = bool(llm.llm_engine.vllm_config.use_v2_model_runner)
     result["workers"] = llm.collective_rpc(_worker_probe)
@@ -379,7 +383,7 @@ def run(mode: str, num_prompts: int | None, out_dir: Path | None) -> int:
     print(json.dumps({k: result[k] for k in ("all_match", "generate_s", "spec_decode")}), flush=True)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"gpu_vllm_{mode}.json").write_text(json.dumps(result, indent=1))
+        (out_dir / f"gpu_vllm_{mode}_k{k}.json").write_text(json.dumps(result, indent=1))
     return 0 if result["all_match"] else 1
 
 
@@ -395,8 +399,9 @@ def main() -> int:
         "--modules", type=Path, default=None, help="with --check-imports: a file of module names (one a line)"
     )
     p.add_argument("--mode", choices=("eager", "graphs"), default="graphs")
+    p.add_argument("--k", type=int, default=1, help="num_speculative_tokens (0: no speculative decoding)")
     p.add_argument("--num-prompts", type=int, default=None, help="first N greedy.json prompts (default: all)")
-    p.add_argument("--out", type=Path, default=None, help="directory for gpu_vllm_<mode>.json")
+    p.add_argument("--out", type=Path, default=None, help="directory for gpu_vllm_<mode>_k<k>.json")
     args = p.parse_args()
     # The workspace packages are installed as wheels: point them at this checkout's data/.
     os.environ.setdefault("ATOM_DATA_ROOT", str(Path(__file__).resolve().parents[1]))
@@ -407,7 +412,7 @@ def main() -> int:
         if args.modules is not None:
             modules = tuple(m.strip() for m in args.modules.read_text().split() if m.strip())
         return 1 if check_imports(args.assume_cuda_platform, modules) else 0
-    return run(args.mode, args.num_prompts, args.out)
+    return run(args.mode, args.k, args.num_prompts, args.out)
 
 
 if __name__ == "__main__":
