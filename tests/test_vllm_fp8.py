@@ -129,7 +129,9 @@ def test_compiled_fp8_calls_the_planned_kernels_as_opaque_ops(fp8_dir):
 
 
 def test_stock_vllm_cpu_on_the_fp8_checkpoint(fp8_dir):
-    """Stock vLLM's FP8 block-scaled linear on CPU needs AMX: without it the engine does not start."""
+    """Stock vLLM on CPU does not start on the bundled model's FP8 checkpoint: without AMX it has no kernel
+    for the block-scaled linear; with AMX its MoE loader rejects the experts' w2 block scales. The plugin
+    serves the same checkpoint (the tests above)."""
     from _harness import run
 
     r = run(_fp8_spec(fp8_dir, plugin=False), str(_WORKDIR), timeout=900, log_name="fp8_stock_k1_fp8kv")
@@ -139,5 +141,10 @@ def test_stock_vllm_cpu_on_the_fp8_checkpoint(fp8_dir):
         assert job["acceptance_rate"] > 0.4
         return
     log = Path(r["log"]).read_text()
-    assert "Failed to find a kernel that can implement the ScaledMM linear layer" in log, log[-3000:]
-    assert "requires AMX tile support" in log, log[-3000:]
+    if "requires AMX tile support" in log:  # no AMX: no CPU kernel for the block-scaled linear
+        assert "Failed to find a kernel that can implement the ScaledMM linear layer" in log, log[-3000:]
+        return
+    # AMX: the kernel exists, but stock's fused-MoE loader cannot take this checkpoint's routed-expert w2
+    # block scales (moe_intermediate_size 64 is less than one 128-wide block): seen on vllm-cpu 0.32.0 as
+    # "RuntimeError: output with shape [4, 1] doesn't match the broadcast shape [4, 2]" in _load_w2
+    assert "_load_w2" in log and "doesn't match the broadcast shape" in log, log[-3000:]
