@@ -27,9 +27,17 @@ def test_reference_covers_every_op():
         kern.rms_norm = None  # frozen
 
 
-def test_default_on_cpu_falls_back_to_reference():
+def test_default_on_cpu_is_the_cpu_backend():
+    from atom_kernels.backends.cpu import CPU_OPS
+    from atom_kernels.backends.reference import REFERENCE_OPS
+
     kern = atom_kernels.select_kernels(torch.device("cpu"), torch.bfloat16, environ={})
-    assert {kern.backend_of(op) for op in registry.OPS} == {"reference"}
+    assert {kern.backend_of(op) for op in registry.OPS} == {"cpu"}
+    for op in registry.OPS:  # the reference's own function where the backend has no form of its own
+        assert (getattr(kern, op) is REFERENCE_OPS[op]) == (op not in CPU_OPS), op
+    assert registry.available_backends("gated_delta_rule_verify", torch.device("meta"), torch.float32) == [
+        "reference"
+    ]
 
 
 def test_missing_backend_module_is_unavailable_and_logged_once(monkeypatch, caplog):
@@ -40,7 +48,7 @@ def test_missing_backend_module_is_unavailable_and_logged_once(monkeypatch, capl
         with caplog.at_level(logging.DEBUG, logger="atom_kernels.registry"):
             for _ in range(3):
                 kern = select_kernels("cpu", torch.float32, environ={})
-        assert kern.backend_of("rms_norm") == "reference"
+        assert kern.backend_of("rms_norm") == "cpu"
         records = [r for r in caplog.records if "'missing' unavailable" in r.getMessage()]
         assert len(records) == 1 and records[0].levelno == logging.DEBUG
         with pytest.raises(

@@ -60,6 +60,7 @@ OPS: tuple[str, ...] = (
 BACKEND_MODULES: Mapping[str, str] = MappingProxyType(
     {
         "reference": "atom_kernels.backends.reference",
+        "cpu": "atom_kernels.backends.cpu",
         "triton": "atom_kernels.backends.triton",
     }
 )

@@ -1,0 +1,212 @@
+"""Gated delta rule decode and MTP verify for CPUs: the reference's semantics, the state read a few times.
+
+The reference steps the ``[N, Hv, Dv, Dk]`` state token by token (about five full passes over the state
+per token). Here the ``Q`` tokens of a call are applied in closed form from the state ``S`` they start
+from (``cum_j = g_0 + ... + g_j``, q already scaled, k normalised)::
+
+    u_j = beta_j (v_j - e^{cum_j} S k_j - sum_{l<j} e^{cum_j - cum_l} (k_l . k_j) u_l)
+    o_j = e^{cum_j} S q_j + sum_{l<=j} e^{cum_j - cum_l} (k_l . q_j) u_l
+    S_Q = e^{cum_{Q-1}} S + sum_l e^{cum_{Q-1} - cum_l} u_l k_l^T
+
+so a call reads the state once for ``S [k | q]`` (one batched matmul) and once more, with one write, for
+the new state (a scale and one batched rank-``Q`` update); everything else is ``[N, Q, Hv, Dv]``-sized.
+The verify's commit of the pending tokens is the last line with the stashed ``u`` (tokens past
+``num_commit`` get ``g = 0``, ``u = 0``, ``k = 0``). Sequences go in groups of about :data:`STATE_BLOCK_BYTES` of
+state: a group's float32 copy stays in cache between those passes, and its temporaries stay small
+enough to be reused from the heap (a fresh multi-MiB buffer per call costs its page faults on every
+call, more than the arithmetic). Same float32 math as the reference up to the order of the sums
+(tolerances in the conformance tests); rounding points as the reference: the committed state is
+rounded to the pool dtype when stored and the verify continues from the rounded value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom_kernels.ops._checks import check_num_accepted_values, check_slot_values
+from atom_kernels.ops.gated_delta_rule.checks import (
+    check_gated_delta_rule_recurrent,
+    check_gated_delta_rule_verify,
+)
+from atom_kernels.ops.gated_delta_rule.reference import _gate_values, _prepare_qk
+
+STATE_BLOCK_BYTES = 4 << 20
+"""float32 state bytes of one group of sequences (at least one sequence per group)."""
+
+
+def _groups(num_seqs: int, state_shape: torch.Size) -> list[tuple[int, int]]:
+    """``(start, end)`` row ranges of about :data:`STATE_BLOCK_BYTES` of float32 state each."""
+    per_seq = max(1, state_shape[1] * state_shape[2] * state_shape[3] * 4)
+    step = max(1, STATE_BLOCK_BYTES // per_seq)
+    return [(i, min(i + step, num_seqs)) for i in range(0, num_seqs, step)]
+
+
+def _gather_states(ssm_state: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, all_valid: bool):
+    """float32 ``[N, Hv, Dv, Dk]`` copies of the slots' states (padding rows: zeros), owned by the caller."""
+    states = ssm_state[slots.clamp(min=0)]
+    states = states.float() if states.dtype != torch.float32 else states
+    if not all_valid:
+        states.mul_(valid[:, None, None, None].to(states.dtype))
+    return states
+
+
+def _store_states(ssm_state: torch.Tensor, slots: torch.Tensor, states: torch.Tensor, keep) -> None:
+    """``ssm_state[slots[n]] = states[n]`` (rounded to the pool dtype) for the real rows ``keep``."""
+    if keep is None:
+        ssm_state.index_copy_(0, slots, states.to(ssm_state.dtype))
+    else:
+        ssm_state[slots[keep]] = states[keep].to(ssm_state.dtype)
+
+
+def _decay_update(state: torch.Tensor, k32: torch.Tensor, u: torch.Tensor, g32: torch.Tensor) -> torch.Tensor:
+    """In place: ``state = e^{C} state + sum_l e^{C - cum_l} u_l k_l^T``, ``cum = cumsum(g)``, ``C = cum_{Q-1}``.
+
+    state ``[N, Hv, Dv, Dk]`` float32; k32 ``[N, Q, Hv, Dk]``; u ``[N, Q, Hv, Dv]``; g32 ``[N, Q, Hv]``."""
+    n, q_len, hv, dk = k32.shape
+    dv = u.shape[-1]
+    cum = g32.cumsum(1)
+    total = cum[:, -1]  # [N, Hv]
+    coef = (total[:, None] - cum).exp()  # [N, Q, Hv]
+    uw = (u * coef[..., None]).permute(0, 2, 3, 1).reshape(n * hv, dv, q_len)  # [N*Hv, Dv, Q]
+    kk = k32.permute(0, 2, 1, 3).reshape(n * hv, q_len, dk)  # [N*Hv, Q, Dk]
+    state.mul_(total.exp()[..., None, None])
+    flat = state.view(n * hv, dv, dk)
+    flat.baddbmm_(uw, kk)
+    return state
+
+
+def _apply_tokens(
+    state: torch.Tensor,
+    q32: torch.Tensor,
+    k32: torch.Tensor,
+    v32: torch.Tensor,
+    g32: torch.Tensor,
+    b32: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs ``o [N, Q, Hv, Dv]`` and update coefficients ``u [N, Q, Hv, Dv]`` of Q tokens run from
+    ``state [N, Hv, Dv, Dk]`` (float32, not modified); q32 scaled, k32 normalised, both ``[N, Q, Hv, Dk]``."""
+    n, q_len, hv, dk = k32.shape
+    dv = v32.shape[-1]
+    x = torch.cat([k32, q32], dim=1).permute(0, 2, 3, 1)  # [N, Hv, Dk, 2Q]
+    sx = torch.matmul(state, x)  # [N, Hv, Dv, 2Q]
+    sk = sx[..., :q_len].permute(0, 3, 1, 2)  # [N, Q, Hv, Dv]
+    sq = sx[..., q_len:].permute(0, 3, 1, 2)
+    cum = g32.cumsum(1)  # [N, Q, Hv]
+    ecum = cum.exp()
+    kh = k32.transpose(1, 2)  # [N, Hv, Q, Dk]
+    kk = torch.matmul(kh, kh.transpose(-1, -2))  # [N, Hv, Q(l), Q(j)]: k_l . k_j
+    kq = torch.matmul(kh, q32.transpose(1, 2).transpose(-1, -2))  # [N, Hv, Q(l), Q(j)]: k_l . q_j
+    u = torch.empty(n, q_len, hv, dv, dtype=torch.float32, device=state.device)
+    out = torch.empty_like(u)
+    for j in range(q_len):
+        acc_u = ecum[:, j, :, None] * sk[:, j]
+        acc_o = ecum[:, j, :, None] * sq[:, j]
+        for ell in range(j):
+            w = (cum[:, j] - cum[:, ell]).exp()  # [N, Hv]
+            acc_u = acc_u + (w * kk[:, :, ell, j])[..., None] * u[:, ell]
+            acc_o = acc_o + (w * kq[:, :, ell, j])[..., None] * u[:, ell]
+        u[:, j] = b32[:, j, :, None] * (v32[:, j] - acc_u)
+        out[:, j] = acc_o + kq[:, :, j, j][..., None] * u[:, j]
+    return out, u
+
+
+def gated_delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    *,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_recurrent` (same contract)."""
+    check_gated_delta_rule_recurrent(
+        q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm, A_log, dt_bias
+    )
+    check_slot_values("gated_delta_rule_recurrent", "state_indices", state_indices, ssm_state.shape[0])
+    num_v_heads = v.shape[2]
+    slots = state_indices.long()
+    valid = slots >= 0
+    all_valid = bool(valid.all())
+    q32, k32 = _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm)
+    g32, b32 = _gate_values(g, beta, A_log, dt_bias)
+    v32 = v.float()
+    out = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+    for lo, hi in _groups(slots.shape[0], ssm_state.shape):
+        rows = slice(lo, hi)
+        keep = None if all_valid else valid[rows].nonzero().squeeze(1)
+        state = _gather_states(ssm_state, slots[rows], valid[rows], all_valid)
+        out[rows], u = _apply_tokens(state, q32[rows], k32[rows], v32[rows], g32[rows], b32[rows])
+        _store_states(ssm_state, slots[rows], _decay_update(state, k32[rows], u, g32[rows]), keep)
+    return out.to(q.dtype)
+
+
+def gated_delta_rule_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    pending: torch.Tensor,
+    state_indices: torch.Tensor,
+    num_commit: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    *,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_verify` (same contract)."""
+    check_gated_delta_rule_verify(
+        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log, dt_bias
+    )
+    op = "gated_delta_rule_verify"
+    num_seqs, q_len, num_k_heads, dk = k.shape
+    num_v_heads, dv = v.shape[2], v.shape[3]
+    check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
+    r = pending.shape[1]
+    check_num_accepted_values(op, num_commit, r, f"R={r}", low=0, name="num_commit")
+    slots = state_indices.long()
+    valid = slots >= 0
+    all_valid = bool(valid.all())
+    safe = slots.clamp(min=0)
+    kd, vd = num_k_heads * dk, num_v_heads * dv
+    # Pending tokens: the first num_commit of each slot are committed, the rest get g = 0, u = 0.
+    old = pending[safe]  # [N, R, P] (a copy: the stash below cannot disturb it)
+    pk = old[..., :kd].view(num_seqs, r, num_k_heads, dk)
+    _, pk32 = _prepare_qk(pk, pk, num_v_heads, 1.0, use_qk_l2norm)
+    take = torch.arange(r, device=q.device)[None, :] < (num_commit.long() * valid)[:, None]  # [N, R]
+    pk32 = torch.where(take[..., None, None], pk32, 0.0)  # tokens not committed may hold anything
+    pu = torch.where(take[..., None], old[..., kd : kd + vd], 0.0).view(num_seqs, r, num_v_heads, dv)
+    pg = torch.where(take[..., None], old[..., kd + vd :], 0.0)
+    q32, k32 = _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm)
+    g32, b32 = _gate_values(g, beta, A_log, dt_bias)
+    v32 = v.float()
+    out = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+    us = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+    for lo, hi in _groups(num_seqs, ssm_state.shape):
+        rows = slice(lo, hi)
+        keep = None if all_valid else valid[rows].nonzero().squeeze(1)
+        state = _gather_states(ssm_state, slots[rows], valid[rows], all_valid)
+        # 1. commit, store (rounded to the pool dtype), continue from the stored value.
+        _decay_update(state, pk32[rows], pu[rows], pg[rows])
+        _store_states(ssm_state, slots[rows], state, keep)
+        if ssm_state.dtype != torch.float32:
+            state = state.to(ssm_state.dtype).float()
+        # 2. verify the Q new tokens from the committed state; nothing stored but each token's u.
+        out[rows], us[rows] = _apply_tokens(state, q32[rows], k32[rows], v32[rows], g32[rows], b32[rows])
+
+    # 3. stash this step's tokens for the next step's commit.
+    new = torch.cat([k.float().flatten(2), us.flatten(2), g32], dim=-1)  # [N, Q, P]
+    if all_valid:
+        pending[slots, :q_len] = new
+    else:
+        keep = valid.nonzero().squeeze(1)
+        pending[slots[keep], :q_len] = new[keep]
+    return out.to(q.dtype)

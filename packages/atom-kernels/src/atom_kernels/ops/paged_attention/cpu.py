@@ -1,0 +1,142 @@
+"""Paged attention for CPUs: the reference's contract and float32 softmax, sequences batched.
+
+The reference attends one sequence at a time (a dozen small ops per sequence, so a decode batch of
+hundreds of sequences is mostly per-op overhead). Here the sequences with at most :data:`BATCHED_MAX_Q`
+new queries (decode, MTP verify) go in groups: each group's keys and values are gathered once into
+``[n, S, Hkv, D]`` (S = the group's longest sequence), its queries padded to
+``[n, Qmax, Hkv, group, D]``, and one masked softmax covers the group (a key is seen by a query iff its
+position is <= the query's; padded keys and queries are masked out). A group holds about
+:data:`KV_BLOCK_BYTES` of float32 keys and values, so its temporaries stay cache-sized. Sequences with
+more new queries (prefill) take the reference's per-sequence path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom_kernels.ops._fp8_math import scale_tensor
+from atom_kernels.ops.paged_attention.checks import check_paged_attention, check_paged_attention_values
+from atom_kernels.ops.paged_attention.reference import _load
+
+BATCHED_MAX_Q = 16
+"""Sequences with at most this many new queries take the batched path."""
+
+KV_BLOCK_BYTES = 4 << 20
+"""float32 key + value bytes of one group of sequences (at least one sequence per group)."""
+
+
+def _attend_one(out, q, key_cache, value_cache, block_tables, n, qs, qe, seq_len, scale, ks, vs) -> None:
+    """The reference's per-sequence attention of sequence ``n`` (rows ``qs:qe``)."""
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    q_len = qe - qs
+    pos = torch.arange(seq_len, device=q.device)
+    blocks = block_tables[n, pos // block_size].long()
+    keys = _load(key_cache[blocks, pos % block_size], ks)
+    values = _load(value_cache[blocks, pos % block_size], vs)
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.einsum("lhd,shd->hls", q[qs:qe].float(), keys) * scale
+    q_pos = seq_len - q_len + torch.arange(q_len, device=q.device)
+    scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out[qs:qe] = torch.einsum("hls,shd->lhd", probs, values).to(q.dtype)
+
+
+def _attend_group(out, q, key_cache, value_cache, block_tables, seqs, starts, q_lens, lens, scale, ks, vs):
+    """Sequences ``seqs`` (each with 1 <= q_len <= BATCHED_MAX_Q new queries) in one masked softmax."""
+    block_size, num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    num_q_heads = q.shape[1]
+    group = num_q_heads // num_kv_heads
+    device = q.device
+    n = len(seqs)
+    max_len = max(lens[i] for i in seqs)
+    max_q = max(q_lens[i] for i in seqs)
+    idx = torch.tensor(seqs, dtype=torch.long, device=device)
+    start = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device)
+    q_len = torch.tensor([q_lens[i] for i in seqs], dtype=torch.long, device=device)
+    seq_len = torch.tensor([lens[i] for i in seqs], dtype=torch.long, device=device)
+    # Key positions 0 .. max_len - 1 of each sequence; a shorter sequence re-reads its last token there
+    # (real data, so no garbage reaches the products; those scores are masked).
+    k_pos = torch.arange(max_len, device=device)
+    pos = torch.minimum(k_pos[None, :], seq_len[:, None] - 1)  # [n, S]
+    cache_rows = block_tables[idx].long().gather(1, pos // block_size) * block_size + pos % block_size
+    cache_rows = cache_rows.reshape(-1)  # [n * S] rows of the caches seen as [B * block_size, Hkv * D]
+    width = num_kv_heads * head_dim
+    keys = _load(key_cache.reshape(-1, width).index_select(0, cache_rows), ks).view(n, max_len, width)
+    values = _load(value_cache.reshape(-1, width).index_select(0, cache_rows), vs).view(n, max_len, width)
+    i = torch.arange(max_q, device=device)
+    real = i[None, :] < q_len[:, None]  # [n, Qmax]
+    rows = torch.where(real, start[:, None] + i[None, :], 0)
+    qf = q[rows].float()  # [n, Qmax, Hq, D]
+    q_pos = seq_len[:, None] - q_len[:, None] + i[None, :]  # [n, Qmax]
+    hidden = k_pos[None, None, :] > q_pos[:, :, None]  # [n, Qmax, S] (also every position >= seq_len)
+    o = torch.empty(n, max_q, num_q_heads, head_dim, dtype=torch.float32, device=device)
+    for h in range(num_kv_heads):  # strided [n, S, D] views of this KV head: no copy for the matmuls
+        k_h = keys[:, :, h * head_dim : (h + 1) * head_dim]
+        v_h = values[:, :, h * head_dim : (h + 1) * head_dim]
+        q_h = qf[:, :, h * group : (h + 1) * group].reshape(n, max_q * group, head_dim)  # rows (query, g)
+        scores = torch.bmm(q_h, k_h.transpose(1, 2)).view(n, max_q, group, max_len) * scale
+        probs = torch.softmax(scores.masked_fill_(hidden[:, :, None], float("-inf")), dim=-1)
+        o[:, :, h * group : (h + 1) * group] = torch.bmm(probs.view(n, max_q * group, max_len), v_h).view(
+            n, max_q, group, head_dim
+        )
+    out[rows[real]] = o[real].to(q.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`atom_kernels.ops.paged_attention.reference.paged_attention` (same contract)."""
+    check_paged_attention(
+        q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+    )
+    block_size, num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    check_paged_attention_values(block_tables, seq_lens, query_start_loc, block_size, q.shape[0])
+    ks, vs = scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    q_lens = [starts[n + 1] - starts[n] for n in range(len(lens))]
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    kv_bytes_per_token = 2 * num_kv_heads * head_dim * 4
+    batch: list[int] = []
+    batch_tokens = 0
+    for n, seq_len in enumerate(lens):
+        if q_lens[n] == 0:
+            continue
+        if q_lens[n] > BATCHED_MAX_Q:
+            _attend_one(
+                out,
+                q,
+                key_cache,
+                value_cache,
+                block_tables,
+                n,
+                starts[n],
+                starts[n + 1],
+                seq_len,
+                scale,
+                ks,
+                vs,
+            )
+            continue
+        longest = max(batch_tokens, seq_len)
+        if batch and longest * (len(batch) + 1) * kv_bytes_per_token > KV_BLOCK_BYTES:
+            _attend_group(
+                out, q, key_cache, value_cache, block_tables, batch, starts, q_lens, lens, scale, ks, vs
+            )
+            batch, longest = [], seq_len
+        batch.append(n)
+        batch_tokens = longest
+    if batch:
+        _attend_group(
+            out, q, key_cache, value_cache, block_tables, batch, starts, q_lens, lens, scale, ks, vs
+        )
+    return out
