@@ -10,7 +10,8 @@ Spec (JSON): ``model``, ``plugin`` (bool: False sets ATOM_DISABLE_VLLM_PLUGIN=1)
 ``tensor_parallel_size``, ``env`` (extra environment), ``llm_kwargs`` (extra LLM arguments),
 ``collect_rank_state`` (bool: also report, per worker rank, the models' parameters and the cache tensors
 vLLM bound to each layer, see :func:`_rank_state`) and ``jobs``: a list of
-``{"name", "prompt_token_ids": [[...], ...], "max_tokens"}``.
+``{"name", "prompt_token_ids": [[...], ...], "max_tokens", "profile"}`` (``profile``: optional bool, wrap
+the job in ``LLM.start_profile`` / ``stop_profile``; needs ``llm_kwargs["profiler_config"]``).
 Result: per job the generated token ids, wall time and output tokens/s, plus the spec-decode counters
 (``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos``) accumulated over
 that job, and the engine start-up time; or ``{"error": ...}`` with the exception text.
@@ -153,9 +154,13 @@ def _main(spec_path: str, out_path: str) -> None:
             params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
             prompts = [{"prompt_token_ids": ids} for ids in job["prompt_token_ids"]]
             before = _spec_counters(llm)
+            if job.get("profile"):
+                llm.start_profile()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             wall = time.perf_counter() - t0
+            if job.get("profile"):
+                llm.stop_profile()
             counters = _diff(_spec_counters(llm), before)
             tokens = [list(o.outputs[0].token_ids) for o in outs]
             n_out = sum(len(t) for t in tokens)
