@@ -112,6 +112,23 @@ def test_mixed_batch_matches_dense(impl, tol, device, dtype, head_dim):
         )
 
 
+@pytest.mark.parametrize("pad", [0, 256, 40], ids=["contiguous", "row_aligned_page", "unaligned_page"])
+def test_cache_views_with_a_block_stride(impl, device, pad):
+    """Caches that are views with a per-block stride of their own (vLLM's hybrid pages, padded to the GDN
+    state's page) give the same outputs as contiguous copies."""
+    attend = impl("paged_attention", torch.float32)
+    b = build_batch(MIXED, 64, torch.float32, device, seed=3)
+    num_blocks, per_block = b["key_cache"].shape[0], BLOCK * HKV * 64
+    pages = torch.full((num_blocks, 2 * per_block + pad), float("nan"), device=device)
+    key_view = pages[:, :per_block].view(num_blocks, BLOCK, HKV, 64)
+    value_view = pages[:, per_block : 2 * per_block].view(num_blocks, BLOCK, HKV, 64)
+    key_view.copy_(b["key_cache"])
+    value_view.copy_(b["value_cache"])
+    args = (b["block_tables"], b["seq_lens"], b["query_start_loc"], 64**-0.5)
+    expected = attend(b["q"], b["key_cache"], b["value_cache"], *args)
+    assert torch.equal(attend(b["q"], key_view, value_view, *args), expected)
+
+
 def test_kv_cache_write_skips_negative_slots_and_accepts_views(impl, device):
     write = impl("kv_cache_write", torch.float32)
     kv = torch.zeros(2, 4, BLOCK, HKV, 8, device=device)  # vLLM-style [2, B, block, H, D]; pass views

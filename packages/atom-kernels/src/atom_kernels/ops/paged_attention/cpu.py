@@ -43,6 +43,24 @@ def _attend_one(out, q, key_cache, value_cache, block_tables, n, qs, qe, seq_len
     out[qs:qe] = torch.einsum("hls,shd->lhd", probs, values).to(q.dtype)
 
 
+def _gather_tokens(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``cache[blocks[m], offsets[m]]`` as ``[M, Hkv * D]`` rows, by ``index_select`` over a row table.
+
+    vLLM's caches are often views with a per-block stride of their own (hybrid pages padded to the
+    GDN state's page): never reshaped (that would copy the whole cache). Where each block's tokens are
+    contiguous rows and the block stride is a whole number of rows, the memory is seen as one table of
+    rows (a view, padding rows included) and token ``(b, o)`` is row ``b * rows_per_block + o``; otherwise
+    the cache is indexed by (block, offset)."""
+    num_blocks, block_size, heads, dim = cache.shape
+    width = heads * dim
+    s0, s1, s2, s3 = cache.stride()
+    if num_blocks and s3 == 1 and s2 == dim and s1 == width and s0 % width == 0:
+        per_block = s0 // width
+        table = cache.as_strided(((num_blocks - 1) * per_block + block_size, width), (width, 1))
+        return table.index_select(0, blocks * per_block + offsets)
+    return cache[blocks, offsets].reshape(-1, width)
+
+
 def _attend_group(out, q, key_cache, value_cache, block_tables, seqs, starts, q_lens, lens, scale, ks, vs):
     """Sequences ``seqs`` (each with 1 <= q_len <= BATCHED_MAX_Q new queries) in one masked softmax."""
     block_size, num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
@@ -60,11 +78,11 @@ def _attend_group(out, q, key_cache, value_cache, block_tables, seqs, starts, q_
     # (real data, so no garbage reaches the products; those scores are masked).
     k_pos = torch.arange(max_len, device=device)
     pos = torch.minimum(k_pos[None, :], seq_len[:, None] - 1)  # [n, S]
-    cache_rows = block_tables[idx].long().gather(1, pos // block_size) * block_size + pos % block_size
-    cache_rows = cache_rows.reshape(-1)  # [n * S] rows of the caches seen as [B * block_size, Hkv * D]
+    blocks = block_tables[idx].long().gather(1, pos // block_size).reshape(-1)  # [n * S]
+    offsets = (pos % block_size).reshape(-1)
     width = num_kv_heads * head_dim
-    keys = _load(key_cache.reshape(-1, width).index_select(0, cache_rows), ks).view(n, max_len, width)
-    values = _load(value_cache.reshape(-1, width).index_select(0, cache_rows), vs).view(n, max_len, width)
+    keys = _load(_gather_tokens(key_cache, blocks, offsets), ks).view(n, max_len, width)
+    values = _load(_gather_tokens(value_cache, blocks, offsets), vs).view(n, max_len, width)
     i = torch.arange(max_q, device=device)
     real = i[None, :] < q_len[:, None]  # [n, Qmax]
     rows = torch.where(real, start[:, None] + i[None, :], 0)
