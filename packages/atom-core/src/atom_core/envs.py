@@ -6,7 +6,7 @@ raises :class:`~atom_core.errors.ConfigError` naming the variable, never falls b
 | variable | values | default | effect |
 |---|---|---|---|
 | ``ATOM_DISABLE_VLLM_PLUGIN`` | ``0``/``1`` | ``0`` | ``1``: the vLLM plugin registers nothing; stock vLLM models run. |
-| ``ATOM_KERNEL_BACKEND`` | ``reference``/``triton`` | unset | force one kernel backend for every op (debugging); an op without that backend raises. |
+| ``ATOM_KERNEL_BACKEND`` | ``reference``/``cpu``/``triton`` | unset | force one kernel backend for every op (debugging); an op without that backend raises. |
 | ``ATOM_KERNELS_PDL`` | ``0``/``1`` | ``1`` | ``0``: the Triton kernels launch without programmatic dependent launch (Hopper and later; elsewhere it is never used). |
 | ``ATOM_DATA_ROOT`` | a directory | unset | the repository checkout whose ``data/`` holds the bundled model and its reference outputs (default: found from the current directory or the installed package, :mod:`atom_core.paths`). |
 | ``ATOM_REQUIRE_ORACLES`` | ``0``/``1`` | ``0`` | tests: ``1`` makes a test whose oracle (reference files, transformers, vLLM) is missing fail instead of skip (:mod:`atom_core.testing`; ``scripts/test.sh`` and ``scripts/ci_packages.sh`` set it). |
@@ -42,7 +42,7 @@ ATOM_DATA_ROOT = EnvSwitch("ATOM_DATA_ROOT", "the repository checkout whose data
 ATOM_REQUIRE_ORACLES = EnvSwitch(
     "ATOM_REQUIRE_ORACLES", "1 fails tests whose oracle is missing instead of skipping them"
 )
-KERNEL_BACKENDS = ("reference", "triton")
+KERNEL_BACKENDS = ("reference", "cpu", "triton")
 
 
 def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
