@@ -116,6 +116,13 @@ for _name in PLACEHOLDER_OPS:
     if not hasattr(torch.ops._C, _name):
         _lib.define(_name + "(Tensor[] args) -> ()")
         _lib.impl(_name, _placeholder(_name), "CompositeExplicitAutograd")
+
+# vLLM's CUDA-graph wrapper keeps its graphs' outputs through weak_ref_tensor (a tensor on the same memory
+# that does not keep it alive). Stand-in: an alias view, which does keep the memory alive (more memory
+# held between captures; the same values).
+if not hasattr(torch.ops._C, "weak_ref_tensor"):
+    _lib.define("weak_ref_tensor(Tensor(a) t) -> Tensor(a)")
+    _lib.impl("weak_ref_tensor", lambda t: t.view(t.shape), "CompositeExplicitAutograd")
 '''
 
 FA2_STANDIN = '''"""Stand-in for vLLM's compiled FlashAttention-2 extension, written by scripts/gpu_vllm_run.py of atom-vllm.
@@ -407,6 +414,8 @@ def main() -> int:
     os.environ.setdefault("ATOM_DATA_ROOT", str(Path(__file__).resolve().parents[1]))
     # FlashInfer is not installed: vLLM's CUDA sampler imports it unless told not to (its own switch).
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # collective_rpc(_worker_probe) sends a function to the workers: vLLM's msgpack needs pickle for it.
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     pkg = vllm_package_dir()
     print(f"stand-ins written to {pkg}: {install_standins(pkg)}", flush=True)
     if args.check_imports:
