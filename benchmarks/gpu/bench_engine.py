@@ -134,25 +134,31 @@ def _fill_fp8(p: torch.Tensor, g: torch.Generator, chunk: int = 1 << 27) -> None
         part.copy_(src.mul_(FP8_VALUE_STD).clamp_(-FP8_MAX, FP8_MAX).to(p.dtype))
 
 
+@torch.no_grad()
+def randomize_parameters(mods, g: torch.Generator) -> None:
+    """Random weights of ``mods``: std 0.02, norms near 1, A_log / dt_bias of the GDN's usual range, random
+    e4m3 FP8 weights with block scales bringing them to std ~0.02."""
+    for mod in mods:
+        for name, p in mod.named_parameters():
+            if p.dtype == torch.float8_e4m3fn:
+                _fill_fp8(p, g)
+            elif name.endswith("_scale_inv"):  # FP8 block scales: weight std ~0.02 * U(0.5, 1.5)
+                p.uniform_(0.5, 1.5, generator=g).mul_(0.02 / FP8_VALUE_STD)
+            elif p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                continue
+            elif name.endswith("A_log"):
+                p.uniform_(0.0, 2.0, generator=g)
+            elif "norm" in name or name.endswith("dt_bias"):
+                p.normal_(0.0, 0.1, generator=g)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+
+
 def randomize(engine, seed: int = 0) -> None:
     """Random weights (std 0.02, norms near 1, A_log / dt_bias of the GDN's usual range) and caches."""
     g = torch.Generator(device=engine.device).manual_seed(seed)
-    mods = [engine.target] + ([engine.mtp] if engine.mtp is not None else [])
+    randomize_parameters([engine.target] + ([engine.mtp] if engine.mtp is not None else []), g)
     with torch.no_grad():
-        for mod in mods:
-            for name, p in mod.named_parameters():
-                if p.dtype == torch.float8_e4m3fn:
-                    _fill_fp8(p, g)
-                elif name.endswith("_scale_inv"):  # FP8 block scales: weight std ~0.02 * U(0.5, 1.5)
-                    p.uniform_(0.5, 1.5, generator=g).mul_(0.02 / FP8_VALUE_STD)
-                elif p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                    continue
-                elif name.endswith("A_log"):
-                    p.uniform_(0.0, 2.0, generator=g)
-                elif "norm" in name or name.endswith("dt_bias"):
-                    p.normal_(0.0, 0.1, generator=g)
-                else:
-                    p.normal_(0.0, 0.02, generator=g)
         for kc, vc in engine.caches.kv.values():
             for c in (kc, vc):
                 if c.dtype == torch.float8_e4m3fn:  # no normal_ for e4m3: draw in bf16, round once

@@ -77,25 +77,7 @@ def randomize(rig, seed: int) -> None:
     """Random weights (as ``bench_engine.randomize``) and caches: e4m3 KV from random bf16, small GDN conv /
     recurrent states, zero pending tokens."""
     g = torch.Generator(device=rig.device).manual_seed(seed)
-    mods = [rig.model] + ([rig.draft] if rig.draft is not None else [])
-    seen: set[int] = set()
-    for mod in mods:
-        for name, p in mod.named_parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            if p.dtype == torch.float8_e4m3fn:
-                bench_engine._fill_fp8(p, g)
-            elif name.endswith("_scale_inv"):
-                p.uniform_(0.5, 1.5, generator=g).mul_(0.02 / bench_engine.FP8_VALUE_STD)
-            elif p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                continue
-            elif name.endswith("A_log"):
-                p.uniform_(0.0, 2.0, generator=g)
-            elif "norm" in name or name.endswith("dt_bias"):
-                p.normal_(0.0, 0.1, generator=g)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
+    bench_engine.randomize_parameters([rig.model] + ([rig.draft] if rig.draft is not None else []), g)
     for core in [*rig.attn.values(), *rig.draft_attn.values()]:
         raw = core.kv_cache
         if raw.dtype == torch.uint8:
