@@ -28,11 +28,12 @@ kernel) and the tiny model's tokens/s (bf16, k=1, graphs off and on, 128 tokens 
 weights in 128x128 blocks except ``lm_head``, ``in_proj_ba``, the routers, ``shared_expert_gate`` and
 ``mtp.fc``) at the full 48 layers (``--layers``), built directly in FP8 by the engine (no bf16 copy):
 random e4m3 values made from random bf16 (no NaN codes), random block scales; an fp8 KV cache (the seed's
-``--kv-cache-dtype fp8``; ``--kv-cache-dtype auto`` for bf16); k in (0, 1, 3), B in (1, 8, 64), no profile,
+``--kv-cache-dtype fp8``; ``--kv-cache-dtype auto`` for bf16); k in (0, 1, 3), B in (1, 8, 64, 256), no profile,
 no tiny-model run; the floor counts the FP8 bytes (weights and their block scales, the cache's dtype). k = 1
 rows also give the single-stream tokens/s projected at the seed's acceptance length (1.91 tokens per step).
-Output ``engine_h200_fp8.json`` / ``.png``. The command for the H200 (~3 min of GPU time; ``--ks 1
---batches 1 64`` for ~1 min):
+Output ``engine_<gpu>_fp8.json`` / ``.png`` (``engine_<gpu>_fp8_<n>layers`` below 48 layers; the 48-layer
+model needs an H200, an H100 runs ``--layers 32``). The command (~4 min of GPU time; ``--ks 1 --batches 1
+64`` for ~1 min):
 
     python benchmarks/gpu/bench_engine.py --fp8 --steps 3
     python benchmarks/gpu/bench_engine.py --fp8 --smoke   # the same on the CPU, tiny dims (~1 min)
@@ -498,7 +499,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--ks", type=int, nargs="+", default=None, help="default: 0 1 3")
     ap.add_argument(
-        "--batches", type=int, nargs="+", default=None, help="default: 1 8 64 256 (--fp8: 1 8 64)"
+        "--batches", type=int, nargs="+", default=None, help="default: 1 8 64 256"
     )
     ap.add_argument(
         "--kv-cache-dtype",
@@ -523,7 +524,7 @@ def main() -> None:
     out = common.out_dir(args.out)
     fp8 = args.fp8
     args.ks = args.ks or [0, 1, 3]
-    args.batches = args.batches or ([1, 8, 64] if fp8 else [1, 8, 64, 256])
+    args.batches = args.batches or [1, 8, 64, 256]
     args.kv_cache_dtype = args.kv_cache_dtype or ("fp8" if fp8 else "auto")
     if args.profile_batches is None:
         args.profile_batches = [] if fp8 else [1, 64]
@@ -538,7 +539,9 @@ def main() -> None:
         device, dtype = common.require_cuda(), torch.bfloat16
         cfg = model_config({**WIDE, "num_hidden_layers": layers}, fp8)
         ceil = common.ceilings(out, device)
-    name = "engine_h200_fp8" if fp8 else "engine_h200"
+    name = f"engine_{common.gpu_tag(device)}" + ("_fp8" if fp8 else "")
+    if layers != (FP8_LAYERS if fp8 else WIDE["num_hidden_layers"]):
+        name += f"_{layers}layers"
     torch.manual_seed(0)
     rows: list[dict] = []
     t_start = time.perf_counter()

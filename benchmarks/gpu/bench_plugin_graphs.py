@@ -367,7 +367,7 @@ def main() -> None:
         gc.collect()
         if not smoke:
             torch.cuda.empty_cache()
-    gpu = "cpu" if smoke else ("h200" if "H200" in torch.cuda.get_device_name() else "h100")
+    gpu = "cpu" if smoke else common.gpu_tag(torch.device("cuda"))
     payload = {"environment": env, "layers": args.layers, "ctx": args.ctx, "rows": rows}
     common.write_json(out / f"plugin_graphs_{gpu}.json", payload)
     if not smoke:

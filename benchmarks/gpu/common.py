@@ -44,6 +44,17 @@ def require_cuda() -> torch.device:
     return torch.device("cuda")
 
 
+def gpu_tag(device: torch.device) -> str:
+    """Short lower-case name of ``device`` for result files: ``h200``, ``h100``, ..., ``cpu``."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    for tag in ("H200", "H100", "A100", "MI300", "MI355"):
+        if tag in name:
+            return tag.lower()
+    return name.split()[-1].lower().replace("-", "")
+
+
 def environment() -> dict[str, Any]:
     """What ran the numbers: device, driver-side versions and library versions."""
     info: dict[str, Any] = {
