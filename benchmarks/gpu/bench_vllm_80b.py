@@ -110,7 +110,12 @@ def main() -> int:
         max_num_batched_tokens=8192, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=False, disable_log_stats=False, seed=0,
         speculative_config={"method": "mtp", "num_speculative_tokens": args.k} if args.k else None,
-        compilation_config={"cudagraph_mode": args.cudagraph_mode, "cudagraph_capture_sizes": sizes},
+        compilation_config={"cudagraph_mode": args.cudagraph_mode, "cudagraph_capture_sizes": sizes,
+                            # vLLM's quant-fusion passes pattern-match vLLM's own CUDA norm / activation /
+                            # quant ops: the plugin's model has none of them, and on this machine they are
+                            # gpu_vllm_run's placeholders, which the passes cannot trace
+                            "pass_config": {"fuse_norm_quant": False, "fuse_act_quant": False,
+                                            "fuse_attn_quant": False}},
     )  # fmt: skip
     result: dict[str, Any] = {"env": common.environment(), "args": {k: str(v) for k, v in vars(args).items()}}
     t0 = time.perf_counter()
