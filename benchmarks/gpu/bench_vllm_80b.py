@@ -12,7 +12,8 @@ with block scales, so the router spreads tokens over the experts as a trained mo
 caching off, token-id prompts (no tokenizer).
 
 Per concurrency c in ``--concurrency``: c random prompts of ``--input-len`` tokens are submitted at once,
-greedy, ``ignore_eos``; once with 16 output tokens and once with ``16 + --output-len``; the difference
+greedy, ``ignore_eos``; once untimed (new batch shapes compile kernels), then once with 16 output tokens and
+once with ``16 + --output-len``; the difference
 is the decode time of ``--output-len`` tokens per request (prefill and the first steps cancel). Reported:
 output tokens/s of the whole batch in decode, the engine steps that took (from the spec-decode counters:
 tokens per step = 1 + accepted drafts per step) and so the step time, and the projected single-stream
@@ -132,6 +133,8 @@ def main() -> int:
             {"prompt_token_ids": torch.randint(10, 150000, (args.input_len,), generator=g).tolist()}
             for _ in range(c)
         ]
+        # first run at this concurrency: new batch shapes JIT-compile kernels and warm caches; not timed
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         times, counters = [], []
         for n in (16, 16 + args.output_len):
             before = spec_counters(llm)
