@@ -157,6 +157,8 @@ def main() -> int:
                "step_ms": step_ms,
                "projected_stream_tokens_per_s": SEED_ACCEPTANCE_LENGTH / step_ms * 1e3 if args.k else 1e3 / step_ms,
                "counters": counters}  # fmt: skip
+        if decode_s <= 0:  # the two runs' prefill times differ by more than the decode takes
+            row["invalid"] = "long run not slower than short run: prefill variance exceeds the decode time"
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "counters"}), flush=True)
     result["rows"] = rows
