@@ -3,9 +3,10 @@
 - :func:`causal_conv1d_varlen` (prefill): the reference convolves one sequence at a time (a handful of
   ops per sequence). Here the tokens are laid out once as ``[N, Lmax, C]`` float32 (zero padding after
   the shorter sequences; causal, so it reaches no real output) and the ``K`` taps are ``K`` shifted
-  multiply-adds along contiguous channels, in groups of consecutive sequences of about
-  :data:`~atom_kernels.ops._groups.GROUP_TOKENS` tokens (cache-sized temporaries), the history's columns added to the first
-  ``K - 1`` positions; the new window states are one gather and one indexed copy. The same depthwise
+  multiply-adds along contiguous channels (the history's columns added to the first ``K - 1``
+  positions), in groups of consecutive sequences of about
+  :data:`~atom_kernels.ops._groups.GROUP_TOKENS` tokens (cache-sized temporaries); the new window
+  states are one gather and one indexed copy. The same depthwise
   sums as the reference's ``F.conv1d``, possibly added in another order.
 - :func:`causal_conv1d_update` (decode / verify): the reference's computation, but the window states are
   read and written in the state buffer's own memory order (vLLM stores ``[S, W, C]`` and passes the

@@ -11,9 +11,12 @@ which a CPU runs as one small LAPACK call per matrix. Here the unit lower-triang
 
 from 1 x 1 diagonal blocks (all ones) up to ``chunk_size`` (log2(chunk_size) levels of two batched
 matmuls each), then ``[u | w] = (I + A)^-1 [beta V | beta K e^cum]`` is one batched matmul. The tokens are
-laid out head-major once (``[N, Hv, chunks, C, D]`` contiguous), so the batched matmuls read contiguous
-operands, and the batch goes through in groups of consecutive sequences of about
-:data:`~atom_kernels.ops._groups.GROUP_TOKENS` tokens, whose temporaries stay in cache. Same float32 math as the reference up to the order of the sums (tolerances in the
+laid out head-major once (``[N, H, chunks, C, D]`` contiguous; q and k per key head, since ``q k^T`` and
+``k k^T`` are the same for the value heads of a group), so the batched matmuls read contiguous operands,
+a chunk that starts from no state (a fresh prompt) skips the products with it, the state is kept in the
+pool's ``[Dv, Dk]`` layout and stored with one indexed copy, and the batch goes through in groups of
+consecutive sequences of about :data:`~atom_kernels.ops._groups.GROUP_TOKENS` tokens, whose temporaries
+stay in cache. Same float32 math as the reference up to the order of the sums (tolerances in the
 conformance tests); the final state is rounded to the pool dtype when stored.
 """
 

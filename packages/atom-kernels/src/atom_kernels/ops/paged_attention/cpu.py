@@ -1,13 +1,13 @@
 """Paged attention for CPUs: the reference's contract and float32 softmax, sequences batched.
 
 The reference attends one sequence at a time (a dozen small ops per sequence, so a decode batch of
-hundreds of sequences is mostly per-op overhead). Here the sequences with at most :data:`BATCHED_MAX_Q`
-new queries (decode, MTP verify) go in groups: each group's keys and values are gathered once into
-``[n, S, Hkv, D]`` (S = the group's longest sequence), its queries padded to
-``[n, Qmax, Hkv, group, D]``, and one masked softmax covers the group (a key is seen by a query iff its
-position is <= the query's; padded keys and queries are masked out). A group holds about
-:data:`KV_BLOCK_BYTES` of float32 keys and values, so its temporaries stay cache-sized. Sequences with
-more new queries (prefill) take the reference's per-sequence path.
+hundreds of sequences, or a step with dozens of short prompts, is mostly per-op overhead). Here the
+sequences with at most :data:`BATCHED_MAX_Q` new queries (decode, MTP verify, prompt chunks of up to
+that many tokens) go in groups: each group's keys and values are gathered once into ``[n, S, Hkv, D]``
+(S = the group's longest sequence), its queries padded to ``[n, Qmax, Hkv, group, D]``, and one masked
+softmax covers the group (a key is seen by a query iff its position is <= the query's; padded keys and
+queries are masked out). A group holds about :data:`KV_BLOCK_BYTES` of float32 keys, values and scores,
+so its temporaries stay cache-sized. Longer prompt chunks take the reference's per-sequence path.
 """
 
 from __future__ import annotations
