@@ -76,16 +76,16 @@ def test_varlen_matches_oracle(impl, tol, device, dtype, transposed):
 
 def test_varlen_no_bias_no_activation_equals_each_alone(impl, tol, device):
     fn = impl("causal_conv1d_varlen", torch.float32)
-    lens = [65, 1, 3]
+    lens = [65, 1, 3, 200, 70]  # over 256 tokens: the cpu backend's sequence groups split this batch
     x = randn(sum(lens), C, seed=5, dtype=torch.float32, device=device)
     weight = randn(C, K, seed=6, dtype=torch.float32, device=device)
-    cu = torch.tensor([0, 65, 66, 69], dtype=torch.int32, device=device)
-    pool = make_pool(3, torch.float32, device, seed=7, transposed=False)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    pool = make_pool(len(lens), torch.float32, device, seed=7, transposed=False)
     pool_alone = pool.clone()
-    slots = torch.arange(3, dtype=torch.int32, device=device)
-    has_init = torch.ones(3, dtype=torch.bool, device=device)
+    slots = torch.arange(len(lens), dtype=torch.int32, device=device)
+    has_init = torch.ones(len(lens), dtype=torch.bool, device=device)
     out = fn(x, weight, None, cu, pool, slots, has_init, None)
-    for n in range(3):
+    for n in range(len(lens)):
         s, e = cu[n].item(), cu[n + 1].item()
         cu1 = torch.tensor([0, e - s], dtype=torch.int32, device=device)
         o1 = fn(x[s:e], weight, None, cu1, pool_alone, slots[n : n + 1], has_init[:1], None)

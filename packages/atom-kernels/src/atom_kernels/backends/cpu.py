@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 from atom_kernels.backends.reference import REFERENCE_OPS
+from atom_kernels.ops.conv1d import cpu as conv1d
 from atom_kernels.ops.gated_delta_rule import cpu as gdr
+from atom_kernels.ops.gated_delta_rule import cpu_chunked as gdr_chunked
 from atom_kernels.ops.moe import cpu as moe
 from atom_kernels.ops.paged_attention import cpu as paged
 from atom_kernels.registry import register
@@ -20,6 +22,9 @@ BACKEND = "cpu"
 PRIORITY = 1
 
 CPU_OPS = {
+    "causal_conv1d_varlen": conv1d.causal_conv1d_varlen,
+    "causal_conv1d_update": conv1d.causal_conv1d_update,
+    "gated_delta_rule_chunked": gdr_chunked.gated_delta_rule_chunked,
     "gated_delta_rule_recurrent": gdr.gated_delta_rule_recurrent,
     "gated_delta_rule_verify": gdr.gated_delta_rule_verify,
     "paged_attention": paged.paged_attention,

@@ -113,14 +113,17 @@ def _update_rows(
     """For each real slot ``rows[i] >= 0``, in place in the float32 pool: ``S = decay[i] S + uw[i] kk[i]``
     (:func:`_update_factors`), then, given ``x``, ``products[i] = S x[i]``. One slot's state (a few hundred
     KiB) stays in cache across its three ops, and nothing is gathered or scattered."""
+    # per-row views made once (unbind), not per slot by indexing: the loop is host-bound at small shapes
+    decays, uws, kks = decay[:, :, None, None].unbind(0), uw.unbind(0), kk.unbind(0)
+    xs, outs = (x.unbind(0), products.unbind(0)) if x is not None else (None, None)
     for i, slot in enumerate(rows):
         if slot < 0:
             continue
         state = ssm_state[slot]  # [Hv, Dv, Dk]
-        state.mul_(decay[i][:, None, None])
-        state.baddbmm_(uw[i], kk[i])
-        if x is not None:
-            torch.matmul(state, x[i], out=products[i])
+        state.mul_(decays[i])
+        state.baddbmm_(uws[i], kks[i])
+        if xs is not None:
+            torch.matmul(state, xs[i], out=outs[i])
 
 
 def _state_products(state: torch.Tensor, q32: torch.Tensor, k32: torch.Tensor) -> torch.Tensor:
@@ -194,9 +197,9 @@ def gated_delta_rule_recurrent(
         sx = torch.zeros(
             x.shape[0], num_v_heads, v.shape[3], x.shape[-1], dtype=torch.float32, device=q.device
         )
-        for i, slot in enumerate(rows):
+        for slot, x_i, sx_i in zip(rows, x.unbind(0), sx.unbind(0)):
             if slot >= 0:
-                torch.matmul(ssm_state[slot], x[i], out=sx[i])
+                torch.matmul(ssm_state[slot], x_i, out=sx_i)
         out, u = _apply_tokens(sx, q32, k32, v32, g32, b32)
         _update_rows(ssm_state, rows, *_update_factors(k32, u, g32))
         return out.to(q.dtype)

@@ -1,13 +1,13 @@
 """Paged attention for CPUs: the reference's contract and float32 softmax, sequences batched.
 
 The reference attends one sequence at a time (a dozen small ops per sequence, so a decode batch of
-hundreds of sequences is mostly per-op overhead). Here the sequences with at most :data:`BATCHED_MAX_Q`
-new queries (decode, MTP verify) go in groups: each group's keys and values are gathered once into
-``[n, S, Hkv, D]`` (S = the group's longest sequence), its queries padded to
-``[n, Qmax, Hkv, group, D]``, and one masked softmax covers the group (a key is seen by a query iff its
-position is <= the query's; padded keys and queries are masked out). A group holds about
-:data:`KV_BLOCK_BYTES` of float32 keys and values, so its temporaries stay cache-sized. Sequences with
-more new queries (prefill) take the reference's per-sequence path.
+hundreds of sequences, or a step with dozens of short prompts, is mostly per-op overhead). Here the
+sequences with at most :data:`BATCHED_MAX_Q` new queries (decode, MTP verify, prompt chunks of up to
+that many tokens) go in groups: each group's keys and values are gathered once into ``[n, S, Hkv, D]``
+(S = the group's longest sequence), its queries padded to ``[n, Qmax, Hkv, group, D]``, and one masked
+softmax covers the group (a key is seen by a query iff its position is <= the query's; padded keys and
+queries are masked out). A group holds about :data:`KV_BLOCK_BYTES` of float32 keys, values and scores,
+so its temporaries stay cache-sized. Longer prompt chunks take the reference's per-sequence path.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from atom_kernels.ops._fp8_math import scale_tensor
 from atom_kernels.ops.paged_attention.checks import check_paged_attention, check_paged_attention_values
 from atom_kernels.ops.paged_attention.reference import _load
 
-BATCHED_MAX_Q = 16
-"""Sequences with at most this many new queries take the batched path."""
+BATCHED_MAX_Q = 256
+"""Sequences with at most this many new queries (decode, verify, short prompt chunks) take the batched
+path; longer prompt chunks attend one sequence at a time."""
 
 KV_BLOCK_BYTES = 4 << 20
-"""float32 key + value bytes of one group of sequences (at least one sequence per group)."""
+"""float32 key + value + score bytes of one group of sequences (at least one sequence per group)."""
 
 
 def _attend_one(out, q, key_cache, value_cache, block_tables, n, qs, qe, seq_len, scale, ks, vs) -> None:
@@ -124,8 +125,10 @@ def paged_attention(
     q_lens = [starts[n + 1] - starts[n] for n in range(len(lens))]
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     kv_bytes_per_token = 2 * num_kv_heads * head_dim * 4
+    score_bytes = q.shape[1] * 4  # per (query, key) pair: one float32 score per query head
     batch: list[int] = []
     batch_tokens = 0
+    batch_q = 0
     for n, seq_len in enumerate(lens):
         if q_lens[n] == 0:
             continue
@@ -146,13 +149,15 @@ def paged_attention(
             )
             continue
         longest = max(batch_tokens, seq_len)
-        if batch and longest * (len(batch) + 1) * kv_bytes_per_token > KV_BLOCK_BYTES:
+        most_q = max(batch_q, q_lens[n])
+        per_seq = longest * (kv_bytes_per_token + most_q * score_bytes)
+        if batch and per_seq * (len(batch) + 1) > KV_BLOCK_BYTES:
             _attend_group(
                 out, q, key_cache, value_cache, block_tables, batch, starts, q_lens, lens, scale, ks, vs
             )
-            batch, longest = [], seq_len
+            batch, longest, most_q = [], seq_len, q_lens[n]
         batch.append(n)
-        batch_tokens = longest
+        batch_tokens, batch_q = longest, most_q
     if batch:
         _attend_group(
             out, q, key_cache, value_cache, block_tables, batch, starts, q_lens, lens, scale, ks, vs
