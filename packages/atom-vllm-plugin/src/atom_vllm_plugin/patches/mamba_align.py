@@ -33,10 +33,9 @@ def atom_groups(kv_cache_config, forward_context) -> list[tuple[int, list[str], 
     from atom_vllm_plugin.layers.gdn import AtomGDNCore
 
     out = []
-    for gids in mamba_utils.get_mamba_groups(kv_cache_config).values():
-        for gid in gids:
-            names = list(kv_cache_config.kv_cache_groups[gid].layer_names)
-            out.append((gid, names, forward_context[names[0]]))
+    for gid in mamba_utils.get_mamba_group_ids(mamba_utils.get_mamba_groups(kv_cache_config)):
+        names = list(kv_cache_config.kv_cache_groups[gid].layer_names)
+        out.append((gid, names, forward_context[names[0]]))
     ours = [isinstance(layer, AtomGDNCore) for _, _, layer in out]
     if not any(ours):
         return None
