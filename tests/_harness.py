@@ -15,7 +15,8 @@ the job in ``LLM.start_profile`` / ``stop_profile``; needs ``llm_kwargs["profile
 conversation job ``{"name", "turns": [[new ids of conversation 0, 1, ...], ...], "max_tokens"}``: turn ``t``
 of conversation ``j`` is its previous turn's prompt and output followed by ``turns[t][j]`` (an empty list:
 the conversation sits the turn out; ``{"repeat": i, "turn": u}``: conversation ``i``'s prompt of turn
-``u``, again); each turn's requests run as one batch, turn after turn.
+``u``, again); each turn's requests run as one batch, turn after turn. A job with ``"repeat": n`` runs its
+prompts ``n`` times one after the other and reports each run's wall time and cached prompt tokens.
 Result: per job the generated token ids, wall time and output tokens/s, plus the spec-decode counters
 (``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos``) accumulated over
 that job, and the engine start-up time; or ``{"error": ...}`` with the exception text.
@@ -170,6 +171,9 @@ def _main(spec_path: str, out_path: str) -> None:
             if "turns" in job:
                 result["jobs"][job["name"]] = _conversation(llm, job, params)
                 continue
+            if "repeat" in job:
+                result["jobs"][job["name"]] = _repeat(llm, job, SamplingParams)
+                continue
             prompts = [{"prompt_token_ids": ids} for ids in job["prompt_token_ids"]]
             before = _spec_counters(llm)
             if job.get("profile"):
@@ -195,6 +199,29 @@ def _main(spec_path: str, out_path: str) -> None:
         result["traceback"] = traceback.format_exc()
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def _repeat(llm: Any, job: dict[str, Any], sampling_params: Any) -> dict[str, Any]:
+    """Run a repeat job: the same prompts ``repeat`` times, one after the other, ``max_tokens`` each (1:
+    the wall time is the time to the first token); per run the wall time and cached prompt tokens."""
+    params = sampling_params(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in job["prompt_token_ids"]]
+    runs = []
+    for _ in range(job["repeat"]):
+        before = _spec_counters(llm)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        counters = _diff(_spec_counters(llm), before)
+        runs.append(
+            {
+                "wall_s": wall,
+                "num_cached_tokens": [o.num_cached_tokens for o in outs],
+                "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                "prefix_cache_hits": counters["prefix_cache_hits"],
+            }
+        )
+    return {"runs": runs}
 
 
 def _conversation(llm: Any, job: dict[str, Any], params: Any) -> dict[str, Any]:
