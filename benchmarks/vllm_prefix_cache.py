@@ -7,13 +7,13 @@ Engines (each a fresh child process through tests/_harness.py, the bundled model
   new text; prefixes ending inside a block and inside a draft window; concurrent requests sharing a
   prefix). Reported: on == off token for token (per job), greedy.json exact, prefix-cache hits per turn,
   acceptance, the multi-turn wall time.
-- time to first token, float32, k = --ttft-k: a ~1500-token prompt sent --repeats times one after the other
-  with max_tokens = 1 (the first run fills the cache), caching on vs off; with --match-unit also on with
-  vLLM's ``prefix_match_unit`` (finer prefix hits, vLLM's option, not its default).
-- the multi-turn workload's total time, plugin vs stock vLLM (ATOM_DISABLE_VLLM_PLUGIN=1), float32,
-  k = --ttft-k; stock runs with caching off (with it on, stock vLLM-CPU fails at its first request: its
-  Mamba state copy is a Triton kernel; one attempt is recorded).
-- bf16 acceptance, k = --ttft-k: the multi-turn workload with caching on vs off.
+- time to first token, k = --ttft-k: a ~1500-token prompt sent --repeats times one after the other with
+  max_tokens = 1 (the first run fills the cache), caching on vs off, in the float32 engines of that k and
+  in the bf16 ones; with --match-unit also on with vLLM's ``prefix_match_unit`` (finer prefix hits, vLLM's
+  option, not its default).
+- bf16, k = --ttft-k: the multi-turn workload's acceptance and total time with caching on vs off, and
+  stock vLLM (ATOM_DISABLE_VLLM_PLUGIN=1; stock vLLM-CPU runs GDN in bf16 only) with caching off: with it
+  on, stock vLLM-CPU fails at its first request (its Mamba state copy is a Triton kernel; see soak.py).
 
 Results: benchmarks/results/vllm_prefix_cache.json, rewritten after every engine, and a PNG beside it.
 
@@ -121,7 +121,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax2.set_ylabel("multi-turn workload, total wall time (s)")
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", rotation=20)
-    fig.suptitle("vLLM-CPU prefix caching, ATOM plugin vs stock (float32, tiny fixture)")
+    fig.suptitle("vLLM-CPU prefix caching, ATOM plugin vs stock (tiny fixture)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"[plot] {path}")
@@ -155,73 +155,76 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=1))
 
-    # 1. correctness: float32, caching on vs off, per k
-    for k in args.ks:
-        jobs = [greedy_job(), conversation_job()]
-        on = engine(workdir, f"f32_k{k}_on", plugin=True, dtype="float32", k=k, caching=True, jobs=jobs)
-        off = engine(workdir, f"f32_k{k}_off", plugin=True, dtype="float32", k=k, caching=False, jobs=jobs)
-        results["correctness"][f"k{k}"] = summarize_pair(on, off)
-        if k == args.ttft_k and "error" not in on and "error" not in off:
-            results["multiturn_time"]["plugin, caching on"] = on["jobs"]["conversation"]["wall_s"]
-            results["multiturn_time"]["plugin, caching off"] = off["jobs"]["conversation"]["wall_s"]
-        save()
-
-    # 2. time to first token of a repeated prompt
     ttft_job = {"name": "ttft", "prompt_token_ids": [ttft_prompt(args.ttft_len)], "max_tokens": 1,
                 "repeat": args.repeats}  # fmt: skip
-    variants = [("plugin, caching on", True, True, None), ("plugin, caching off", True, False, None)]
+
+    def ttft_result(label: str, r: dict[str, Any]) -> None:
+        runs = r["jobs"]["ttft"]["runs"]
+        rep = sorted(x["wall_s"] for x in runs[1:])
+        results["ttft"][label] = {
+            "first_s": runs[0]["wall_s"],
+            "repeat_s": [x["wall_s"] for x in runs[1:]],
+            "median_repeat_s": rep[len(rep) // 2],
+            "num_cached_tokens": [x["num_cached_tokens"][0] for x in runs],
+            "tokens_equal_first": all(x["token_ids"] == runs[0]["token_ids"] for x in runs),
+        }
+
+    # 1. correctness, float32, caching on vs off per k (the k = --ttft-k pair also times the repeated prompt)
+    for k in args.ks:
+        jobs = [greedy_job(), conversation_job()] + ([ttft_job] if k == args.ttft_k else [])
+        pair = {}
+        for c in ("on", "off"):
+            pair[c] = engine(workdir, f"f32_k{k}_{c}", plugin=True, dtype="float32", k=k, caching=c == "on", jobs=jobs)
+            if k == args.ttft_k and "error" not in pair[c]:
+                ttft_result(f"plugin, caching {c}", pair[c])
+        results["correctness"][f"k{k}"] = summarize_pair(pair["on"], pair["off"])
+        if k == args.ttft_k and all("error" not in p for p in pair.values()):
+            for c in ("on", "off"):
+                results["multiturn_time"][f"plugin f32, caching {c}"] = pair[c]["jobs"]["conversation"]["wall_s"]
+        save()
+
+    # 2. finer prefix hits (vLLM's prefix_match_unit), TTFT only
     if args.match_unit:
-        variants.append((f"plugin, caching on, prefix_match_unit={args.match_unit}", True, True,
-                         {"prefix_match_unit": args.match_unit}))  # fmt: skip
-    if not args.skip_stock:
-        variants.append(("stock, caching off", False, False, None))
-    for label, plugin, caching, extra in variants:
-        jobs = [ttft_job] + ([conversation_job()] if not plugin else [])
-        r = engine(workdir, "ttft_" + label.replace(", ", "_").replace(" ", "_").replace("=", ""), plugin=plugin,
-                   dtype="float32", k=args.ttft_k, caching=caching, jobs=jobs, extra=extra)  # fmt: skip
+        label = f"plugin, caching on, prefix_match_unit={args.match_unit}"
+        r = engine(workdir, f"ttft_match_unit{args.match_unit}", plugin=True, dtype="float32", k=args.ttft_k,
+                   caching=True, jobs=[ttft_job], extra={"prefix_match_unit": args.match_unit})  # fmt: skip
         if "error" in r:
             results["ttft"][label] = {"error": r["error"]}
         else:
-            runs = r["jobs"]["ttft"]["runs"]
-            rep = sorted(x["wall_s"] for x in runs[1:])
-            results["ttft"][label] = {
-                "first_s": runs[0]["wall_s"],
-                "repeat_s": [x["wall_s"] for x in runs[1:]],
-                "median_repeat_s": rep[len(rep) // 2],
-                "num_cached_tokens": [x["num_cached_tokens"][0] for x in runs],
-                "token_ids": [x["token_ids"][0] for x in runs],
-            }
-            if not plugin:
-                results["multiturn_time"]["stock, caching off"] = r["jobs"]["conversation"]["wall_s"]
+            ttft_result(label, r)
         save()
-    base = results["ttft"].get("plugin, caching off", {}).get("median_repeat_s")
-    for label, v in results["ttft"].items():
-        if base and "median_repeat_s" in v:
-            v["speedup_vs_plugin_caching_off"] = base / v["median_repeat_s"]
-    if not args.skip_stock:
-        r = engine(workdir, "stock_caching_on", plugin=False, dtype="float32", k=args.ttft_k, caching=True,
-                   jobs=[greedy_job()])  # fmt: skip
-        results["stock_caching_on"] = r.get("error", "ran")
-    save()
 
-    # 3. bf16 acceptance with caching on vs off
+    # 3. bf16: plugin caching on vs off (acceptance, multi-turn time, TTFT) and stock with caching off
     if not args.skip_bf16:
-        pair = [
-            engine(workdir, f"bf16_k{args.ttft_k}_{c}", plugin=True, dtype="bfloat16", k=args.ttft_k,
-                   caching=c == "on", jobs=[conversation_job()])  # fmt: skip
-            for c in ("on", "off")
-        ]
-        if all("error" not in p for p in pair):
+        bf16 = {}
+        variants = [("plugin bf16, caching on", True, True), ("plugin bf16, caching off", True, False)]
+        if not args.skip_stock:
+            variants.append(("stock bf16, caching off", False, False))
+        for label, plugin, caching in variants:
+            r = engine(workdir, label.replace(", ", "_").replace(" ", "_"), plugin=plugin, dtype="bfloat16",
+                       k=args.ttft_k, caching=caching, jobs=[conversation_job(), ttft_job])  # fmt: skip
+            bf16[label] = r
+            if "error" in r:
+                results["multiturn_time"][label] = {"error": r["error"]}
+            else:
+                results["multiturn_time"][label] = r["jobs"]["conversation"]["wall_s"]
+                ttft_result(label, r)
+            save()
+        on, off = bf16["plugin bf16, caching on"], bf16["plugin bf16, caching off"]
+        if "error" not in on and "error" not in off:
             results["bf16_acceptance"] = {
-                "on": _acceptance(_turns(pair[0])),
-                "off": _acceptance(_turns(pair[1])),
-                "prefix_cache_hits_on": [t["spec"]["prefix_cache_hits"] for t in _turns(pair[0])],
+                "on": _acceptance(_turns(on)),
+                "off": _acceptance(_turns(off)),
+                "prefix_cache_hits_on": [t["spec"]["prefix_cache_hits"] for t in _turns(on)],
+                "conversation_equal_on_off": [a["token_ids"] == b["token_ids"] for a, b in zip(_turns(on), _turns(off))],
             }
-        else:
-            results["bf16_acceptance"] = {"error": [p.get("error") for p in pair]}
-        save()
+    for label, v in results["ttft"].items():
+        base = results["ttft"].get(label.replace("caching on", "caching off").split(", prefix_match")[0], {})
+        if "median_repeat_s" in v and "median_repeat_s" in base and base is not v:
+            v["speedup_vs_caching_off"] = base["median_repeat_s"] / v["median_repeat_s"]
+    save()
     print(json.dumps({k: v for k, v in results.items() if k != "ttft"}, indent=1)[:4000])
-    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "token_ids"} for k, v in results["ttft"].items()}, indent=1))
+    print(json.dumps(results["ttft"], indent=1))
     plot(results, out.with_suffix(".png"))
 
 

@@ -138,11 +138,13 @@ class AtomQwen3NextForCausalLM(nn.Module):
 
     @classmethod
     def get_mamba_state_copy_func(cls):
-        """One whole-slot copy per state tensor (conv, ssm, pending, pending_pos): a GDN block is a snapshot
-        that moves as a whole, whatever the accepted count (the next verify commits the pending tokens).
-        The plugin's GDN layers run these copies themselves (``patches.mamba_align``); the functions tell
-        vLLM what a copy of a block is."""
-        return tuple(whole_block_copy for _ in range(4))
+        """Whole-block copies of ``conv`` and ``ssm``: a GDN block is a snapshot that moves as a whole,
+        whatever the accepted count (the next verify commits the pending tokens). vLLM takes copy functions
+        for a prefix of the state tensors (2 here: this classmethod does not know whether MTP adds
+        ``pending`` and ``pending_pos``); the plugin's GDN layers run the copies themselves, of every tensor
+        of the slot (``patches.mamba_align``, ``atom_models.gdn_snapshot.copy_slots``), so vLLM's copy
+        kernels never run on these functions."""
+        return (whole_block_copy, whole_block_copy)
 
     @classmethod
     def get_mamba_state_copy_funcs(cls, mamba_types):
