@@ -129,7 +129,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 3])
+    ap.add_argument("--ks", type=int, nargs="*", default=[0, 1, 3])
     ap.add_argument("--ttft-k", type=int, default=1)
     ap.add_argument("--ttft-len", type=int, default=1500)
     ap.add_argument("--repeats", type=int, default=6)
@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--skip-stock", action="store_true")
     ap.add_argument("--skip-bf16", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "vllm_prefix_cache.json"))
+    ap.add_argument("--merge", action="store_true", help="add to the results already in --out")
     args = ap.parse_args()
     out = Path(args.out)
     workdir = Path(tempfile.mkdtemp(prefix="atom-prefix-cache-"))
@@ -150,6 +151,10 @@ def main() -> None:
         "ttft": {},
         "multiturn_time": {},
     }
+    if args.merge and out.exists():
+        old = json.loads(out.read_text())
+        old["command"] = old.get("command", "") + " ; " + results["command"]
+        results = old
 
     def save() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -58,8 +58,11 @@ def test_prefix_caching_multiturn_float32(k: int) -> None:
     bad = greedy_differences(r["jobs"]["greedy"]["token_ids"])
     assert not bad, "float32 with prefix caching differs from greedy.json:\n" + "\n".join(bad)
     turns = _check_conversation(r)
-    # the first turn has nothing cached; every conversation of the last turn resumes from a block
-    assert turns[0]["spec"]["prefix_cache_hits"] == 0
+    # first turn: only the shared 300-token system prompt can hit, one block, in a later step than the
+    # request that computes it (vLLM defers a hit on a block cached in the same step); with MTP vLLM drops
+    # the last matched block, so only k = 0 hits there. Every conversation of the last turn resumes.
+    first = turns[0]["num_cached_tokens"]
+    assert all(n <= BLOCK for n in first) and (k > 0 or sum(first) > 0), first
     assert all(n >= BLOCK for n in turns[3]["num_cached_tokens"]), turns[3]["num_cached_tokens"]
     # and some resume two blocks in (k > 0: vLLM drops the last matched block for the MTP draft)
     assert max(turns[3]["num_cached_tokens"]) >= 2 * BLOCK, turns[3]["num_cached_tokens"]
