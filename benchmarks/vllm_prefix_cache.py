@@ -133,7 +133,9 @@ def main() -> None:
     ap.add_argument("--ttft-k", type=int, default=1)
     ap.add_argument("--ttft-len", type=int, default=1500)
     ap.add_argument("--repeats", type=int, default=6)
-    ap.add_argument("--match-unit", type=int, default=16, help="prefix_match_unit of the extra TTFT run (0: none)")
+    ap.add_argument(
+        "--match-unit", type=int, default=16, help="prefix_match_unit of the extra TTFT run (0: none)"
+    )
     ap.add_argument("--skip-stock", action="store_true")
     ap.add_argument("--skip-bf16", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "vllm_prefix_cache.json"))
@@ -179,13 +181,17 @@ def main() -> None:
         jobs = [greedy_job(), conversation_job()] + ([ttft_job] if k == args.ttft_k else [])
         pair = {}
         for c in ("on", "off"):
-            pair[c] = engine(workdir, f"f32_k{k}_{c}", plugin=True, dtype="float32", k=k, caching=c == "on", jobs=jobs)
+            pair[c] = engine(
+                workdir, f"f32_k{k}_{c}", plugin=True, dtype="float32", k=k, caching=c == "on", jobs=jobs
+            )
             if k == args.ttft_k and "error" not in pair[c]:
                 ttft_result(f"plugin, caching {c}", pair[c])
         results["correctness"][f"k{k}"] = summarize_pair(pair["on"], pair["off"])
         if k == args.ttft_k and all("error" not in p for p in pair.values()):
             for c in ("on", "off"):
-                results["multiturn_time"][f"plugin f32, caching {c}"] = pair[c]["jobs"]["conversation"]["wall_s"]
+                results["multiturn_time"][f"plugin f32, caching {c}"] = pair[c]["jobs"]["conversation"][
+                    "wall_s"
+                ]
         save()
 
     # 2. finer prefix hits (vLLM's prefix_match_unit), TTFT only
@@ -221,7 +227,9 @@ def main() -> None:
                 "on": _acceptance(_turns(on)),
                 "off": _acceptance(_turns(off)),
                 "prefix_cache_hits_on": [t["spec"]["prefix_cache_hits"] for t in _turns(on)],
-                "conversation_equal_on_off": [a["token_ids"] == b["token_ids"] for a, b in zip(_turns(on), _turns(off))],
+                "conversation_equal_on_off": [
+                    a["token_ids"] == b["token_ids"] for a, b in zip(_turns(on), _turns(off))
+                ],
             }
     for label, v in results["ttft"].items():
         base = results["ttft"].get(label.replace("caching on", "caching off").split(", prefix_match")[0], {})

@@ -77,7 +77,9 @@ def test_prefix_caching_with_preemption_float32() -> None:
     bad = greedy_differences(r["jobs"]["greedy"]["token_ids"])
     assert not bad, "float32 with prefix caching differs from greedy.json:\n" + "\n".join(bad)
     turns = _check_conversation(r)
-    assert sum(t["spec"]["num_preemptions"] for t in turns) > 0, "the small KV pool did not force a preemption"
+    assert sum(t["spec"]["num_preemptions"] for t in turns) > 0, (
+        "the small KV pool did not force a preemption"
+    )
     assert sum(t["spec"]["prefix_cache_hits"] for t in turns) > 0
 
 

@@ -113,8 +113,13 @@ def test_a_chunk_resumed_from_a_verify_snapshot_matches_the_dense_pipeline(resum
     none = torch.zeros(0, dtype=torch.long)
     hit = GDNSnapshotMeta(torch.tensor([2]), torch.tensor([3]), none, none)
     resumed = GDNPrefillMeta(
-        1, 4, _i32([0, 4]), _i32([3]), torch.ones(1, dtype=torch.bool),
-        context_lens=_i32([resume_at]), resume_pending=True,
+        1,
+        4,
+        _i32([0, 4]),
+        _i32([3]),
+        torch.ones(1, dtype=torch.bool),
+        context_lens=_i32([resume_at]),
+        resume_pending=True,
     )
     out = run(slice(resume_at, n), GDNStepMeta(prefill=resumed, snapshots=hit))
     ref = DenseGDNCore(cfg, kern)(x, b, a, w, DenseContext((n,)))[resume_at:]

@@ -269,16 +269,16 @@ def test_kv_cache_spec_asks_for_one_state_block_per_request(setup, mode):
 @pytest.mark.parametrize("k", [0, K_SPEC])
 def test_plain_decodes_after_prefill(setup, k):
     """The non-speculative decode path (k = 0 models; with MTP only a 1-token prompt chunk takes it):
-    recurrent op in the row's slot. Without MTP the layer has two state tensors; with MTP the decode
-    leaves ``pending[s, 0]`` an identity token whatever it held, so the next verify (num_accepted = 1)
-    continues exactly."""
+    recurrent op in the row's slot. Without MTP the layer has two state tensors (four with MTP); with MTP
+    the decode leaves ``pending[s, 0]`` an identity token whatever it held, so the next verify
+    (num_accepted = 1) continues exactly."""
     cfg, kern, layer, _ = setup
     atol = ATOL[torch.float32]
     core = AtomGDNCore(
         "model.layers.0.linear_attn", GDNStateSpec.from_config(cfg, k, torch.float32, torch.float32), kern
     )
     _bind(core, 2)
-    assert len(core.kv_cache) == (3 if k else 2)
+    assert len(core.kv_cache) == (4 if k else 2)
     A = _tokens(8, layer)
     md = _md([0, 4], num_prefills=1, num_prefill_tokens=4, num_actual_tokens=4, prefill_query_start_loc=_i32([0, 4]),
              prefill_state_indices=_i32([1]), prefill_has_initial_state=torch.tensor([False]),

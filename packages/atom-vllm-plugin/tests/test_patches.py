@@ -122,7 +122,9 @@ def test_prefix_caching_stays_on_by_default_in_align_mode() -> None:
     if envs.plugin_disabled():
         pytest.skip("ATOM_DISABLE_VLLM_PLUGIN=1")
     apply_patches()
-    config = EngineArgs(model=str(default_model_dir()), dtype="float32", max_model_len=256).create_engine_config()
+    config = EngineArgs(
+        model=str(default_model_dir()), dtype="float32", max_model_len=256
+    ).create_engine_config()
     assert config.cache_config.enable_prefix_caching is True
     assert config.cache_config.mamba_cache_mode == "align"
     assert config.model_config.supports_mamba_prefix_caching
@@ -133,17 +135,17 @@ def test_align_runner_functions_are_wrapped_once_and_serve_only_atom_layers() ->
     functions (``atom_groups`` is None), one of ATOM's gets its groups' schedules, and a mix is refused."""
     from types import SimpleNamespace
 
+    from atom_models.testing import tiny_config
     from atom_vllm_plugin.layers.gdn import AtomGDNCore
     from atom_vllm_plugin.layers.gdn_snapshots import SnapshotSchedule
     from atom_vllm_plugin.layers.gdn_state import GDNStateSpec
-    from atom_models.testing import tiny_config
     from vllm.v1.kv_cache_interface import MambaSpec
     from vllm.v1.worker import mamba_utils
 
     apply_patches()
     apply_patches()
     for name in ("preprocess_mamba", "postprocess_mamba_align_gpu"):
-        original = getattr(getattr(mamba_utils, name), "_atom_original")
+        original = getattr(mamba_utils, name)._atom_original
         assert getattr(original, "_atom_original", None) is None, f"{name} wrapped twice"
 
     state = GDNStateSpec.from_config(tiny_config(), 1, torch.float32, torch.float32)
@@ -152,7 +154,10 @@ def test_align_runner_functions_are_wrapped_once_and_serve_only_atom_layers() ->
     config = SimpleNamespace(kv_cache_groups=groups)
     schedule = SnapshotSchedule()
     ours = {n: AtomGDNCore(n, state, None, schedule) for g in groups for n in g.layer_names}
-    assert mamba_align.atom_groups(config, ours) == [(0, ["l0a", "l0b"], schedule), (1, ["l1a", "l1b"], schedule)]
+    assert mamba_align.atom_groups(config, ours) == [
+        (0, ["l0a", "l0b"], schedule),
+        (1, ["l1a", "l1b"], schedule),
+    ]
     stock = {n: torch.nn.Identity() for n in ours}
     assert mamba_align.atom_groups(config, stock) is None
     with pytest.raises(TypeError, match="mixes ATOM GDN cores"):

@@ -63,9 +63,14 @@ class GDNSnapshotMeta:
     after_dst: torch.Tensor
 
     def __post_init__(self) -> None:
-        for name, src, dst in (("before", self.before_src, self.before_dst), ("after", self.after_src, self.after_dst)):
+        for name, src, dst in (
+            ("before", self.before_src, self.before_dst),
+            ("after", self.after_src, self.after_dst),
+        ):
             if src.shape != dst.shape or src.dim() != 1:
-                raise ValueError(f"GDNSnapshotMeta: {name}_src {tuple(src.shape)} and {name}_dst {tuple(dst.shape)} must be equal 1-D")
+                raise ValueError(
+                    f"GDNSnapshotMeta: {name}_src {tuple(src.shape)} and {name}_dst {tuple(dst.shape)} must be equal 1-D"
+                )
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,9 @@ def put_positions(pending_pos: torch.Tensor, slots: torch.Tensor, values: torch.
     target = torch.where(valid, slots, top.clamp(min=0)).long()
     low = torch.full_like(flat[target], torch.iinfo(flat.dtype).min)
     filler = torch.where(top < 0, flat[target], low)
-    flat.scatter_reduce_(0, target, torch.where(valid, values.to(flat.dtype), filler), "amax", include_self=False)
+    flat.scatter_reduce_(
+        0, target, torch.where(valid, values.to(flat.dtype), filler), "amax", include_self=False
+    )
 
 
 def resume_pending(

@@ -132,7 +132,9 @@ def _verify_meta(
     return GDNVerifyMeta(n, q_len, slots, accepted, gather_index=gather_t, scatter_index=scatter_t)
 
 
-def _prefill_context_lens(md: GDNAttentionMetadata, m: CommonAttentionMetadata, spec_rows: bool) -> np.ndarray:
+def _prefill_context_lens(
+    md: GDNAttentionMetadata, m: CommonAttentionMetadata, spec_rows: bool
+) -> np.ndarray:
     """Tokens each prefill row had before this step (int32, in the prefill part's order): vLLM's host upper
     bound of ``seq_lens`` is exact for prefill rows; without it, the device values (one host copy)."""
     qsl = m.query_start_loc_cpu.numpy().astype(np.int64)
@@ -153,7 +155,9 @@ def snapshot_meta(copies: StepCopies, device: torch.device) -> GDNSnapshotMeta:
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device)
 
-    return GDNSnapshotMeta(t(copies.before_src), t(copies.before_dst), t(copies.after_src), t(copies.after_dst))
+    return GDNSnapshotMeta(
+        t(copies.before_src), t(copies.before_dst), t(copies.after_src), t(copies.after_dst)
+    )
 
 
 def gdn_step_from_vllm(

@@ -40,7 +40,9 @@ def atom_groups(kv_cache_config, forward_context) -> list[tuple[int, list[str], 
     if not any(ours):
         return None
     if not all(ours):
-        raise TypeError("a model mixes ATOM GDN cores with other Mamba layers; prefix caching cannot serve it")
+        raise TypeError(
+            "a model mixes ATOM GDN cores with other Mamba layers; prefix caching cannot serve it"
+        )
     return [(gid, names, layer.snapshot_schedule) for gid, names, layer in out]
 
 
@@ -73,18 +75,40 @@ def plan_and_publish(
         schedule.publish(names, c)
 
 
-def _preprocess(original, scheduler_output, kv_cache_config, cache_config, mamba_state_idx, input_batch,
-                requests, forward_context, mamba_state_copy_funcs, copy_bufs, align_ctx=None):
+def _preprocess(
+    original,
+    scheduler_output,
+    kv_cache_config,
+    cache_config,
+    mamba_state_idx,
+    input_batch,
+    requests,
+    forward_context,
+    mamba_state_copy_funcs,
+    copy_bufs,
+    align_ctx=None,
+):
     groups = atom_groups(kv_cache_config, forward_context)
     if groups is None:
-        return original(scheduler_output, kv_cache_config, cache_config, mamba_state_idx, input_batch,
-                        requests, forward_context, mamba_state_copy_funcs, copy_bufs, align_ctx=align_ctx)
+        return original(
+            scheduler_output,
+            kv_cache_config,
+            cache_config,
+            mamba_state_idx,
+            input_batch,
+            requests,
+            forward_context,
+            mamba_state_copy_funcs,
+            copy_bufs,
+            align_ctx=align_ctx,
+        )
     from vllm.v1.worker import mamba_utils
 
     mamba_utils.cleanup_mamba_state_idx(scheduler_output, mamba_state_idx)
     copy_bufs.offset = 0
-    plan_and_publish(groups, copy_bufs.mamba_spec.block_size, scheduler_output, mamba_state_idx, input_batch,
-                     requests)
+    plan_and_publish(
+        groups, copy_bufs.mamba_spec.block_size, scheduler_output, mamba_state_idx, input_batch, requests
+    )
 
 
 def _postprocess(original, **kw: Any):
