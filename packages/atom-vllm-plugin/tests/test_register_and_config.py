@@ -136,8 +136,7 @@ def test_expert_parallel_is_refused_by_name():
 def test_mamba_state_has_pending_tensor_only_with_mtp():
     """What vLLM sizes the GDN pages from (before the model exists): without MTP the two tensors of vLLM's
     own GDN (conv, ssm); with MTP k a third, pending ``[1 + k, P]`` float32 (``P``: the verify op's
-    ``pending_width``), and the
-    page grows by exactly its bytes."""
+    ``pending_width``), and a fourth, ``pending_pos [1]`` int32, and the page grows by exactly their bytes."""
     from atom_kernels.ops.gated_delta_rule import pending_width
     from atom_vllm_plugin.models.target import AtomQwen3NextForCausalLM as Target
     from vllm.v1.kv_cache_interface import MambaSpec
@@ -152,12 +151,13 @@ def test_mamba_state_has_pending_tensor_only_with_mtp():
     p = pending_width(2, 128, 4, 128)  # Hk, Dk, Hv, Dv of the fixture
     for k in (1, 3):
         shapes_k, dtypes_k = state(_vllm_config(k=k))
-        assert len(shapes_k) == len(dtypes_k) == 3, (k, shapes_k, dtypes_k)
+        assert len(shapes_k) == len(dtypes_k) == 4, (k, shapes_k, dtypes_k)
         assert shapes_k[2] == (1 + k, p) and dtypes_k[2] == torch.float32
+        assert shapes_k[3] == (1,) and dtypes_k[3] == torch.int32
         assert sorted(shapes_k[0]) == [3 + k, 1024] and shapes_k[1] == shapes[1] and dtypes_k[:2] == dtypes
         page = MambaSpec(shapes=shapes_k, dtypes=dtypes_k, block_size=1).page_size_bytes
         without = MambaSpec(shapes=shapes_k[:2], dtypes=dtypes_k[:2], block_size=1).page_size_bytes
-        assert page - without == (1 + k) * p * 4, (k, page, without)
+        assert page - without == (1 + k) * p * 4 + 4, (k, page, without)
 
 
 @pytest.mark.parametrize("fold", [False, True], ids=["separate-shared", "folded-shared"])

@@ -41,6 +41,36 @@ class GDNPrefillMeta:
     has_initial_state: torch.Tensor  # [num_seqs] bool: continue from the slot's state (a later chunk)
     token_start: int = 0
     token_index: torch.Tensor | None = None  # [num_tokens] int64 rows of the flat batch
+    # With pending tokens (k > 0): the tokens each sequence had before this chunk ([num_seqs] int32), so the
+    # chunk can resume from a snapshot (commit ``context_lens - pending_pos`` pending tokens first) and
+    # record its own ``pending_pos``. ``resume_pending``: some sequence has an initial state (host-known).
+    context_lens: torch.Tensor | None = None
+    resume_pending: bool = False
+
+
+@dataclass(frozen=True)
+class GDNSnapshotMeta:
+    """Whole-slot copies around one step (every state tensor of the slot: conv, ssm, pending, pending_pos).
+
+    ``before_src[i] -> before_dst[i]`` run before any part of the step (a sequence moving to a new state
+    slot, a block-boundary snapshot taken from the state a step starts from); ``after_src[i] ->
+    after_dst[i]`` after the step (a snapshot of the state a verify leaves). int64 ``[n]`` device tensors;
+    no destination repeats within a list and no destination is a source of the same list."""
+
+    before_src: torch.Tensor
+    before_dst: torch.Tensor
+    after_src: torch.Tensor
+    after_dst: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name, src, dst in (
+            ("before", self.before_src, self.before_dst),
+            ("after", self.after_src, self.after_dst),
+        ):
+            if src.shape != dst.shape or src.dim() != 1:
+                raise ValueError(
+                    f"GDNSnapshotMeta: {name}_src {tuple(src.shape)} and {name}_dst {tuple(dst.shape)} must be equal 1-D"
+                )
 
 
 @dataclass(frozen=True)
@@ -88,6 +118,7 @@ class GDNStepMeta:
     prefill: GDNPrefillMeta | None = None
     decodes: tuple[GDNDecodeMeta, ...] = ()
     verifies: tuple[GDNVerifyMeta, ...] = ()
+    snapshots: GDNSnapshotMeta | None = None
 
     @property
     def capturable(self) -> bool:

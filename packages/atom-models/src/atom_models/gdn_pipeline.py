@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from atom_models.gdn_meta import GDNDecodeMeta, GDNPrefillMeta, GDNStepMeta, GDNVerifyMeta, GDNWeights
+from atom_models.gdn_snapshot import copy_slots, put_positions, resume_pending
 from atom_models.gdn_state import GDNGeometry, GDNLayerState
 
 
@@ -59,8 +60,16 @@ def gdn_prefill(
     """Prompt chunks, ``x[Tp, C]``, ``b``/``a`` ``[Tp, Hv]`` (the prefill tokens only) -> ``o[Tp, Hv, Dv]``.
 
     Varlen conv (initial history where ``has_initial_state``), chunked delta rule writing each chunk's
-    final state to its slot, then ``pending[s, 0]`` becomes an identity token.
+    final state to its slot, then ``pending[s, 0]`` becomes an identity token. With pending tokens and
+    ``meta.context_lens``: a sequence continuing from a snapshot first commits its pending tokens
+    (:func:`~atom_models.gdn_snapshot.resume_pending`, where ``meta.resume_pending``), and each slot records
+    ``pending_pos = context_len + chunk_len - 1`` (the identity token's position).
     """
+    track = state.pending_pos is not None and meta.context_lens is not None
+    if track and meta.resume_pending:
+        resume_pending(
+            kernels, geometry, weights, state, meta.state_indices, meta.has_initial_state, meta.context_lens
+        )
     xc = kernels.causal_conv1d_varlen(
         x,
         weights.conv_weight,
@@ -87,6 +96,9 @@ def gdn_prefill(
         use_qk_l2norm=True,
     )
     reset_pending(state.pending, meta.state_indices)
+    if track:
+        lens = meta.cu_seqlens[1:] - meta.cu_seqlens[:-1]
+        put_positions(state.pending_pos, meta.state_indices, meta.context_lens + lens - 1)
     return o
 
 
@@ -127,6 +139,9 @@ def gdn_decode(
         dt_bias=weights.dt_bias,
     )
     reset_pending(state.pending, meta.state_indices)
+    if state.pending_pos is not None:  # the identity token sits at this token's position, one further
+        slots = meta.state_indices
+        put_positions(state.pending_pos, slots, state.pending_pos.view(-1)[slots.clamp(min=0).long()] + 1)
     return o.view(n, geometry.num_v_heads, geometry.head_v_dim)
 
 
@@ -145,7 +160,8 @@ def gdn_verify(
 
     Conv update resuming at ``num_accepted`` in the rolled history; ``gated_delta_rule_verify`` (gating
     fused in) commits ``num_accepted`` pending tokens into the slot's state, verifies these tokens without
-    storing their states and stashes them as the new pending tokens.
+    storing their states and stashes them as the new pending tokens; ``pending_pos`` (where kept) moves
+    on by ``num_accepted`` to the first of them.
     """
     if state.pending is None:
         raise ValueError("gdn_verify: the layer state has no pending tokens (num_speculative_tokens = 0)")
@@ -175,6 +191,10 @@ def gdn_verify(
         A_log=weights.A_log,
         dt_bias=weights.dt_bias,
     )
+    if state.pending_pos is not None:
+        slots = meta.state_indices
+        old = state.pending_pos.view(-1)[slots.clamp(min=0).long()]
+        put_positions(state.pending_pos, slots, old + meta.num_accepted)
     return o.view(n * ql, geometry.num_v_heads, geometry.head_v_dim)
 
 
@@ -194,7 +214,19 @@ def gdn_forward(
     outputs back; rows of no part stay zero. One extra scratch row receives the outputs of padding tokens.
     A step that is one decode or one in-order verify part over all ``T`` rows (a uniform decode / verify
     batch) returns that part's output as is, without the zeroed buffer and its copy.
+
+    ``step.snapshots`` (prefix caching): whole-slot copies before the parts run and after they ran.
     """
+    snaps = step.snapshots
+    if snaps is not None:
+        copy_slots(state, snaps.before_src, snaps.before_dst)
+    out = _forward_parts(kernels, geometry, weights, state, mixed_qkv, b, a, step)
+    if snaps is not None:
+        copy_slots(state, snaps.after_src, snaps.after_dst)
+    return out
+
+
+def _forward_parts(kernels, geometry, weights, state, mixed_qkv, b, a, step: GDNStepMeta) -> torch.Tensor:
     t = mixed_qkv.shape[0]
     args = (kernels, geometry, weights, state)
     if step.prefill is None and len(step.decodes) + len(step.verifies) == 1:

@@ -6,7 +6,10 @@ Per slot (one sequence) a GDN layer keeps:
   ``num_accepted - 1``, so ``k`` extra columns of room);
 - ``ssm``: the committed recurrent state ``[Hv, Dv, Dk]``;
 - ``pending`` (only with speculative decoding, ``k > 0``): ``[1 + k, P]`` float32, the previous verify
-  step's tokens as ``gated_delta_rule_verify`` stashes them (``P = pending_width(Hk, Dk, Hv, Dv)``).
+  step's tokens as ``gated_delta_rule_verify`` stashes them (``P = pending_width(Hk, Dk, Hv, Dv)``);
+- ``pending_pos`` (with ``pending``): ``[1]`` int32, the sequence position of pending token 0. A slot is
+  then a self-describing snapshot: committing ``L - pending_pos`` pending tokens gives the state after the
+  first ``L`` tokens, for every ``L`` its pending tokens cover (see :mod:`atom_models.gdn_snapshot`).
 
 The standalone engine allocates these for its slots (``engine.cache``); the vLLM plugin declares them to
 vLLM in its storage order (its ``GDNStateSpec``). Both take the shapes from :class:`GDNGeometry`.
@@ -101,6 +104,11 @@ class GDNGeometry:
         """Per slot ``(1 + k, P)``, or None without speculative decoding."""
         return (self.num_verify_tokens, self.pending_width) if self.has_pending else None
 
+    @property
+    def pending_pos_shape(self) -> tuple[int] | None:
+        """Per slot ``(1,)`` (int32, the position of pending token 0), or None without speculative decoding."""
+        return (1,) if self.has_pending else None
+
     def check_layout(self, layout, where: str) -> None:
         """Raise ``ValueError`` (naming ``where``, e.g. the layer and whose state this is) unless this
         geometry holds the key / value heads of ``layout``'s rank (a :class:`~atom_models.parallel.TPLayout`)."""
@@ -128,6 +136,11 @@ class GDNLayerState:
     conv: torch.Tensor  # [S, C, W], any strides (vLLM stores [S, W, C] and passes the transposed view)
     ssm: torch.Tensor  # [S, Hv, Dv, Dk] float32 or bf16: the committed recurrent state
     pending: torch.Tensor | None = None  # [S, 1 + k, P] float32 with speculative decoding, else None
+    pending_pos: torch.Tensor | None = None  # [S, 1] int32 with speculative decoding: position of pending[0]
+
+    def __post_init__(self) -> None:
+        if self.pending_pos is not None and self.pending is None:
+            raise ValueError("GDNLayerState: pending_pos without pending tokens")
 
     @classmethod
     def allocate(
@@ -147,8 +160,12 @@ class GDNLayerState:
             pending=None
             if pend is None
             else torch.zeros(num_slots, *pend, dtype=torch.float32, device=device),
+            pending_pos=None
+            if pend is None
+            else torch.zeros(num_slots, 1, dtype=torch.int32, device=device),
         )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """``(conv, ssm)``, plus ``pending`` with speculative decoding."""
-        return (self.conv, self.ssm) if self.pending is None else (self.conv, self.ssm, self.pending)
+        """``(conv, ssm)``, plus ``pending`` and ``pending_pos`` (where present) with speculative decoding."""
+        extra = tuple(t for t in (self.pending, self.pending_pos) if t is not None)
+        return (self.conv, self.ssm, *extra)

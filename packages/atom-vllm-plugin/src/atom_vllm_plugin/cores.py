@@ -10,6 +10,7 @@ from torch import nn
 from atom_vllm_plugin.config import AtomVllmConfig
 from atom_vllm_plugin.layers.attention import AtomAttentionCore, register_layer
 from atom_vllm_plugin.layers.gdn import AtomGDNCore
+from atom_vllm_plugin.layers.gdn_snapshots import SnapshotSchedule
 from atom_vllm_plugin.layers.gdn_state import GDNStateSpec
 
 
@@ -33,6 +34,7 @@ class VllmCoreFactory:
         self.kernels = kernels
         self.gdn_state = gdn_state
         self.built: dict[str, nn.Module] = {}
+        self.snapshot_schedule = SnapshotSchedule()  # prefix caching: this model's GDN copies per step
 
     def attention(self, prefix: str, layer_idx: int, config: Qwen3NextConfig, layout: TPLayout) -> nn.Module:
         core = AtomAttentionCore(
@@ -55,7 +57,7 @@ class VllmCoreFactory:
                 f"{prefix}: the {self.cfg.role} model has no GDN state spec (the MTP draft has no GDN)"
             )
         self.gdn_state.geometry.check_layout(layout, f"{prefix}: the GDN state reported to vLLM")
-        core = AtomGDNCore(prefix, self.gdn_state, self.kernels)
+        core = AtomGDNCore(prefix, self.gdn_state, self.kernels, self.snapshot_schedule)
         register_layer(prefix, core)
         self.built[prefix] = core
         return core

@@ -3,11 +3,15 @@
 atom-models' ``GatedDeltaNet`` calls ``core(mixed_qkv, b, a, weights, ctx)`` with the pre-conv q|k|v.
 State (allocated by vLLM, one page per slot, see ``gdn_state``): conv state stored ``[S, K - 1 + k, C]``
 (vLLM's "SD" layout; the pipeline takes the transposed ``[S, C, W]`` view), the committed recurrent state
-``[S, Hv, Dv, Dk]`` and, with MTP (k > 0), ``pending [S, 1 + k, P]`` float32.
+``[S, Hv, Dv, Dk]`` and, with MTP (k > 0), ``pending [S, 1 + k, P]`` float32 and ``pending_pos [S, 1]``.
 
-Everything of a request lives in one slot: its block-table row has a single column, since
-``get_kv_cache_spec`` asks vLLM for no speculative state blocks (vLLM's default is ``1 + k`` per request,
-one per verify token). Verification uses deferred commit (``gated_delta_rule_verify``): a verify step first
+Everything of a request's step lives in one slot: ``get_kv_cache_spec`` asks vLLM for no speculative state
+blocks (vLLM's default is ``1 + k`` per request, one per verify token). Without prefix caching the
+block-table row has that single column; with it (Mamba "align" mode) the row has one column per
+``block_size`` tokens and the step computes in the column of its last token, after the whole-slot copies
+that ``gdn_snapshots`` plans (moving the state there, keeping shared blocks valid at their boundary).
+
+Verification uses deferred commit (``gated_delta_rule_verify``): a verify step first
 commits the ``num_accepted`` tokens of the previous step that vLLM accepted, verifies its own tokens without
 storing any per-token state, and stashes them as the new pending tokens; a rejected draft is never applied
 and nothing has to be copied back. A prefill writes the committed state and zeroes ``pending[s, 0]`` (an
@@ -33,19 +37,24 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from atom_vllm_plugin.layers.custom_ops import register_ops
 from atom_vllm_plugin.layers.forward_context import layer_metadata
 from atom_vllm_plugin.layers.gdn_backend import AtomGDNAttentionBackend, AtomGDNAttentionMetadata
+from atom_vllm_plugin.layers.gdn_snapshots import SnapshotSchedule
 from atom_vllm_plugin.layers.gdn_state import GDNStateSpec
 
 
 class AtomGDNCore(nn.Module, MambaBase):
     """One GDN layer's state binding; ``forward(mixed_qkv[T, C], b[T, Hv], a[T, Hv], weights, ctx) -> [T, Hv, Dv]``."""
 
-    def __init__(self, prefix: str, state: GDNStateSpec, kernels) -> None:
+    def __init__(
+        self, prefix: str, state: GDNStateSpec, kernels, snapshot_schedule: SnapshotSchedule | None = None
+    ) -> None:
         super().__init__()
         register_ops()
         self.layer_name = prefix
         self.prefix = prefix
         self.state = state
         self.kernels = kernels
+        # the model's schedule of whole-slot copies (prefix caching), shared by its GDN layers
+        self.snapshot_schedule = snapshot_schedule if snapshot_schedule is not None else SnapshotSchedule()
         self.kv_cache = tuple(torch.tensor([]) for _ in state.shapes())  # replaced by bind_kv_cache
 
     # ---- vLLM's MambaBase ----------------------------------------------------------------------
@@ -63,17 +72,17 @@ class AtomGDNCore(nn.Module, MambaBase):
         return AtomGDNAttentionBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig):
-        """vLLM's Mamba spec, but one state block per request instead of ``1 + k``.
+        """vLLM's Mamba spec, but no speculative state blocks (vLLM's default reserves ``k`` per request).
 
-        ``MambaBase`` reserves ``num_speculative_blocks = k`` extra blocks per request for per-token
-        verify states; deferred commit keeps everything in column 0, so they would be dead memory. With
-        none of them, vLLM's block tables have one column, and its GDN metadata builder's
-        ``spec_state_indices_tensor`` (``block_table[:, :1 + k]``) has one column, which is all the
-        verify part reads. Only for ``mamba_cache_mode == "none"``: "align" (prefix caching) positions its
-        blocks and copies states around the speculative blocks, which this core does not support either way.
+        ``MambaBase`` reserves ``num_speculative_blocks = k`` extra blocks per request for per-token verify
+        states; deferred commit keeps a step's state, pending tokens included, in one block, so they would
+        be dead memory. Without them vLLM's GDN metadata builder's ``spec_state_indices_tensor``
+        (``1 + k`` columns from the step's state block on) has one column, which is all the verify part
+        reads; in "align" mode (prefix caching) vLLM places the step's state block at the column of its
+        last token, and the blocks it shares are the snapshots ``gdn_snapshots`` keeps valid.
         """
         spec = super().get_kv_cache_spec(vllm_config)
-        if vllm_config.cache_config.mamba_cache_mode == "none" and spec.num_speculative_blocks > 0:
+        if spec.num_speculative_blocks > 0:
             spec = dataclasses.replace(spec, num_speculative_blocks=0)
         return spec
 
@@ -82,8 +91,9 @@ class AtomGDNCore(nn.Module, MambaBase):
         """The bound tensors as the pipeline's state (conv as the ``[S, C, W]`` view)."""
         conv = self.kv_cache[0]
         conv = conv if self.state.conv_dim_first else conv.transpose(1, 2)
-        pending = self.kv_cache[2] if self.state.has_pending else None
-        return GDNLayerState(conv=conv, ssm=self.kv_cache[1], pending=pending)
+        if not self.state.has_pending:
+            return GDNLayerState(conv=conv, ssm=self.kv_cache[1])
+        return GDNLayerState(conv=conv, ssm=self.kv_cache[1], pending=self.kv_cache[2], pending_pos=self.kv_cache[3])
 
     # ---- the core ----------------------------------------------------------------------------------
     def forward(

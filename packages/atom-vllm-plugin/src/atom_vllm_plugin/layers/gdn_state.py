@@ -8,10 +8,10 @@ the TP size), from the :class:`~atom_models.parallel.TPLayout` at vLLM's TP size
 sizes, so the layout of rank 0 serves before the model exists.
 
 Per slot (one vLLM Mamba block) the tensors are ``conv`` (stored ``[W, C]``, vLLM's default, or ``[C, W]``),
-``ssm`` and, with MTP, ``pending`` (float32), shaped by :class:`~atom_models.gdn_state.GDNGeometry`. vLLM's
-``MambaSpec`` takes any number of state tensors: the page is their summed bytes and
-``MambaBase.bind_kv_cache`` slices one view per tensor in this order, so the third tensor needs no change in
-vLLM. One side effect: vLLM's CPU platform keeps an explicitly requested bf16/fp16 ``mamba_ssm_cache_dtype``
+``ssm`` and, with MTP, ``pending`` (float32) and ``pending_pos`` (int32, one value), shaped by
+:class:`~atom_models.gdn_state.GDNGeometry`. vLLM's ``MambaSpec`` takes any number of state tensors: the
+page is their summed bytes and ``MambaBase.bind_kv_cache`` slices one view per tensor in this order, so
+the extra tensors need no change in vLLM. One side effect: vLLM's CPU platform keeps an explicitly requested bf16/fp16 ``mamba_ssm_cache_dtype``
 only for models whose state dtypes are a pair (``platforms/cpu.py`` ``_cpu_mamba_backend``); with MTP it
 resets it to float32 (the default "auto" is reset to float32 there anyway).
 """
@@ -61,15 +61,17 @@ class GDNStateSpec:
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
-        """``(conv, ssm)``, plus float32 for ``pending`` with MTP."""
+        """``(conv, ssm)``, plus float32 ``pending`` and int32 ``pending_pos`` with MTP."""
         if self.has_pending:
-            return (self.conv_dtype, self.ssm_dtype, torch.float32)
+            return (self.conv_dtype, self.ssm_dtype, torch.float32, torch.int32)
         return (self.conv_dtype, self.ssm_dtype)
 
     def shapes(self) -> tuple[tuple[int, ...], ...]:
         """``(conv [W, C] or [C, W], ssm [Hv, Dv, Dk])`` per slot in vLLM's storage order, plus
-        ``pending [1 + k, P]`` with MTP."""
+        ``pending [1 + k, P]`` and ``pending_pos [1]`` with MTP."""
         geo = self.geometry
         conv = geo.conv_shape if self.conv_dim_first else geo.conv_shape[::-1]
         pending = geo.pending_shape
-        return (conv, geo.ssm_shape) if pending is None else (conv, geo.ssm_shape, pending)
+        if pending is None:
+            return (conv, geo.ssm_shape)
+        return (conv, geo.ssm_shape, pending, geo.pending_pos_shape)

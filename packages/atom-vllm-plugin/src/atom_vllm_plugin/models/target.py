@@ -12,7 +12,7 @@ from atom_models.engine.engine import materialize
 from atom_models.loader import check_files, convert_target_fp8
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
+from vllm.model_executor.layers.mamba.mamba_utils import MambaCopySpec
 
 from atom_vllm_plugin.config import from_vllm
 from atom_vllm_plugin.cores import VllmCoreFactory
@@ -32,6 +32,12 @@ from atom_vllm_plugin.parallel import VllmTensorParallel
 logger = logging.getLogger("vllm.atom_vllm_plugin")
 
 
+def whole_block_copy(state: torch.Tensor, block_ids: list[int], cur_block_idx: int, num_accepted_tokens: int):
+    """vLLM's ``MambaStateCopyFunc`` for a GDN block: the whole block of ``state`` at ``cur_block_idx``."""
+    src = state[block_ids[cur_block_idx]]
+    return MambaCopySpec(start_addr=src.data_ptr(), num_elements=src.numel())
+
+
 @support_torch_compile(dynamic_arg_dims=TARGET_DYNAMIC_ARG_DIMS)
 class AtomQwen3NextForCausalLM(nn.Module):
     """The target. vLLM sees ``.model.embed_tokens`` and ``.lm_head`` (the MTP proposer shares both with
@@ -46,9 +52,12 @@ class AtomQwen3NextForCausalLM(nn.Module):
     returns the full vocabulary on every rank.
     """
 
-    # vLLM's IsHybrid / HasInnerState interfaces (checked by attribute, see vllm.model_executor.models.interfaces)
+    # vLLM's IsHybrid / HasInnerState / SupportsMambaPrefixCaching interfaces (checked by attribute, see
+    # vllm.model_executor.models.interfaces). Prefix caching: the GDN state of a block is a self-describing
+    # snapshot (atom_models.gdn_snapshot), copied whole between blocks (layers.gdn_snapshots).
     is_hybrid: ClassVar[Literal[True]] = True
     has_inner_state: ClassVar[Literal[True]] = True
+    supports_mamba_prefix_caching: ClassVar[Literal[True]] = True
     supports_pp: ClassVar[Literal[False]] = False
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
@@ -129,7 +138,13 @@ class AtomQwen3NextForCausalLM(nn.Module):
 
     @classmethod
     def get_mamba_state_copy_func(cls):
-        return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+        """Whole-block copies of ``conv`` and ``ssm``: a GDN block is a snapshot that moves as a whole,
+        whatever the accepted count (the next verify commits the pending tokens). vLLM takes copy functions
+        for a prefix of the state tensors (2 here: this classmethod does not know whether MTP adds
+        ``pending`` and ``pending_pos``); the plugin's GDN layers run the copies themselves, of every tensor
+        of the slot (``patches.mamba_align``, ``atom_models.gdn_snapshot.copy_slots``), so vLLM's copy
+        kernels never run on these functions."""
+        return (whole_block_copy, whole_block_copy)
 
     @classmethod
     def get_mamba_state_copy_funcs(cls, mamba_types):

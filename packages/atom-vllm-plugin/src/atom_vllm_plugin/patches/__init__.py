@@ -12,8 +12,10 @@ is needed:
 - :mod:`.cpu_seeded_rewind`: vLLM rewinds a seeded request's generator by a CUDA Philox offset when it
   discards a sample (partly prefilled prompts); CPU generators have no offset, so on vLLM-CPU one seeded
   request arriving under load killed the engine. The CPU rewind restores the generator's saved state.
-- :mod:`.prefix_caching`: vLLM turns prefix caching on by default for hybrid models, which needs the
-  Mamba "align" cache mode that ATOM's GDN state does not implement; the first request would fail.
+- :mod:`.mamba_align`: with prefix caching (vLLM's default) vLLM's runner copies Mamba states between
+  "align" blocks with per-token-state assumptions and Triton kernels (absent on vLLM-CPU); for ATOM's GDN
+  cores it only records each request's state block and publishes the whole-slot copies that the GDN
+  layers run on the device.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import logging
 
 from atom_vllm_plugin._version_check import SUPPORTED_VLLM, installed_vllm_version
-from atom_vllm_plugin.patches import cpu_expand_kernel, cpu_seeded_rewind, prefix_caching, top_k_empty_batch
+from atom_vllm_plugin.patches import cpu_expand_kernel, cpu_seeded_rewind, mamba_align, top_k_empty_batch
 
 logger = logging.getLogger("vllm.atom_vllm_plugin")
 
@@ -32,7 +34,7 @@ _PATCHES = {
     "cpu_expand_kernel": cpu_expand_kernel.apply,
     "top_k_empty_batch": top_k_empty_batch.apply,
     "cpu_seeded_rewind": cpu_seeded_rewind.apply,
-    "prefix_caching": prefix_caching.apply,
+    "mamba_align": mamba_align.apply,
 }
 
 

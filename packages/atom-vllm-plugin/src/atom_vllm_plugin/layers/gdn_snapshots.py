@@ -1,0 +1,131 @@
+"""Prefix caching for the GDN state: vLLM's Mamba "align" blocks filled with atom-models' snapshots.
+
+With prefix caching vLLM keeps one Mamba block per ``block_size`` tokens in a request's block-table row
+(``mamba_cache_mode == "align"``), hashes a full block like an attention block and hands it to a later
+request with the same prefix as the state after that prefix. ATOM's GDN state is a deferred-commit
+snapshot (``atom_models.gdn_snapshot``): the slot of a request holds the committed state, the pending tokens
+of its last verify and their position, which is valid for a range of prefix lengths. Per step and request,
+:func:`plan_step_copies` maps atom-models' :func:`~atom_models.gdn_snapshot.plan_block_snapshots` (in
+block-table columns) onto the request's block ids: move the state into the step's block, and keep the block
+that vLLM is about to share valid at its boundary. The copies run on the device inside every GDN layer's
+forward (``GDNStepMeta.snapshots``), before and after the layer's own work.
+
+The runner side (``patches.mamba_align``) computes the copies where vLLM's runner would copy Mamba states
+(it knows each request's previous state block) and publishes them on the model's :class:`SnapshotSchedule`;
+the GDN metadata builder of each KV-cache group takes them when it builds the step's record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from atom_models.gdn_snapshot import plan_block_snapshots
+
+NULL_BLOCK = 0  # vLLM's null block id (vllm.v1.attention.backends.utils.NULL_BLOCK_ID): never a state
+
+
+@dataclass(frozen=True)
+class StepCopies:
+    """One KV-cache group's whole-slot copies for one step, as block ids (int64 arrays of equal length
+    per pair)."""
+
+    before_src: np.ndarray
+    before_dst: np.ndarray
+    after_src: np.ndarray
+    after_dst: np.ndarray
+
+    @property
+    def empty(self) -> bool:
+        return self.before_src.size == 0 and self.after_src.size == 0
+
+
+@dataclass(frozen=True)
+class RequestStep:
+    """What the plan needs of one request in one step: tokens computed before it, tokens scheduled (drafts
+    included), the column of its previous state block (-1: none), whether it verifies drafts."""
+
+    computed: int
+    scheduled: int
+    prev_col: int
+    is_verify: bool
+
+
+def plan_step_copies(
+    steps: Sequence[RequestStep], block_ids: Sequence[Sequence[Sequence[int]]], block_size: int
+) -> tuple[list[int], list[StepCopies]]:
+    """The state column of every request and each group's copies.
+
+    ``block_ids[g][i]``: request ``i``'s block-table row in Mamba group ``g``. Copies into the null block or
+    onto their own source are dropped (vLLM never shares a null block; an unmoved state needs no copy).
+    """
+    cols: list[int] = []
+    pairs_before: list[tuple[int, int]] = []  # (request, src col, dst col) flattened below
+    pairs_after: list[tuple[int, int]] = []
+    rows_before: list[int] = []
+    rows_after: list[int] = []
+    for i, st in enumerate(steps):
+        plan = plan_block_snapshots(
+            computed=st.computed,
+            scheduled=st.scheduled,
+            block_size=block_size,
+            prev_col=st.prev_col,
+            is_verify=st.is_verify,
+        )
+        cols.append(plan.state_col)
+        pairs_before += plan.before
+        rows_before += [i] * len(plan.before)
+        pairs_after += plan.after
+        rows_after += [i] * len(plan.after)
+    groups = []
+    for rows_of_group in block_ids:
+        before = _resolve(rows_of_group, rows_before, pairs_before)
+        after = _resolve(rows_of_group, rows_after, pairs_after)
+        groups.append(StepCopies(before[0], before[1], after[0], after[1]))
+    return cols, groups
+
+
+def _resolve(
+    rows: Sequence[Sequence[int]], req: list[int], pairs: list[tuple[int, int]]
+) -> tuple[np.ndarray, np.ndarray]:
+    src, dst = [], []
+    for r, (s_col, d_col) in zip(req, pairs):
+        row = rows[r]
+        if max(s_col, d_col) >= len(row):
+            raise ValueError(
+                f"GDN snapshot copy between block-table columns {s_col} -> {d_col} of a request with "
+                f"{len(row)} Mamba blocks: vLLM's align-mode block table is shorter than its state column"
+            )
+        s, d = row[s_col], row[d_col]
+        if d == NULL_BLOCK or s == d:
+            continue
+        if s == NULL_BLOCK:
+            raise ValueError(
+                f"GDN snapshot copy from block-table column {s_col}, which holds the null block: the "
+                "request's previous state block was freed"
+            )
+        src.append(s)
+        dst.append(d)
+    return np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+
+
+class SnapshotSchedule:
+    """This step's copies per Mamba KV-cache group, published by the runner side and taken once by the
+    group's GDN metadata builder (a dummy or profiling forward, which the runner does not prepare, finds
+    none). One per model, shared by its GDN cores; keyed by every layer name of the group."""
+
+    def __init__(self) -> None:
+        self._copies: dict[str, StepCopies] = {}
+
+    def publish(self, layer_names: Sequence[str], copies: StepCopies) -> None:
+        for name in layer_names:
+            self._copies[name] = copies
+
+    def take(self, layer_names: Sequence[str]) -> StepCopies | None:
+        """The copies published for the group of ``layer_names`` (withdrawn for all of them), or None."""
+        found = None
+        for name in layer_names:
+            c = self._copies.pop(name, None)
+            found = found if found is not None else c
+        return found
