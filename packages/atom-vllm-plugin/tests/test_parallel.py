@@ -72,7 +72,7 @@ def _state(vc):
 def test_gdn_state_is_one_ranks_share_at_tp2(k: int) -> None:
     """At TP = 2 the GDN state vLLM sizes its pages from is one rank's: conv and ssm equal vLLM's own GDN
     calculator at ``tp_world_size=2`` (the anchor), pending is ``[1 + k, P]`` of the rank's heads, and the
-    page is half of TP = 1's (every part divides by the TP size)."""
+    page without the slot's pending position (one int32, the same on every rank) is half of TP = 1's."""
     from atom_kernels.ops.gated_delta_rule import pending_width
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
     from vllm.v1.kv_cache_interface import MambaSpec
@@ -88,7 +88,11 @@ def test_gdn_state_is_one_ranks_share_at_tp2(k: int) -> None:
     assert tuple(s2[:2]) == tuple(theirs), (s2, theirs)
     if k:
         assert s2[2] == (1 + k, pending_width(1, 128, 2, 128)), s2
-    assert d2 == d1 and 2 * page(s2, d2) == page(s1, d1), (s1, s2)
+    # every state part divides by the TP size except, with MTP, the slot's one int32 pending position
+    n = len(s1) - 1 if k else len(s1)
+    if k:
+        assert tuple(s1[-1]) == tuple(s2[-1]) == (1,) and d1[-1] == d2[-1] == torch.int32, (s1, d1)
+    assert d2 == d1 and 2 * page(s2[:n], d2[:n]) == page(s1[:n], d1[:n]), (s1, s2)
 
 
 def test_tp_sizes_the_model_cannot_be_split_by_are_refused_by_the_config_translation() -> None:
