@@ -1,4 +1,4 @@
-"""Issue 5's seed verification path: lm-eval (``--model local-completions``) against vLLM's OpenAI server
+"""The lm-eval verification path: lm-eval (``--model local-completions``) against vLLM's OpenAI server
 serving the tiny Qwen3-Next with MTP (k = 1, bf16), ATOM plugin on and off, on the local task
 ``stdlib_next_line`` (40 next-line completions of CPython 3.11 stdlib modules, exact match, greedy;
 tests/lm_eval_task/make_task.py). One server at a time; each run is one start + one lm_eval CLI call.
