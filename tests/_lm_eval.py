@@ -32,9 +32,17 @@ def _tail(path: Path, n: int = 4000) -> str:
 
 
 def evaluate(
-    model: Path, *, plugin: bool, workdir: Path, k: int = 1, dtype: str = "bfloat16", timeout: float = 900
+    model: Path,
+    *,
+    plugin: bool,
+    workdir: Path,
+    k: int = 1,
+    dtype: str = "bfloat16",
+    timeout: float = 900,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One server start + one lm_eval run. Raises RuntimeError (with the logs' tails) on any failure."""
+    """One server start + one lm_eval run. Raises RuntimeError (with the logs' tails) on any failure.
+    ``env``: extra environment of the server (e.g. its CPU cores)."""
     impl = "atom" if plugin else "stock"
     workdir.mkdir(parents=True, exist_ok=True)
     args = [
@@ -46,7 +54,7 @@ def evaluate(
         args,
         plugin=plugin,
         log=workdir / f"server_{impl}.log",
-        env={"HF_HUB_OFFLINE": "1"},
+        env={"HF_HUB_OFFLINE": "1", **(env or {})},
         timeout=timeout,
     )
     try:

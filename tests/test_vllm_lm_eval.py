@@ -1,13 +1,17 @@
 """The lm-eval verification path: lm-eval (``--model local-completions``) against vLLM's OpenAI server
 serving the tiny Qwen3-Next with MTP (k = 1, bf16), ATOM plugin on and off, on the local task
 ``stdlib_next_line`` (40 next-line completions of CPython 3.11 stdlib modules, exact match, greedy;
-tests/lm_eval_task/make_task.py). One server at a time; each run is one start + one lm_eval CLI call.
+tests/lm_eval_task/make_task.py). The two servers run side by side, each on a CPU core of its own; each
+run is one start + one lm_eval CLI call.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from _lm_eval import evaluate, table, task_size
+from _runs import RUNS, Lanes
 from _vllm import model_dir, requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.slow]
@@ -27,13 +31,17 @@ MAX_ACCEPTANCE_DROP = 0.05
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     work = tmp_path_factory.mktemp("lm_eval")
-    out = {}
-    for plugin in (True, False):  # sequential: one server at a time
+
+    def one(plugin: bool) -> dict:
+        with RUNS.lanes.hold(1) as cores:  # each server on a core of its own (_runs.py)
+            return evaluate(model_dir(), plugin=plugin, workdir=work, env=Lanes.bind_env(cores))
+
+    with ThreadPoolExecutor(2) as pool:  # the two servers side by side
+        futures = [pool.submit(one, plugin) for plugin in (True, False)]
         try:
-            r = evaluate(model_dir(), plugin=plugin, workdir=work)
+            out = {r["impl"]: r for r in (f.result() for f in futures)}
         except RuntimeError as e:
             pytest.fail(str(e))
-        out[r["impl"]] = r
     print("\n" + table([out["atom"], out["stock"]]))
     flipped = sorted(set(out["atom"]["hits"]) ^ set(out["stock"]["hits"]))
     for i in flipped:

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from _reference import consistency
+from _runs import RUNS, Lanes
 from _server import ServerError, VllmServer
 from _vllm import greedy_cases, model_dir, prompt_set, requires_vllm
 
@@ -37,11 +38,14 @@ def server(tmp_path_factory):
         "--speculative-config", f'{{"method": "mtp", "num_speculative_tokens": {K}}}',
     ]  # fmt: skip
     log = tmp_path_factory.mktemp("server") / "server.log"
-    try:
-        with VllmServer(model_dir(), args, plugin=True, log=log, timeout=600) as srv:
-            yield srv
-    except ServerError as e:
-        pytest.fail(str(e))
+    with RUNS.lanes.hold(1) as cores:  # a core of its own beside the engine runs started ahead (_runs.py)
+        try:
+            with VllmServer(
+                model_dir(), args, plugin=True, log=log, env=Lanes.bind_env(cores), timeout=600
+            ) as srv:
+                yield srv
+        except ServerError as e:
+            pytest.fail(str(e))
 
 
 def _complete(
