@@ -18,12 +18,12 @@ pytestmark = [requires_vllm, pytest.mark.slow]
 
 # Exact match, plugin vs stock, on the same 40 lines. Both run bf16 with different kernels, so a greedy
 # line whose top-2 logits are a near-tie in bf16 can flip either way; each flip moves the score by 1/40.
-# Measured (2026-11-30, 2-core CPU, during a CI run): atom 0.300 (12/40), stock 0.300 (12/40), the same 12
+# Measured (2-core CPU, during a CI run): atom 0.300 (12/40), stock 0.300 (12/40), the same 12
 # lines, no flips (3 of the 40 generations differ in text, mid-line bf16 divergences, all misses in both).
 # Allowed: 2 lines (0.050) below stock, room for two bf16 near-tie flips and no more.
 MAX_EM_DROP = 2 / 40
 # Draft acceptance (accepted / drafted tokens, from /metrics): the plugin's may not be more than 5 points
-# below stock's (brief of issue 5), and must be > 0 (MTP is active). Measured: atom 65.4% (200/306),
+# below stock's, and must be > 0 (MTP is active). Measured: atom 65.4% (200/306),
 # stock 65.8% (202/307). Wall time of this module: 306 s on 2 cores with a CI run in parallel.
 MAX_ACCEPTANCE_DROP = 0.05
 
