@@ -137,7 +137,7 @@ def _eager_models(eng: LLMEngine, ckpt) -> None:
     if eng.mtp is not None:
         mtp = Qwen3NextMTP(cfg, cores, kernels, target.model.embed_tokens, target.lm_head, dtype=eng.dtype)
         load_mtp(mtp, ckpt)
-    eng.target, eng.mtp = target, mtp
+    eng.runner.target, eng.runner.mtp = target, mtp
 
 
 @pytest.mark.parametrize("k", [0, 2])

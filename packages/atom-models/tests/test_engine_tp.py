@@ -152,14 +152,14 @@ def test_a_rank_that_exits_without_a_result_surfaces_in_the_caller():
 
 def sampler_fails_on_rank_0(parallel, device, model_dir, cases):
     """A rank body whose rank 0 raises while sampling a step's tokens: each rank returns what it raised."""
-    import atom_models.engine.engine as engine_module
+    import atom_models.engine.model_runner as runner_module
 
     if parallel.rank == 0:
 
         def broken(*args, **kwargs):
             raise ValueError("rank 0's sampler broke")
 
-        engine_module.sample = broken
+        runner_module.sample = broken
     eng = LLMEngine.from_pretrained(
         model_dir, EngineConfig(num_speculative_tokens=1, **ENGINE), parallel=parallel
     )
