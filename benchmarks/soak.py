@@ -26,8 +26,6 @@ import json
 import os
 import random
 import re
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,14 +35,12 @@ import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # the server helper (tests/_server.py)
+
+from _server import VllmServer  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results"
 DTYPE = {"atom": "float32", "stock": "bfloat16", "stock-no-prefix-caching": "bfloat16"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rss_mib(pid: int) -> float:
@@ -53,42 +49,16 @@ def _rss_mib(pid: int) -> float:
     return sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
 
 
-def _metric(base: str, name: str) -> float:
-    text = httpx.get(f"{base}/metrics", timeout=30).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and not line.startswith("#")
-    )
-
-
-def start_server(impl: str, model: str, k: int, log_path: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    env = dict(
-        os.environ, ATOM_DISABLE_VLLM_PLUGIN="1" if impl == "stock" else "0", VLLM_CPU_KVCACHE_SPACE="2"
-    )
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
-        "tiny", "--port", str(port), "--dtype", DTYPE[impl], "--enforce-eager", "--max-model-len", "512",
+def start_server(impl: str, model: str, k: int, log_path: Path) -> VllmServer:
+    args = [
+        "--served-model-name", "tiny", "--dtype", DTYPE[impl], "--enforce-eager", "--max-model-len", "512",
         "--max-num-seqs", "256", "--shutdown-timeout", "10",
         "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k}),
     ] + (["--no-enable-prefix-caching"] if impl == "stock-no-prefix-caching" else [])  # fmt: skip
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 900
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{impl} server exited with {proc.returncode}: {log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{impl} server did not come up in 900 s (log: {log_path})")
-        time.sleep(2)
+    server = VllmServer(
+        model, args, plugin=impl == "atom", log=log_path, env={"VLLM_CPU_KVCACHE_SPACE": "2"}, timeout=900
+    )
+    return server.start()
 
 
 async def complete(
@@ -187,20 +157,21 @@ async def load(base: str, args, greedy: list[tuple[list[int], int]], refs: list[
 
 def soak(impl: str, args, prompts: list[list[int]], workdir: Path) -> dict[str, Any]:
     log_path = workdir / f"soak_{impl}.log"
-    proc, base = start_server(impl, args.model, args.k, log_path)
+    server = start_server(impl, args.model, args.k, log_path)
+    base, pid = server.base, server.proc.pid
     try:
         rng = random.Random(0)
         greedy = _greedy_set(prompts, args.greedy_set, rng)
         refs = [
             asyncio.run(_one(base, p, n)) for p, n in greedy
         ]  # single-request outputs, one request at a time
-        rss_start = _rss_mib(proc.pid)
+        rss_start = _rss_mib(pid)
         t0 = time.time()
         result = asyncio.run(load(base, args, greedy, refs, prompts))
         wall = time.time() - t0
         deadline = time.time() + 120
         while "server_died_after_s" not in result and time.time() < deadline:
-            if _metric(base, "vllm:num_requests_running") == 0:
+            if server.metric("vllm:num_requests_running") == 0:
                 break
             time.sleep(1)
         healthy = asyncio.run(_health_once(base))
@@ -210,18 +181,14 @@ def soak(impl: str, args, prompts: list[list[int]], workdir: Path) -> dict[str, 
         )  # fmt: skip
         if healthy:
             result.update(
-                rss_mib_end=round(_rss_mib(proc.pid), 1),
-                running_at_end=_metric(base, "vllm:num_requests_running"),
-                kv_cache_usage_at_end=_metric(base, "vllm:kv_cache_usage_perc"),
+                rss_mib_end=round(_rss_mib(pid), 1),
+                running_at_end=server.metric("vllm:num_requests_running"),
+                kv_cache_usage_at_end=server.metric("vllm:kv_cache_usage_perc"),
             )
     except Exception as e:
         result = {"impl": impl, "fatal": f"{type(e).__name__}: {e}"[:2000]}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.stop()
     result.update(log_summary(log_path))
     return result
 

@@ -1,4 +1,4 @@
-"""Issue 5's seed verification path as a benchmark: lm-eval (``--model local-completions``) against vLLM's
+"""The lm-eval verification path as a benchmark: lm-eval (``--model local-completions``) against vLLM's
 OpenAI server serving the tiny Qwen3-Next with MTP, ATOM plugin on vs stock vLLM (plugin off).
 
 For each implementation, one server (``python -m vllm.entrypoints.openai.api_server``, bf16, eager, MTP

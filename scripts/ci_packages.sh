@@ -33,6 +33,15 @@ uv export --frozen --no-hashes --no-emit-workspace --all-packages --extra cpu --
 printf '%s\n' "torchvision; sys_platform == 'never'" "torchaudio; sys_platform == 'never'" \
     "torchcodec; sys_platform == 'never'" > "$WORK/overrides.txt"
 
+# The README's install path: a wheel `uv build` made, installed with pip into a venv of the standard
+# library's `venv` (atom-core: it has no dependency, so this needs no package index).
+echo "[ci-packages] pip: atom-core's wheel into a fresh python -m venv"
+"$(uv python find 3.11)" -m venv "$WORK/venv-pip"
+"$WORK/venv-pip/bin/pip" install -q --no-index --find-links "$WORK/dist" atom-core
+(cd "$WORK" && "$WORK/venv-pip/bin/python" -c \
+    "import atom_core.paths as p; assert 'site-packages' in p.__file__; print('[ci-packages] pip:', p.__file__)")
+rm -rf "$WORK/venv-pip"
+
 STATUS=0
 for pkg in "${PACKAGES[@]}"; do
     t0=$SECONDS

@@ -11,41 +11,18 @@ import argparse
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the server helper
+
+from _server import ServerError, VllmServer, parse_metrics, per_label, spec_counters  # noqa: E402
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
-
-
-def _get(url: str, timeout: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
-
-
-def _post(url: str, body: dict, timeout: float = 120.0) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read().decode())
-
-
-def spec_metrics(metrics_text: str) -> dict[str, float]:
-    """Sum the vllm:spec_decode_* counters of a Prometheus /metrics page."""
-    out: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        if "_created" in line:
-            continue
-        m = re.match(r"^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
-        if m:
-            key = m.group(1)
-            if key.endswith("_per_pos"):
-                pos = re.search(r'position="(\d+)"', m.group(2) or "")
-                key = f"{key}[{pos.group(1) if pos else '?'}]"
-            out[key] = out.get(key, 0.0) + float(m.group(3))
-    return out
 
 
 # Triton's native module (nanobind) reports the objects still alive when a process that imported it exits:
@@ -94,49 +71,36 @@ def main() -> int:
 
         args.model = str(default_model_dir())
 
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", args.model, "--served-model-name", "tiny-qwen3-next",
-        "--port", str(args.port), "--dtype", args.dtype, "--max-model-len", "2048",
+    server_args = [
+        "--served-model-name", "tiny-qwen3-next", "--dtype", args.dtype, "--max-model-len", "2048",
         "--no-enable-prefix-caching", "--shutdown-timeout", "10",
         "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": args.k}),
     ] + (["--enforce-eager"] if args.enforce_eager else [])  # fmt: skip
-    print("[main] starting:", " ".join(cmd), flush=True)
-    server = subprocess.Popen(
-        cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    relays = [
-        ServerOutput(server.stdout, sys.stdout),
-        ServerOutput(server.stderr, sys.stderr),
-    ]
-    base = f"http://127.0.0.1:{args.port}"
+    plugin = os.environ.get("ATOM_DISABLE_VLLM_PLUGIN", "0") != "1"
+    server = VllmServer(
+        args.model, server_args, plugin=plugin, port=args.port, env={"VLLM_CPU_KVCACHE_SPACE": "2"},
+        timeout=args.startup_timeout,
+    )  # fmt: skip
+    print("[main] starting:", " ".join(server.cmd), flush=True)
+    relays: list[ServerOutput] = []
     try:
-        deadline = time.time() + args.startup_timeout
-        while True:
-            if server.poll() is not None:
-                print(f"[main] server exited with code {server.returncode} during start-up", file=sys.stderr)
-                return 1
-            try:
-                _get(base + "/health", timeout=2)
-                break
-            except OSError:
-                if time.time() > deadline:
-                    print("[main] server did not become healthy in time", file=sys.stderr)
-                    return 1
-                time.sleep(2)
+        try:
+            server.start(on_spawn=lambda proc: relays.extend(
+                [ServerOutput(proc.stdout, sys.stdout), ServerOutput(proc.stderr, sys.stderr)]
+            ))  # fmt: skip
+        except ServerError as e:
+            print(f"[main] {str(e).splitlines()[0]}", file=sys.stderr)
+            return 1
         t0 = time.time()
-        resp = _post(base + "/v1/completions", {
-            "model": "tiny-qwen3-next", "prompt": PROMPT, "max_tokens": args.max_tokens,
-            "temperature": 0, "ignore_eos": True,
-        })  # fmt: skip
+        body = {"model": "tiny-qwen3-next", "prompt": PROMPT, "max_tokens": args.max_tokens,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        resp = httpx.post(server.base + "/v1/completions", json=body, timeout=120).json()
         dt = time.time() - t0
         text = resp["choices"][0]["text"]
         n = resp["usage"]["completion_tokens"]
-        m = spec_metrics(_get(base + "/metrics"))
+        metrics_text = server.metrics_text()
     finally:
-        _stop(server)
+        server.stop()
         for relay in relays:
             relay.join(timeout=30)
     dropped = sum(r.dropped for r in relays)
@@ -147,10 +111,14 @@ def main() -> int:
     # The result comes last, after the server's shutdown log.
     print("\n===== completion =====\n" + PROMPT + text + "\n======================")
     print(f"[main] {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)")
-    drafts = m.get("vllm:spec_decode_num_drafts", 0.0)
-    draft_tokens = m.get("vllm:spec_decode_num_draft_tokens", 0.0)
-    accepted = m.get("vllm:spec_decode_num_accepted_tokens", 0.0)
-    per_pos = [int(v) for k, v in sorted(m.items()) if "per_pos" in k]
+    counters = spec_counters(parse_metrics(metrics_text))
+    drafts, draft_tokens, accepted = (
+        counters["num_drafts"],
+        counters["num_draft_tokens"],
+        counters["num_accepted_tokens"],
+    )
+    by_pos = per_label(metrics_text, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "position")
+    per_pos = [int(v) for _, v in sorted(by_pos.items(), key=lambda kv: int(kv[0]))]
     if not draft_tokens:
         print("[main] no speculative drafts were counted: MTP is not active", file=sys.stderr)
         return 1
@@ -160,17 +128,6 @@ def main() -> int:
         f"per position {per_pos}"
     )
     return 0
-
-
-def _stop(server: subprocess.Popen) -> None:
-    if server.poll() is not None:
-        return
-    os.killpg(server.pid, signal.SIGTERM)
-    try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
 
 
 if __name__ == "__main__":

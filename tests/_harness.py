@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 SPEC_METRICS = {
@@ -262,10 +263,17 @@ def _conversation(llm: Any, job: dict[str, Any], params: Any) -> dict[str, Any]:
 
 
 def run(
-    spec: dict[str, Any], workdir: str, timeout: float = 900, log_name: str | None = None
+    spec: dict[str, Any],
+    workdir: str,
+    timeout: float = 900,
+    log_name: str | None = None,
+    env: dict[str, str] | None = None,
+    on_start: Callable[[subprocess.Popen], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``spec`` in a fresh ``python tests/_harness.py`` process; return its JSON result.
 
+    ``env``: environment for the process under the spec's own ``env`` (e.g. the CPU cores to bind).
+    ``on_start(proc)``: called with the process once started (to stop it from elsewhere).
     The process's combined output goes to ``<workdir>/<log_name>.log`` (kept for debugging).
     """
     os.makedirs(workdir, exist_ok=True)
@@ -275,21 +283,29 @@ def run(
     log_path = os.path.join(workdir, f"{name}.log")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    env["ATOM_DISABLE_VLLM_PLUGIN"] = "0" if spec.get("plugin", True) else "1"
-    env.update({k: str(v) for k, v in spec.get("env", {}).items()})
+    proc_env = dict(os.environ)
+    proc_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc_env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    proc_env["ATOM_DISABLE_VLLM_PLUGIN"] = "0" if spec.get("plugin", True) else "1"
+    proc_env.update(env or {})
+    proc_env.update({k: str(v) for k, v in spec.get("env", {}).items()})
     if os.path.exists(out_path):
         os.remove(out_path)
     with open(log_path, "w") as log:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), spec_path, out_path],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=env,
-            timeout=timeout,
+            env=proc_env,
         )
+        if on_start is not None:
+            on_start(proc)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
     if not os.path.exists(out_path):
         with open(log_path) as f:
             tail = f.read()[-4000:]

@@ -1,4 +1,4 @@
-"""Issue 5's seed verification path: ``lm_eval --model local-completions`` against vLLM's OpenAI server.
+"""The lm-eval verification path: ``lm_eval --model local-completions`` against vLLM's OpenAI server.
 
 :func:`evaluate` starts ``python -m vllm.entrypoints.openai.api_server`` on the tiny Qwen3-Next with MTP
 (plugin on, or stock vLLM with ``ATOM_DISABLE_VLLM_PLUGIN=1``), runs lm-eval's CLI on the local task in
@@ -9,16 +9,13 @@
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from _server import ServerError, VllmServer, spec_counters
 
 REPO = Path(__file__).resolve().parents[1]
 TASK_DIR = REPO / "tests" / "lm_eval_task"
@@ -30,69 +27,46 @@ def task_size() -> int:
         return sum(1 for line in f if line.strip())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
-
-
-def spec_counters(metrics_text: str) -> dict[str, float]:
-    """Sum the vllm:spec_decode_* counters (over label sets) of a Prometheus /metrics page."""
-    out: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        m = re.match(r"^(vllm:spec_decode_[a-z_]+?)_total(\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
-    return out
-
-
 def _tail(path: Path, n: int = 4000) -> str:
     return path.read_text(errors="replace")[-n:] if path.exists() else "(no log)"
 
 
 def evaluate(
-    model: Path, *, plugin: bool, workdir: Path, k: int = 1, dtype: str = "bfloat16", timeout: float = 900
+    model: Path,
+    *,
+    plugin: bool,
+    workdir: Path,
+    k: int = 1,
+    dtype: str = "bfloat16",
+    timeout: float = 900,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One server start + one lm_eval run. Raises RuntimeError (with the logs' tails) on any failure."""
+    """One server start + one lm_eval run. Raises RuntimeError (with the logs' tails) on any failure.
+    ``env``: extra environment of the server (e.g. its CPU cores)."""
     impl = "atom" if plugin else "stock"
     workdir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    server_log = workdir / f"server_{impl}.log"
-    env = dict(os.environ, ATOM_DISABLE_VLLM_PLUGIN="0" if plugin else "1", HF_HUB_OFFLINE="1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--port", str(port), "--dtype", dtype, "--enforce-eager", "--no-enable-prefix-caching",
-        "--max-model-len", "2048", "--max-num-seqs", "8",
-        "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k}),
+    args = [
+        "--dtype", dtype, "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "2048",
+        "--max-num-seqs", "8", "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k}),
     ]  # fmt: skip
-    t0 = time.time()
-    with open(server_log, "w") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = VllmServer(
+        model,
+        args,
+        plugin=plugin,
+        log=workdir / f"server_{impl}.log",
+        env={"HF_HUB_OFFLINE": "1", **(env or {})},
+        timeout=timeout,
+    )
     try:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"{impl} server exited with {server.returncode}:\n{_tail(server_log)}")
-            try:
-                _get(base + "/health", timeout=2)
-                break
-            except OSError:
-                if time.time() - t0 > timeout:
-                    raise RuntimeError(
-                        f"{impl} server not healthy in {timeout} s:\n{_tail(server_log)}"
-                    ) from None
-                time.sleep(2)
+        server.start()
+    except ServerError as e:
+        raise RuntimeError(f"{impl} server: {e}") from None
+    try:
         t_up = time.time()
         out_dir = workdir / f"lm_eval_{impl}"
         lm_cmd = [
             sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
-            f"model={model},base_url={base}/v1/completions,num_concurrent=8,tokenized_requests=False,"
+            f"model={model},base_url={server.base}/v1/completions,num_concurrent=8,tokenized_requests=False,"
             "tokenizer_backend=huggingface",
             "--include_path", str(TASK_DIR), "--tasks", TASK, "--output_path", str(out_dir), "--log_samples",
         ]  # fmt: skip
@@ -100,29 +74,26 @@ def evaluate(
         with open(lm_log, "w") as log:
             # data_files in the task YAML is relative to the task folder
             rc = subprocess.run(
-                lm_cmd, cwd=TASK_DIR, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+                lm_cmd, cwd=TASK_DIR, env=server.env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
             ).returncode
         t_eval = time.time() - t_up
         if rc != 0:
             raise RuntimeError(f"lm_eval ({impl}) exited with {rc}:\n{_tail(lm_log)}")
-        counters = spec_counters(_get(base + "/metrics", timeout=30))
-        plugin_active = "ATOM vLLM plugin active" in server_log.read_text(errors="replace")
+        counters = spec_counters(server.metrics())
+        plugin_active = "ATOM vLLM plugin active" in server.log_text()
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        server.stop()
     results_files = sorted(out_dir.rglob("results_*.json"))
     samples_files = sorted(out_dir.rglob(f"samples_{TASK}_*.jsonl"))
     if not results_files or not samples_files:
         raise RuntimeError(f"lm_eval ({impl}) wrote no results/samples under {out_dir}:\n{_tail(lm_log)}")
     res = json.loads(results_files[-1].read_text())
     samples = [json.loads(line) for line in samples_files[-1].read_text().splitlines() if line.strip()]
-    drafted = counters.get("vllm:spec_decode_num_draft_tokens", 0.0)
-    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0.0)
-    drafts = counters.get("vllm:spec_decode_num_drafts", 0.0)
+    drafted, accepted, drafts = (
+        counters["num_draft_tokens"],
+        counters["num_accepted_tokens"],
+        counters["num_drafts"],
+    )
     return {
         "impl": impl,
         "plugin_active_in_log": plugin_active,
@@ -134,9 +105,9 @@ def evaluate(
         "spec_decode": counters,
         "acceptance": accepted / drafted if drafted else 0.0,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
-        "startup_s": round(t_up - t0, 1),
+        "startup_s": round(server.startup_s, 1),
         "eval_s": round(t_eval, 1),
-        "server_log": str(server_log),
+        "server_log": str(server.log_path),
     }
 
 
@@ -146,7 +117,6 @@ def table(runs: list[dict[str, Any]]) -> str:
         sd = r["spec_decode"]
         rows.append(
             f"{r['impl']:<6} {r['exact_match']:>11.3f} {r['n_scored']:>5} "
-            f"{int(sd.get('vllm:spec_decode_num_draft_tokens', 0)):>8} "
-            f"{int(sd.get('vllm:spec_decode_num_accepted_tokens', 0)):>8} {r['acceptance']:>10.1%}"
+            f"{int(sd['num_draft_tokens']):>8} {int(sd['num_accepted_tokens']):>8} {r['acceptance']:>10.1%}"
         )
     return "\n".join(rows)

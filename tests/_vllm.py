@@ -1,21 +1,21 @@
-"""Shared helpers for the vLLM integration tests: fixture paths, prompt sets and cached engine runs.
+"""Shared helpers for the vLLM integration tests: fixture paths, prompt sets and the session's engine runs.
 
-Every vLLM engine start costs tens of seconds on the 2-core CI machine, so runs go through
-:func:`engine_run`, which caches results per spec for the whole pytest session: test modules that need
-the same configuration share one engine start. Runs happen in fresh processes
-(:mod:`_harness`), because vLLM's ``LLM`` must be created under ``__main__``.
+Every vLLM engine start costs a minute or more on the 2-core CI machine, so each configuration is one named
+run (:func:`plan`), started once per session and read by every test that checks it (:func:`engine_run`),
+whatever module the test is in; runs are started ahead of their tests, two at a time (:mod:`_runs`). Runs
+happen in fresh processes (:mod:`_harness`), because vLLM's ``LLM`` must be created under ``__main__``.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _runs import RUNS
 from atom_core import testing
 
 
@@ -65,8 +65,19 @@ requires_vllm = pytest.mark.usefixtures("vllm_oracle")
 """Mark of the tests that start vLLM: the ``vllm_oracle`` fixture (conftest.py) skips them without vLLM, or
 fails them under ``ATOM_REQUIRE_ORACLES=1`` (atom_core.testing)."""
 
-_RUNS: dict[str, dict[str, Any]] = {}
-_WORKDIR = Path(os.environ.get("ATOM_VLLM_TEST_WORKDIR", tempfile.mkdtemp(prefix="atom-vllm-tests-")))
+
+def vllm_runs(*names: str) -> pytest.MarkDecorator:
+    """Mark: the planned runs a test reads (``{param}`` fields filled from its parameters), started ahead."""
+    return pytest.mark.vllm_runs(*names)
+
+
+WORKDIR = RUNS.workdir
+"""Where the engine runs write their specs, results and logs (``ATOM_VLLM_TEST_WORKDIR``, else a temp dir)."""
+
+
+def plan(name: str, build: Callable[[], dict[str, Any]]) -> str:
+    """Register engine run ``name`` for the session (:meth:`_runs.Runs.plan`); returns ``name``."""
+    return RUNS.plan(name, build)
 
 
 def greedy_job() -> dict[str, Any]:
@@ -100,17 +111,30 @@ def spec(
     return s
 
 
-def engine_run(s: dict[str, Any], name: str) -> dict[str, Any]:
-    """Run ``s`` once per session (cached by its JSON); fail the test with the engine's error and log."""
-    from _harness import run
+def engine_result(name: str) -> dict[str, Any]:
+    """The result of the planned run ``name``, an engine that failed included (its ``error`` key)."""
+    return RUNS.result(name)
 
-    key = json.dumps(s, sort_keys=True)
-    if key not in _RUNS:
-        _RUNS[key] = run(s, str(_WORKDIR), timeout=900, log_name=name)
-    result = _RUNS[key]
+
+def engine_run(name: str) -> dict[str, Any]:
+    """The result of the planned run ``name``; fails the test with the engine's error and log."""
+    result = engine_result(name)
     if "error" in result:
         pytest.fail(
             f"vLLM run {name} failed: {result['error']}\n{result.get('traceback', result.get('log_tail', ''))[-3000:]}"
             f"\n(log: {result.get('log')})"
         )
     return result
+
+
+# Configurations read by tests of several modules.
+def _bf16_k1(plugin: bool, enforce_eager: bool) -> dict[str, Any]:
+    """bf16, MTP k = 1 on prompts.json (test_vllm_bf16_acceptance.py, test_vllm_modes.py); the plugin's
+    eager engine also runs greedy.json, test_vllm_fp8.py's bf16-checkpoint baseline."""
+    jobs = [prompts_job()] + ([greedy_job()] if plugin and enforce_eager else [])
+    return spec(plugin=plugin, dtype="bfloat16", k=1, jobs=jobs, enforce_eager=enforce_eager)
+
+
+for _impl in ("stock", "plugin"):
+    for _tag in ("eager", "compiled"):
+        plan(f"bf16_{_impl}_k1_{_tag}", lambda p=_impl == "plugin", e=_tag == "eager": _bf16_k1(p, e))

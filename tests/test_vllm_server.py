@@ -12,16 +12,14 @@ ATOM plugin.
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from _reference import consistency
+from _runs import RUNS, Lanes
+from _server import ServerError, VllmServer
 from _vllm import greedy_cases, model_dir, prompt_set, requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.slow]
@@ -32,48 +30,22 @@ K = 2
 MAX_GAP = 0.01
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import httpx
-
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = dict(os.environ, ATOM_DISABLE_VLLM_PLUGIN="0", VLLM_CPU_KVCACHE_SPACE="1")
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir()),
-        "--served-model-name", "tiny", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-        "--max-model-len", "512", "--max-num-seqs", "64", "--max-num-batched-tokens", "256",
+    args = [
+        "--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+        "--max-num-seqs", "64", "--max-num-batched-tokens", "256",
         "--speculative-config", f'{{"method": "mtp", "num_speculative_tokens": {K}}}',
     ]  # fmt: skip
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"server did not come up in 600 s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(2)
-        yield base, log_path
-    finally:
-        proc.terminate()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with RUNS.lanes.hold(1) as cores:  # a core of its own beside the engine runs started ahead (_runs.py)
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            with VllmServer(
+                model_dir(), args, plugin=True, log=log, env=Lanes.bind_env(cores), timeout=600
+            ) as srv:
+                yield srv
+        except ServerError as e:
+            pytest.fail(str(e))
 
 
 def _complete(
@@ -105,32 +77,19 @@ def _stream(base: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
     return _complete(base, prompt_ids, max_tokens)
 
 
-def _metric(base: str, name: str) -> float:
-    import httpx
-
-    text = httpx.get(f"{base}/metrics", timeout=30).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_log_names_the_active_implementation(server) -> None:
-    _, log_path = server
-    assert re.search(r"ATOM vLLM plugin active", log_path.read_text()), "no 'ATOM vLLM plugin active' line"
+    assert re.search(r"ATOM vLLM plugin active", server.log_text()), "no 'ATOM vLLM plugin active' line"
 
 
 def test_default_prefix_caching_stays_on(server) -> None:
-    _, log_path = server
-    log = log_path.read_text()
+    log = server.log_text()
     assert "Mamba cache mode is set to 'align'" in log, "vLLM's default prefix caching is not in align mode"
     assert "prefix caching is turned off" not in log
 
 
 def test_greedy_exact_under_mixed_greedy_sampled_streamed_load(server) -> None:
     """Every greedy request keeps its single-request output when its batches also hold sampled requests."""
-    base, _ = server
+    base = server.base
     cases = greedy_cases()
     prompts, _ = prompt_set()
     sampled = [
@@ -158,13 +117,11 @@ def test_greedy_exact_under_mixed_greedy_sampled_streamed_load(server) -> None:
 
 @pytest.mark.parametrize("top_k", [1, 5])
 def test_top_k_sampling_is_served(server, top_k) -> None:
-    import httpx
-
-    base, _ = server
+    base = server.base
     prompt = greedy_cases()[1]["prompt_ids"]
     outs = [_complete(base, prompt, 32, stream=s, temperature=1.0, top_k=top_k) for s in (False, True)]
     assert all(len(o) == 32 for o in outs), [len(o) for o in outs]
-    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    assert server.healthy()
     if top_k == 1:  # top_k = 1 samples the argmax: the greedy continuation
         assert outs[0] == greedy_cases()[1]["greedy_ids"][:32]
 
@@ -172,7 +129,7 @@ def test_top_k_sampling_is_served(server, top_k) -> None:
 def test_seeded_sampling_reproduces(server) -> None:
     """A seed reproduces its output, also for a prompt longer than a step's token budget (256 here): its
     first chunk's sample is discarded and the seeded generator rewound."""
-    base, _ = server
+    base = server.base
     prompts, _ = prompt_set()
     prompt = [t for p in prompts[:5] for t in p]  # 320 tokens: prefilled in two chunks
     params = dict(temperature=1.5, top_p=0.9, seed=42)
@@ -184,17 +141,17 @@ def test_seeded_sampling_reproduces(server) -> None:
 
 
 def test_streaming_concurrent_greedy_cases_are_exact(server) -> None:
-    base, _ = server
+    base = server.base
     cases = greedy_cases()
     with ThreadPoolExecutor(len(cases)) as pool:
         outs = list(pool.map(lambda c: _stream(base, c["prompt_ids"], 64), cases))
     for i, (got, c) in enumerate(zip(outs, cases)):
         assert got == c["greedy_ids"], f"case {i}: streamed tokens differ from greedy.json"
-    assert _metric(base, "vllm:spec_decode_num_accepted_tokens_total") > 0
+    assert server.metric("vllm:spec_decode_num_accepted_tokens_total") > 0
 
 
 def test_64_concurrent_streams_of_mixed_lengths(server) -> None:
-    base, _ = server
+    base = server.base
     prompts, _ = prompt_set()
     reqs = []
     for i in range(64):
@@ -212,7 +169,7 @@ def test_64_concurrent_streams_of_mixed_lengths(server) -> None:
 def test_aborted_streams_free_their_state(server) -> None:
     import httpx
 
-    base, _ = server
+    base = server.base
     prompts, _ = prompt_set()
     for p in prompts[:4]:
         body = {"model": "tiny", "prompt": p, "max_tokens": 400, "stream": True, "ignore_eos": True}
@@ -221,10 +178,10 @@ def test_aborted_streams_free_their_state(server) -> None:
                 if i >= 3:
                     break  # drop the connection mid-stream: vLLM aborts the request
     deadline = time.time() + 60
-    while _metric(base, "vllm:num_requests_running") > 0 and time.time() < deadline:
+    while server.metric("vllm:num_requests_running") > 0 and time.time() < deadline:
         time.sleep(1)
-    assert _metric(base, "vllm:num_requests_running") == 0
-    assert _metric(base, "vllm:kv_cache_usage_perc") == 0.0
+    assert server.metric("vllm:num_requests_running") == 0
+    assert server.metric("vllm:kv_cache_usage_perc") == 0.0
     # and the server still answers exactly
     c = greedy_cases()[0]
     assert _stream(base, c["prompt_ids"], 64) == c["greedy_ids"]

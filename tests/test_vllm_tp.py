@@ -21,7 +21,16 @@ import re
 from pathlib import Path
 
 import pytest
-from _vllm import engine_run, greedy_differences, greedy_job, model_dir, requires_vllm, spec
+from _vllm import (
+    engine_run,
+    greedy_differences,
+    greedy_job,
+    model_dir,
+    plan,
+    requires_vllm,
+    spec,
+    vllm_runs,
+)
 
 pytestmark = [requires_vllm, pytest.mark.slow]
 
@@ -52,11 +61,20 @@ def _tp_spec(k: int, enforce_eager: bool = True, **extra):
     )
 
 
+for _k in range(4):
+    plan(
+        f"f32_plugin_tp{TP}_k{_k}",
+        lambda k=_k: _tp_spec(k, **({"collect_rank_state": True} if k == STATE_K else {})),
+    )
+for _k in COMPILED_KS:
+    plan(f"f32_plugin_tp{TP}_k{_k}_compiled", lambda k=_k: _tp_spec(k, enforce_eager=False))
+
+
 def _run(k: int):
-    extra = {"collect_rank_state": True} if k == STATE_K else {}
-    return engine_run(_tp_spec(k, **extra), f"f32_plugin_tp{TP}_k{k}")
+    return engine_run(f"f32_plugin_tp{TP}_k{k}")
 
 
+@vllm_runs("f32_plugin_tp2_k{k}")
 @pytest.mark.parametrize("k", [0, 1, 2, 3])
 def test_tp2_float32_reproduces_greedy(k: int) -> None:
     r = _run(k)
@@ -76,9 +94,10 @@ def test_tp2_float32_reproduces_greedy(k: int) -> None:
             assert f"ATOM Qwen3-Next MTP draft on TP rank {rank} of {TP}:" in log
 
 
+@vllm_runs("f32_plugin_tp2_k{k}_compiled")
 @pytest.mark.parametrize("k", COMPILED_KS)
 def test_tp2_float32_compiled_reproduces_greedy(k: int) -> None:
-    r = engine_run(_tp_spec(k, enforce_eager=False), f"f32_plugin_tp{TP}_k{k}_compiled")
+    r = engine_run(f"f32_plugin_tp{TP}_k{k}_compiled")
     job = r["jobs"]["greedy"]
     bad = greedy_differences(job["token_ids"])
     assert not bad, f"TP={TP} float32 k={k} (compiled) differs from greedy.json:\n" + "\n".join(bad)
@@ -104,6 +123,7 @@ def _checkpoint_numel(ckpt: Path) -> int:
     return total
 
 
+@vllm_runs(f"f32_plugin_tp2_k{STATE_K}")
 def test_tp2_each_rank_holds_its_shard() -> None:
     """Parameters: same shapes on both ranks; a parameter is sharded when the ranks' values differ
     (replicated ones are the same checkpoint bytes on both); 2 x sharded + replicated elements must equal
@@ -151,6 +171,7 @@ def test_tp2_each_rank_holds_its_shard() -> None:
     assert any(re.search(r"layers\.4\.", n) for n in r0["draft"] if n not in replicated_names)
 
 
+@vllm_runs(f"f32_plugin_tp2_k{STATE_K}")
 def test_tp2_caches_are_one_ranks_share() -> None:
     """The caches vLLM allocated on each rank (from the per-rank specs the plugin reported): attention
     1 of 2 KV heads, GDN conv 512 of 1024 channels, recurrent state 2 of 4 value heads, pending of 1 key

@@ -80,3 +80,19 @@ def test_metadata_matches_imports(pkg):
 def test_core_has_no_third_party_dependency():
     base, extras = _declared("atom-core")
     assert base == set() and extras == set()
+
+
+def test_workspace_dependencies_are_pinned_to_the_workspace_version():
+    """The four packages share one version, and each depends on its siblings at exactly that version, so
+    a published atom-vllm-plugin cannot pull another release's atom-core."""
+    metas = {
+        pkg: tomllib.loads((REPO / "packages" / pkg / "pyproject.toml").read_text())["project"]
+        for pkg in PACKAGES
+    }
+    versions = {meta["version"] for meta in metas.values()}
+    assert len(versions) == 1, f"the workspace packages have different versions: {versions}"
+    (version,) = versions
+    for pkg, meta in metas.items():
+        for dep in meta["dependencies"]:
+            if dep.startswith("atom-"):
+                assert dep.split("==")[1:] == [version], f"{pkg}: {dep!r} is not pinned to =={version}"

@@ -1,4 +1,4 @@
-"""Build the local lm-eval task ``stdlib_next_line`` (issue 5's seed verification path).
+"""Build the local lm-eval task ``stdlib_next_line`` (the lm-eval verification path of tests/test_vllm_lm_eval.py).
 
 40 items, each: 20 lines of context from a CPython 3.11 standard-library module, target = the next line
 (trailing whitespace stripped), to be completed greedily until ``"\\n"`` and scored by exact match.

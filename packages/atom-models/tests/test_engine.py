@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import MIN_ACCEPTANCE
 from atom_models.engine import EngineConfig, LLMEngine, SamplingParams
 
 
@@ -36,10 +37,10 @@ def test_greedy_lossless(engines, greedy_cases, k):
                 f"k={k} case {i}: first mismatch at token {j} (reference margin {c['top1_margin'][j]:.4f})"
             )
     if k:
-        drafts = sum(r.stats.num_drafts for r in results)
+        drafted = sum(r.stats.num_draft_tokens for r in results)
         accepted = sum(r.stats.num_accepted_tokens for r in results)
-        assert accepted > 0.2 * drafts, (
-            f"k={k}: implausibly low acceptance {accepted}/{drafts} for a trained MTP head"
+        assert accepted >= MIN_ACCEPTANCE[k] * drafted, (
+            f"k={k}: acceptance {accepted}/{drafted} below {MIN_ACCEPTANCE[k]} (measured - 0.05)"
         )
         assert all(len(r.stats.accepted_per_position) == k for r in results)
         # fewer target steps than tokens: speculation really skipped steps

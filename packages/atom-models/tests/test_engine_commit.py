@@ -55,7 +55,7 @@ def test_forced_acceptance_patterns_match_non_speculative_decoding(
         captured.append(out.clone())
         return out
 
-    monkeypatch.setattr(eng, "_propose", propose)
+    monkeypatch.setattr(eng.runner, "_propose", propose)
     monkeypatch.setattr(eng.target, "compute_logits", spy_logits)
     eng.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     req = eng.waiting[0]

@@ -137,7 +137,7 @@ def _eager_models(eng: LLMEngine, ckpt) -> None:
     if eng.mtp is not None:
         mtp = Qwen3NextMTP(cfg, cores, kernels, target.model.embed_tokens, target.lm_head, dtype=eng.dtype)
         load_mtp(mtp, ckpt)
-    eng.target, eng.mtp = target, mtp
+    eng.runner.target, eng.runner.mtp = target, mtp
 
 
 @pytest.mark.parametrize("k", [0, 2])
@@ -153,6 +153,8 @@ def test_fp8_checkpoint_generates_as_when_built_in_the_model_dtype(fp8_dir, gree
     _eager_models(eager, fp8_dir)
     want = [r.output_ids for r in eager.generate(prompts, params)]
     assert got == want
-    # FP8 weights follow the float32 model closely: most greedy tokens agree with the reference
+    # FP8 weights follow the float32 model closely: measured 70 of 72 greedy tokens equal to the float32
+    # reference's (k = 0 and k = 2); the bar is 9 tokens lower (0.85), room for one more near-tie flip late
+    # in a sequence, not for an FP8 path that drifts
     agree = sum(a == b for r, c in zip(got, cases) for a, b in zip(r, c["greedy_ids"]))
-    assert agree > 0.5 * sum(len(r) for r in got), f"{agree} of {sum(len(r) for r in got)} tokens agree"
+    assert agree >= 0.85 * sum(len(r) for r in got), f"{agree} of {sum(len(r) for r in got)} tokens agree"

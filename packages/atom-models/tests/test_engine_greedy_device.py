@@ -15,7 +15,7 @@ import pytest
 import torch
 from _helpers import float32_engine
 from atom_models.engine import LLMEngine, SamplingParams
-from atom_models.engine import engine as engine_mod
+from atom_models.engine import model_runner as runner_mod
 from atom_models.engine.sampling import verify_greedy, verify_greedy_rows
 
 
@@ -57,6 +57,7 @@ def test_verify_greedy_rows_random_batches():
 def _engine(model_dir, k: int, graphs: bool, eos: tuple[int, ...]) -> LLMEngine:
     eng = float32_engine(model_dir, k, graphs)
     eng.config = dataclasses.replace(eng.config, eos_token_id=eos)
+    eng.scheduler.eos_token_id = eos  # the scheduler's stop rule (it read the config when built)
     return eng
 
 
@@ -90,7 +91,7 @@ def test_graphed_greedy_steps_equal_the_host_path(model_dir, greedy_cases, k, mo
     graphed, host = engines
     g = graphed.graphs
     logit_reads, results = [], []
-    real_host_tokens, real_run_greedy = engine_mod.host_tokens, g.run_greedy
+    real_host_tokens, real_run_greedy = runner_mod.host_tokens, g.run_greedy
 
     def host_tokens(*args, **kwargs):
         logit_reads.append(1)
@@ -101,7 +102,7 @@ def test_graphed_greedy_steps_equal_the_host_path(model_dir, greedy_cases, k, mo
         results.extend((sp.request, res, len(sp.request.output_ids)) for sp, res in zip(spans, out))
         return out
 
-    monkeypatch.setattr(engine_mod, "host_tokens", host_tokens)
+    monkeypatch.setattr(runner_mod, "host_tokens", host_tokens)
     monkeypatch.setattr(g, "run_greedy", run_greedy)
 
     def counters():
@@ -160,7 +161,7 @@ def test_graphed_greedy_step_syncs_once_on_cuda(model_dir, greedy_cases, monkeyp
     from atom_models.engine import step_buffers
 
     eng = float32_engine(model_dir, 2, max_model_len=128, max_num_seqs=4, device="cuda")
-    real_read, real_step = step_buffers.ResultReader.read, LLMEngine._step_greedy_graphed
+    real_read, real_step = step_buffers.ResultReader.read, runner_mod.ModelRunner._run_greedy_graphed
     checked = []
 
     def read(self, values):
@@ -185,7 +186,7 @@ def test_graphed_greedy_step_syncs_once_on_cuda(model_dir, greedy_cases, monkeyp
         return out
 
     monkeypatch.setattr(step_buffers.ResultReader, "read", read)
-    monkeypatch.setattr(LLMEngine, "_step_greedy_graphed", step)
+    monkeypatch.setattr(runner_mod.ModelRunner, "_run_greedy_graphed", step)
     cases = greedy_cases["cases"][:3]
     lens = [20, 12, 5]
     res = eng.generate(

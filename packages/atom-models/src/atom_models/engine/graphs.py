@@ -12,7 +12,9 @@ metadata is copied into buffers sized for the largest bucket. Two forwards per b
   every sequence (row ``j`` takes the target hidden at position ``start + j`` and the next token, the
   argmax of row ``j``, for ``j <= a``; rows past the accepted ones take token 0 and only write MTP KV that
   later steps overwrite before reading; padding rows take token 0 and read their row 0), then ``s - 1``
-  single-row steps from each sequence's last accepted row ``a`` -> draft ids ``[b, s]``. Its output packs
+  single-row steps from each sequence's last accepted row ``a`` -> draft ids ``[b, s]`` (the MTP forwards
+  of :class:`~atom_models.engine.proposer.MTPProposer`, as in the eager step, choosing the argmax on the
+  device). Its output packs
   ``[a, tokens[q], drafts[s]]`` per sequence in one int64 ``[b, 1 + q + s]`` tensor, read by the host with
   one copy (:class:`~atom_models.engine.step_buffers.ResultReader`), so a greedy step has one host round
   trip. For a request that finishes inside its emitted tokens (eos, max_tokens) the MTP inputs past the
@@ -37,6 +39,7 @@ import torch
 
 from atom_models.engine.batch import BatchBuilder, SeqSpan
 from atom_models.engine.context import AttentionMeta, StepContext
+from atom_models.engine.proposer import MTPProposer
 from atom_models.engine.request import Request
 from atom_models.engine.sampling import verify_greedy_rows
 from atom_models.engine.scheduler import ScheduledStep
@@ -100,6 +103,7 @@ class DecodeGraphs:
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.target, self.mtp, self.builder = target, mtp, builder
+        self.proposer = MTPProposer(mtp, builder) if mtp is not None else None
         self.buckets = bucket_sizes(max_batch)
         self.device, self.capture = device, capture
         bmax, qmax = self.buckets[-1], 1 + num_speculative_tokens
@@ -204,7 +208,6 @@ class DecodeGraphs:
         t = b * q
         if target is None:
             target = self._last_target
-        hidden, mtp = target.hidden, self.mtp
         accepted, tokens = verify_greedy_rows(target.best[:t], self.input_ids[:t], q)
         valid = self.gdn_slots[:b] >= 0  # padding rows: nothing accepted, token 0, last row = row 0
         accepted = torch.where(valid, accepted, 0)
@@ -212,18 +215,16 @@ class DecodeGraphs:
         keep = cols[None, :] <= accepted[:, None]
         self.draft_input_ids[:t].copy_(torch.where(keep & valid[:, None], tokens, 0).view(-1))
         self.last_rows[:b].copy_(torch.arange(0, t, q, device=self.device) + accepted)
-        out = mtp(self.draft_input_ids[:t], self.positions[:t], hidden, StepContext(attn=self._attn(q, b)))
-        last = self.last_rows[:b]
-        h, pos = out[last], self.positions[:t][last]
-        tables = self.tables[:b]
-        d = mtp.compute_logits(h, torch.float32).argmax(dim=-1)
-        drafts = [d]
-        for step in range(1, s):
-            pos = pos + 1
-            ctx = StepContext(attn=self.builder.decode_meta(tables, pos, valid))
-            h = mtp(d, pos, h, ctx, spec_step=step)
-            d = mtp.compute_logits(h, torch.float32).argmax(dim=-1)
-            drafts.append(d)
+        h, pos = self.proposer.first_pass(
+            self.draft_input_ids[:t], self.positions[:t], target.hidden, self._attn(q, b), self.last_rows[:b]
+        )
+        drafts: list[torch.Tensor] = []
+
+        def choose(step: int, logits: torch.Tensor) -> tuple[torch.Tensor, None]:
+            drafts.append(logits.argmax(dim=-1))  # greedy, on the device: every row goes on
+            return drafts[-1], None
+
+        self.proposer.draft(h, pos, self.tables[:b], s, choose, valid)
         return torch.cat([accepted[:, None], tokens, torch.stack(drafts, dim=1)], dim=1)
 
     # ---- buffers and capture -------------------------------------------------------------------------

