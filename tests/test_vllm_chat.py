@@ -57,8 +57,13 @@ def test_chat_template_renders_qwen3_turns() -> None:
     ]  # fmt: skip
     text = tok.apply_chat_template(with_tools, tools=tools, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\n# Tools\n") and '"name": "add"' in text
-    assert '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
-    assert text.endswith("<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+        in text
+    )
+    assert text.endswith(
+        "<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_chat_markers_are_plain_text_in_the_bundled_vocabulary() -> None:

@@ -121,7 +121,9 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def _verify_rows(accepted: list[int], k: int = 3) -> list[Row]:
-    return [Row(r, 20 + 5 * r, list(range(10, 11 + k)), num_accepted=a, drafts=k) for r, a in enumerate(accepted)]
+    return [
+        Row(r, 20 + 5 * r, list(range(10, 11 + k)), num_accepted=a, drafts=k) for r, a in enumerate(accepted)
+    ]
 
 
 @pytest.mark.parametrize("pad_to", [None, 4], ids=["verify", "verify-padded"])

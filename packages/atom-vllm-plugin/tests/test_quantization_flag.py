@@ -37,7 +37,9 @@ def test_fp8_checkpoint_is_served_as_fp8() -> None:
 
 @pytest.mark.parametrize("method", ["fp8", "bitsandbytes", "gptq"])
 def test_online_quantization_of_an_unquantized_checkpoint_is_refused(method) -> None:
-    with pytest.raises(ConfigError, match=rf"--quantization.*'quantization' = '{method}'.*no quantization_config"):
+    with pytest.raises(
+        ConfigError, match=rf"--quantization.*'quantization' = '{method}'.*no quantization_config"
+    ):
         check_quantization(method, _config(None), "tiny-ckpt")
 
 

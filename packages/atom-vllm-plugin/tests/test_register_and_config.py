@@ -103,7 +103,10 @@ def test_speculative_tokens_outside_1_to_8_are_refused(k):
 
 @pytest.mark.parametrize("k", [5, 8])
 def test_speculative_tokens_up_to_8_are_accepted(k):
-    assert speculative_from_vllm(SimpleNamespace(method="mtp", num_speculative_tokens=k)).num_speculative_tokens == k
+    assert (
+        speculative_from_vllm(SimpleNamespace(method="mtp", num_speculative_tokens=k)).num_speculative_tokens
+        == k
+    )
 
 
 def test_other_methods_and_e5m2_kv_cache_are_refused():
