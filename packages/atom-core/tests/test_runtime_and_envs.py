@@ -80,6 +80,6 @@ def test_pdl_switch():
 def test_speculative_tokens_capped():
     from atom_core import MAX_SPECULATIVE_TOKENS
 
-    assert SpeculativeConfig(num_speculative_tokens=MAX_SPECULATIVE_TOKENS).num_speculative_tokens == 4
+    assert SpeculativeConfig(num_speculative_tokens=MAX_SPECULATIVE_TOKENS).num_speculative_tokens == 8
     with pytest.raises(ConfigError, match=rf"must be in \[1, {MAX_SPECULATIVE_TOKENS}\]"):
         SpeculativeConfig(num_speculative_tokens=MAX_SPECULATIVE_TOKENS + 1)

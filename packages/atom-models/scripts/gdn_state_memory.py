@@ -1,4 +1,5 @@
-"""GDN state bytes per sequence of the standalone engine's cache layout, for k = 0..4.
+"""GDN state bytes per sequence of the standalone engine's cache layout, for k = 0..8 (the largest k
+``atom_core.MAX_SPECULATIVE_TOKENS`` allows).
 
 "before": 1 + k recurrent states per sequence, one per verify token (vLLM's per-token layout); "after":
 the engine's layout, one committed state plus a float32 pending pool of 1 + k tokens
@@ -6,7 +7,7 @@ the engine's layout, one committed state plus a float32 pending pool of 1 + k to
 allocated); the conv state (model dtype, here bf16) is the same in both and listed apart.
 
     .venv/bin/python packages/atom-models/scripts/gdn_state_memory.py \
-        [--config packages/atom-core/tests/data/qwen3-next-80b-a3b-instruct.json] [--ks 0 1 2 3 4]
+        [--config packages/atom-core/tests/data/qwen3-next-80b-a3b-instruct.json] [--ks 0 1 2 3 4 5 6 7 8]
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from atom_core import Qwen3NextConfig
+from atom_core import MAX_SPECULATIVE_TOKENS, Qwen3NextConfig
 from atom_core.paths import default_model_dir
 from atom_models.engine.cache import EngineCaches
 
@@ -23,7 +24,7 @@ from atom_models.engine.cache import EngineCaches
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, nargs="+", default=None, help="config.json files or model dirs")
-    ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--ks", type=int, nargs="+", default=list(range(MAX_SPECULATIVE_TOKENS + 1)))
     args = ap.parse_args()
     for path in args.config or [default_model_dir()]:
         cfg = Qwen3NextConfig.from_hf(path)

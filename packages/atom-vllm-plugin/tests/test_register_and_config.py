@@ -95,10 +95,18 @@ def test_target_and_draft_configs_are_separate():
     assert from_vllm(_vllm_config(k=None), "target").speculative is None
 
 
-@pytest.mark.parametrize("k", [0, 5])
-def test_speculative_tokens_outside_1_to_4_are_refused(k):
-    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+@pytest.mark.parametrize("k", [0, 9])
+def test_speculative_tokens_outside_1_to_8_are_refused(k):
+    with pytest.raises(ConfigError, match=r"num_speculative_tokens.*must be in \[1, 8\]"):
         speculative_from_vllm(SimpleNamespace(method="mtp", num_speculative_tokens=k))
+
+
+@pytest.mark.parametrize("k", [5, 8])
+def test_speculative_tokens_up_to_8_are_accepted(k):
+    assert (
+        speculative_from_vllm(SimpleNamespace(method="mtp", num_speculative_tokens=k)).num_speculative_tokens
+        == k
+    )
 
 
 def test_other_methods_and_e5m2_kv_cache_are_refused():

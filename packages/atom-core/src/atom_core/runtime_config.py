@@ -8,9 +8,10 @@ from atom_core.errors import ConfigError
 
 SPEC_METHODS = ("mtp",)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3")
-MAX_SPECULATIVE_TOKENS = 4
-"""Cap on ``num_speculative_tokens`` for Qwen3-Next MTP: vLLM reports k > 4 unstable for this model
-(vLLM issue #37035), and ROCm/ATOM caps it at 4 as well."""
+MAX_SPECULATIVE_TOKENS = 8
+"""Cap on ``num_speculative_tokens`` for Qwen3-Next MTP: the largest k tested exact (float32 greedy through
+vLLM with the ATOM plugin, ``tests/test_vllm_long_k.py``). The deferred-commit verify keeps one committed
+GDN state plus 1 + k pending tokens per sequence (``gdn_state_memory.py`` reports the bytes per k)."""
 
 
 @dataclass(frozen=True)

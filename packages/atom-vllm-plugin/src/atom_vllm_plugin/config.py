@@ -85,6 +85,35 @@ def cache_from_vllm(cache_config: Any) -> CacheConfig:
     return CacheConfig(block_size=int(cache_config.block_size), kv_cache_dtype=dtype)
 
 
+def check_quantization(method: str | None, model: Qwen3NextConfig, where: str) -> None:
+    """Refuse a ``--quantization`` the plugin would not apply.
+
+    vLLM sets ``model_config.quantization`` from the checkpoint's ``quantization_config`` (``fp8`` for the
+    published FP8 checkpoints, which the plugin serves with its block-FP8 kernels) or from the user's
+    ``--quantization`` flag. On a checkpoint without ``quantization_config`` the flag asks for vLLM's online
+    quantisation of the loaded weights, which the plugin's models (built from atom-models, not from vLLM's
+    quantisable layers) do not do: refused here rather than served unquantised.
+    """
+    if method is None:
+        return
+    if model.quantization is None:
+        raise ConfigError(
+            "quantization",
+            method,
+            "vllm_config (--quantization)",
+            f"{where} has no quantization_config: the ATOM plugin serves FP8 only from FP8 checkpoints "
+            "(e4m3, 128x128 block scales; packages/atom-models/scripts/make_fp8_checkpoint.py makes one from a "
+            "bf16 checkpoint) and does not quantise weights online; leave --quantization unset",
+        )
+    if method != "fp8":
+        raise ConfigError(
+            "quantization",
+            method,
+            "vllm_config (--quantization)",
+            f"{where} is an FP8 block-quantised checkpoint; the ATOM plugin serves it as 'fp8' only",
+        )
+
+
 def model_tag() -> str | None:
     """The compilation model tag vLLM sets while it builds a model (``eagle_head`` for drafts)."""
     from vllm.compilation.backends import model_tag as tag
@@ -118,6 +147,8 @@ def from_vllm(vllm_config: Any, role: Role) -> AtomVllmConfig:
             "the checkpoint has no MTP head; use it without method 'mtp'",
         )
     cache_from_vllm(vllm_config.cache_config)  # rejects a KV cache dtype the plugin cannot store
+    if role == "target":  # the target is built first: a refused flag stops vLLM before any weight is read
+        check_quantization(getattr(vllm_config.model_config, "quantization", None), model, where)
     if getattr(vllm_config.parallel_config, "enable_expert_parallel", False):
         raise ConfigError(
             "enable_expert_parallel",
