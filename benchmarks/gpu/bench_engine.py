@@ -498,9 +498,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--ks", type=int, nargs="+", default=None, help="default: 0 1 3")
-    ap.add_argument(
-        "--batches", type=int, nargs="+", default=None, help="default: 1 8 64 256"
-    )
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 8 64 256")
     ap.add_argument(
         "--kv-cache-dtype",
         choices=["auto", "fp8"],

@@ -160,9 +160,7 @@ class GDNLayerState:
             pending=None
             if pend is None
             else torch.zeros(num_slots, *pend, dtype=torch.float32, device=device),
-            pending_pos=None
-            if pend is None
-            else torch.zeros(num_slots, 1, dtype=torch.int32, device=device),
+            pending_pos=None if pend is None else torch.zeros(num_slots, 1, dtype=torch.int32, device=device),
         )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:

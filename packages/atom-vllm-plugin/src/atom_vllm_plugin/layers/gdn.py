@@ -93,7 +93,9 @@ class AtomGDNCore(nn.Module, MambaBase):
         conv = conv if self.state.conv_dim_first else conv.transpose(1, 2)
         if not self.state.has_pending:
             return GDNLayerState(conv=conv, ssm=self.kv_cache[1])
-        return GDNLayerState(conv=conv, ssm=self.kv_cache[1], pending=self.kv_cache[2], pending_pos=self.kv_cache[3])
+        return GDNLayerState(
+            conv=conv, ssm=self.kv_cache[1], pending=self.kv_cache[2], pending_pos=self.kv_cache[3]
+        )
 
     # ---- the core ----------------------------------------------------------------------------------
     def forward(
