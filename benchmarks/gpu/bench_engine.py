@@ -216,11 +216,11 @@ def count_touched_experts(engine) -> dict[str, list[int]]:
                     touched[part].append(int(args[3].unique().numel()))
 
                 hooks.append(m.register_forward_pre_hook(hook))
-    graphs, engine.graphs = engine.graphs, None
+    graphs, engine.runner.graphs = engine.graphs, None
     try:
         engine.step()
     finally:
-        engine.graphs = graphs
+        engine.runner.graphs = graphs
         for h in hooks:
             h.remove()
     return touched
@@ -373,9 +373,9 @@ def bench_k(args, cfg, k: int, device, dtype, ceil, rows: list, prof_out: Path |
         floor = nbytes / (ceil["copy_gbps"] * 1e9) * 1e3
         t_floor = (fb["target_weights"] + fb["target_experts"] + fb["gdn_state"]) / (ceil["copy_gbps"] * 1e6)
         graphs = engine.graphs
-        engine.graphs = None
+        engine.runner.graphs = None
         eager_step = time_steps(engine, args.steps, sync)
-        engine.graphs = graphs
+        engine.runner.graphs = graphs
         time_steps(engine, 2, sync)  # capture this bucket
         graph_step = time_steps(engine, args.steps, sync)
         host = host_breakdown(engine, args.steps, sync)

@@ -58,7 +58,7 @@ def profile_collectives(engine, device) -> dict:
 
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    graphs, engine.graphs = engine.graphs, None
+    graphs, engine.runner.graphs = engine.graphs, None
     try:
         engine.step()
         with profile(activities=acts) as prof:
@@ -66,7 +66,7 @@ def profile_collectives(engine, device) -> dict:
             if cuda:
                 torch.cuda.synchronize(device)
     finally:
-        engine.graphs = graphs
+        engine.runner.graphs = graphs
     out = {f"{w}_{x}": 0.0 if x == "ms" else 0 for w in COLLECTIVES for x in ("ms", "count")}
     for e in prof.key_averages():
         what = _collective(e.key)
@@ -120,9 +120,9 @@ def rank_bench(parallel, device, opts: dict) -> list[dict]:
                 touched = be.count_touched_experts(engine)
                 fb = be.floor_bytes(engine, b, opts["ctx"], touched)
                 coll = profile_collectives(engine, device)
-                graphs, engine.graphs = engine.graphs, None
+                graphs, engine.runner.graphs = engine.graphs, None
                 eager = be.time_steps(engine, opts["steps"], sync)
-                engine.graphs = graphs
+                engine.runner.graphs = graphs
                 graphed = None
                 if graphs is not None:
                     be.time_steps(engine, 2, sync)  # capture this bucket
