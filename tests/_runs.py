@@ -28,6 +28,12 @@ from pathlib import Path
 from typing import Any
 
 
+def ranks_of(spec: dict[str, Any]) -> int:
+    """Worker processes of a run: its tensor-parallel size times its pipeline-parallel size."""
+    pp = int(spec.get("llm_kwargs", {}).get("pipeline_parallel_size", 1))
+    return int(spec.get("tensor_parallel_size", 1)) * pp
+
+
 def default_cores() -> list[int]:
     """The first ``ATOM_VLLM_TEST_LANES`` (default 2) CPUs this process may run on."""
     n = max(1, int(os.environ.get("ATOM_VLLM_TEST_LANES", "2")))
@@ -129,8 +135,7 @@ class Runs:
             except BaseException as exc:  # noqa: BLE001 - a missing oracle or a bad spec reaches the test
                 future.set_exception(exc)
                 continue
-            ranks = int(spec.get("tensor_parallel_size", 1))
-            cores = self.lanes.acquire(ranks)
+            cores = self.lanes.acquire(ranks_of(spec))
             threading.Thread(target=self._run, args=(name, spec, cores, future), daemon=True).start()
 
     def _run(self, name: str, spec: dict[str, Any], cores: list[int], future: Future) -> None:
@@ -138,8 +143,7 @@ class Runs:
 
         run = self.runner or run
         try:
-            ranks = int(spec.get("tensor_parallel_size", 1))
-            env = Lanes.bind_env(cores, ranks)
+            env = Lanes.bind_env(cores, ranks_of(spec))
             result = run(spec, str(self.workdir), 900, name, env, on_start=self._procs.append)
             future.set_result(result)
         except BaseException as exc:  # noqa: BLE001

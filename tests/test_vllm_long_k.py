@@ -13,7 +13,7 @@ import os
 
 import pytest
 from _k_sweep import run_ks
-from _vllm import _WORKDIR, greedy_differences, model_dir, requires_vllm
+from _vllm import WORKDIR, greedy_differences, model_dir, requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.slow]
 
@@ -25,7 +25,7 @@ MIN_FIRST_POSITION = 0.35
 
 @pytest.fixture(scope="module")
 def sweep() -> dict:
-    r = run_ks(model=str(model_dir()), plugin=True, dtype="float32", ks=KS, workdir=str(_WORKDIR),
+    r = run_ks(model=str(model_dir()), plugin=True, dtype="float32", ks=KS, workdir=str(WORKDIR),
                log_name="f32_plugin_long_k")  # fmt: skip
     if "error" in r:
         pytest.fail(f"k sweep failed: {r['error']}\n{r.get('log_tail', '')[-3000:]}")

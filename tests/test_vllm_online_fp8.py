@@ -11,15 +11,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _harness import run
-from _vllm import _WORKDIR, greedy_job, requires_vllm, spec
+from _vllm import engine_result, greedy_job, plan, requires_vllm, spec, vllm_runs
 
 pytestmark = [requires_vllm, pytest.mark.slow]
 
+plan(
+    "bf16_plugin_k1_online_fp8",
+    lambda: spec(plugin=True, dtype="bfloat16", k=1, jobs=[greedy_job()], llm_kwargs={"quantization": "fp8"}),
+)
 
+
+@vllm_runs("bf16_plugin_k1_online_fp8")
 def test_online_fp8_on_a_bf16_checkpoint_is_refused_by_name() -> None:
-    s = spec(plugin=True, dtype="bfloat16", k=1, jobs=[greedy_job()], llm_kwargs={"quantization": "fp8"})
-    r = run(s, str(_WORKDIR), timeout=900, log_name="bf16_plugin_k1_online_fp8")
+    r = engine_result("bf16_plugin_k1_online_fp8")
     assert "error" in r, "vLLM served quantization='fp8' on a checkpoint without quantization_config"
     log = Path(r["log"]).read_text() if "log" in r else r.get("log_tail", "")
     assert "field 'quantization' = 'fp8'" in log and "does not quantise weights online" in log, (

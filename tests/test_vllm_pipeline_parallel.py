@@ -14,27 +14,37 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _harness import run
-from _vllm import _WORKDIR, greedy_job, requires_vllm, spec
+from _vllm import engine_result, greedy_job, plan, requires_vllm, spec, vllm_runs
 
 pytestmark = [requires_vllm, pytest.mark.slow]
 
-PP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per stage (2-core CI machine)
+for _plugin in (False, True):  # two stages: the run holds both cores, one OpenMP thread per stage
+    plan(
+        f"bf16_{'plugin' if _plugin else 'stock'}_k1_pp2",
+        lambda plugin=_plugin: spec(
+            plugin=plugin,
+            dtype="bfloat16",
+            k=1,
+            jobs=[greedy_job()],
+            llm_kwargs={"pipeline_parallel_size": 2},
+        ),
+    )
 
 
 def _pp_run(plugin: bool) -> tuple[dict, str]:
-    s = spec(plugin=plugin, dtype="bfloat16", k=1, jobs=[greedy_job()],
-             llm_kwargs={"pipeline_parallel_size": 2}, env=PP_ENV)  # fmt: skip
-    r = run(s, str(_WORKDIR), timeout=900, log_name=f"bf16_{'plugin' if plugin else 'stock'}_k1_pp2")
-    return r, Path(r["log"]).read_text()
+    r = engine_result(f"bf16_{'plugin' if plugin else 'stock'}_k1_pp2")
+    log = Path(r["log"]).read_text() if "log" in r else r.get("log_tail", "")
+    return r, log
 
 
+@vllm_runs("bf16_stock_k1_pp2")
 def test_stock_vllm_cpu_cannot_start_pipeline_parallel_on_this_model() -> None:
     r, log = _pp_run(plugin=False)
     assert "error" in r, "stock vLLM served pipeline_parallel_size=2 on the CPU: the plugin must serve it too"
     assert "Workers disagree on supported KV cache layouts" in r["error"] + log, r["error"]
 
 
+@vllm_runs("bf16_plugin_k1_pp2")
 def test_plugin_refuses_pipeline_parallel_at_config_time() -> None:
     r, log = _pp_run(plugin=True)
     assert "error" in r, "the plugin served pipeline_parallel_size=2"
