@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 from _multiturn import conversation_job
 from _reference import consistency
-from _vllm import engine_run, greedy_differences, greedy_job, model_dir, requires_vllm, spec
+from _vllm import engine_run, greedy_differences, greedy_job, model_dir, plan, requires_vllm, spec, vllm_runs
 
 pytestmark = [requires_vllm, pytest.mark.slow]
 
@@ -27,15 +27,22 @@ BLOCK = 256  # vLLM's block size for this model (attention pages padded to the G
 MAX_GAP = 0.01  # float32: every token is the reference argmax (gaps are rounding noise, about 1e-6)
 
 
-def _run(k: int, name: str, **llm_kwargs):
-    s = spec(
+POOL = 24  # KV blocks of the preemption run
+
+
+def _spec(k: int, **llm_kwargs) -> dict:
+    return spec(
         plugin=True,
         dtype="float32",
         k=k,
         jobs=[greedy_job(), conversation_job()],
         llm_kwargs={"enable_prefix_caching": True, "max_model_len": 1024, **llm_kwargs},
     )
-    return engine_run(s, name)
+
+
+for _k in (0, 1, 3):
+    plan(f"f32_prefix_k{_k}", lambda k=_k: _spec(k))
+plan("f32_prefix_k3_preempt", lambda: _spec(3, num_gpu_blocks_override=POOL))
 
 
 def _check_conversation(r) -> list[dict]:
@@ -53,8 +60,9 @@ def _check_conversation(r) -> list[dict]:
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
+@vllm_runs("f32_prefix_k{k}")
 def test_prefix_caching_multiturn_float32(k: int) -> None:
-    r = _run(k, f"f32_prefix_k{k}")
+    r = engine_run(f"f32_prefix_k{k}")
     bad = greedy_differences(r["jobs"]["greedy"]["token_ids"])
     assert not bad, "float32 with prefix caching differs from greedy.json:\n" + "\n".join(bad)
     turns = _check_conversation(r)
@@ -70,10 +78,11 @@ def test_prefix_caching_multiturn_float32(k: int) -> None:
         assert r["jobs"]["greedy"]["acceptance_rate"] > 0.2, r["jobs"]["greedy"]["spec"]
 
 
+@vllm_runs("f32_prefix_k3_preempt")
 def test_prefix_caching_with_preemption_float32() -> None:
     """KV pool of POOL blocks: the last turns' requests (4 attention blocks each, plus their GDN state
     blocks) do not fit at once, so vLLM preempts and later recomputes or re-hits them."""
-    r = _run(3, "f32_prefix_k3_preempt", num_gpu_blocks_override=POOL)
+    r = engine_run("f32_prefix_k3_preempt")
     bad = greedy_differences(r["jobs"]["greedy"]["token_ids"])
     assert not bad, "float32 with prefix caching differs from greedy.json:\n" + "\n".join(bad)
     turns = _check_conversation(r)
@@ -81,6 +90,3 @@ def test_prefix_caching_with_preemption_float32() -> None:
         "the small KV pool did not force a preemption"
     )
     assert sum(t["spec"]["prefix_cache_hits"] for t in turns) > 0
-
-
-POOL = 24
