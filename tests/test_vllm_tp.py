@@ -175,7 +175,8 @@ def test_tp2_each_rank_holds_its_shard() -> None:
 def test_tp2_caches_are_one_ranks_share() -> None:
     """The caches vLLM allocated on each rank (from the per-rank specs the plugin reported): attention
     1 of 2 KV heads, GDN conv 512 of 1024 channels, recurrent state 2 of 4 value heads, pending of 1 key
-    head; the startup line's GDN bytes per slot are half of the whole layer's."""
+    head, the pending position whole; the startup line's GDN bytes per slot are half of the whole layer's
+    plus that int32."""
     from atom_core import Qwen3NextConfig
     from atom_models.gdn_state import GDNGeometry
 
@@ -188,10 +189,11 @@ def test_tp2_caches_are_one_ranks_share() -> None:
         for name in ("model.layers.3.self_attn", "mtp.layers.4.self_attn"):
             (kv,) = caches[name]
             assert kv["shape"][1] == config.num_key_value_heads // TP, (name, kv)  # [blocks, Hkv, bs, 2D]
-        conv, ssm, pending = caches["model.layers.0.linear_attn"]
+        conv, ssm, pending, pending_pos = caches["model.layers.0.linear_attn"]
         assert sorted(conv["shape"][1:]) == sorted([whole.conv_width, whole.conv_dim // TP]), conv
         assert ssm["shape"][1:] == [whole.num_v_heads // TP, whole.head_v_dim, whole.head_k_dim], ssm
         assert pending["shape"][1:] == [1 + k, whole.pending_width // TP], pending
+        assert pending_pos["shape"][1:] == [1], pending_pos  # one int32 position per slot, not split
     whole_bytes = (
         whole.conv_dim * whole.conv_width * 4
         + whole.num_v_heads * whole.head_v_dim * whole.head_k_dim * 4
@@ -200,7 +202,7 @@ def test_tp2_caches_are_one_ranks_share() -> None:
     log = Path(r["log"]).read_text()
     line = r"ATOM Qwen3-Next on TP rank \d of 2: .*GDN state (\d+) bytes per slot"
     per_slot = {int(m) for m in re.findall(line, log)}
-    assert per_slot == {whole_bytes // TP}, (per_slot, whole_bytes)
+    assert per_slot == {whole_bytes // TP + 4}, (per_slot, whole_bytes)  # + the slot's int32 pending_pos
 
 
 @pytest.mark.skipif(
