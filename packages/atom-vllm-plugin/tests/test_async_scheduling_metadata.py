@@ -104,6 +104,11 @@ def _build_guarded(rig: BatchRig, step: Step) -> tuple[object, torch.Tensor]:
     """The plugin GDN builder's metadata for ``step``, its ``num_accepted_tokens`` a :class:`DeviceOnly`."""
     _, m_gdn, inputs = rig._common(step)
     accepted = inputs["num_accepted_tokens"]
+    # a batch that fits the full-graph buffers is staged by vLLM's build into its persistent
+    # num_accepted_tokens buffer (a device copy): that buffer is guarded too, so the plugin's reads of it are
+    b = rig.gdn_builder
+    if not isinstance(b.num_accepted_tokens, DeviceOnly):
+        b.num_accepted_tokens = b.num_accepted_tokens.as_subclass(DeviceOnly)
     with torch.inference_mode():
         md = rig.gdn_builder.build(
             0,
