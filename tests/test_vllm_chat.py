@@ -12,7 +12,6 @@ rendering of the messages and whose answer is the float32 greedy continuation of
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import time
 import pytest
 from _reference import consistency
 from _vllm import model_dir, requires_vllm
+from atom_core.net import free_port
 
 K = 2
 MAX_GAP = 0.01  # float32 vs transformers' float32: only near-ties may differ
@@ -74,17 +74,11 @@ def test_chat_markers_are_plain_text_in_the_bundled_vocabulary() -> None:
     assert len(ids) > 1 and max(ids) < 4096 and tok.decode(ids) == "<|im_start|>"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def chat_server(tmp_path_factory):
     import httpx
 
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("chat_server") / "server.log"
     env = dict(os.environ, ATOM_DISABLE_VLLM_PLUGIN="0", VLLM_CPU_KVCACHE_SPACE="1")
     cmd = [

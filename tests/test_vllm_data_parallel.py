@@ -18,7 +18,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,21 +25,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from _vllm import greedy_cases, model_dir, requires_vllm
+from atom_core.net import free_port
 
 pytestmark = [requires_vllm, pytest.mark.slow]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def dp_server(tmp_path_factory):
     import httpx
 
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("dp_server") / "server.log"
     env = dict(os.environ, ATOM_DISABLE_VLLM_PLUGIN="0", VLLM_CPU_KVCACHE_SPACE="1")
     cmd = [
