@@ -1,0 +1,150 @@
+"""Expert parallelism at TP = 2 on CPU: the layout, each rank holding and reading only its half of the
+routed experts (whole, equal to TP = 1's), and the standalone engine on 2 gloo ranks with
+``EngineConfig(expert_parallel=True)`` reproducing the float32 greedy reference (which TP = 1 reproduces)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+import pytest
+import torch
+from _helpers import MIN_ACCEPTANCE, greedy_mismatch
+from atom_core import ConfigError, Qwen3NextConfig
+from atom_models import DenseCoreFactory, Qwen3NextForCausalLM, Qwen3NextMTP, load_mtp, load_target
+from atom_models import loader as loader_mod
+from atom_models.engine import EngineConfig, SamplingParams
+from atom_models.engine.tp_launch import TPRun, generate_tp
+from atom_models.moe import SparseMoeBlock
+from atom_models.parallel import RankWithoutGroup, TPLayout
+
+TP = 2
+KS = (0, 1, 3)
+ENGINE = dict(max_model_len=256, max_num_seqs=8)
+EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")
+
+
+def test_layout_partitions_the_experts(model_dir):
+    cfg = Qwen3NextConfig.from_hf(model_dir)
+    n = cfg.num_experts // TP
+    for r in range(TP):
+        split = TPLayout.from_config(cfg, r, TP)
+        ep = TPLayout.from_config(cfg, r, TP, expert_parallel=True)
+        assert (split.num_local_experts, split.expert_start, split.expert_parallel) == (
+            cfg.num_experts,
+            0,
+            False,
+        )
+        assert (ep.num_local_experts, ep.expert_start, ep.expert_parallel) == (n, r * n, True)
+        assert split.moe_intermediate_size * TP == ep.moe_intermediate_size == cfg.moe_intermediate_size
+        # everything but the routed experts is laid out as without expert parallelism
+        same = (
+            "num_heads",
+            "num_kv_heads",
+            "linear_num_key_heads",
+            "shared_expert_intermediate_size",
+            "vocab_size",
+        )
+        assert all(getattr(ep, f) == getattr(split, f) for f in same)
+    odd = dataclasses.replace(cfg, num_experts=cfg.num_experts + 1)
+    with pytest.raises(ConfigError, match="num_experts"):
+        TPLayout.from_config(odd, 0, TP, expert_parallel=True)
+
+
+def _ep_rank(model_dir, kernels, rank, monkeypatch):
+    """Rank ``rank`` of TP = 2 with expert parallelism, loaded; returns (target, mtp, names read)."""
+    read: list[str] = []
+    real = loader_mod._read
+
+    def spy(ckpt_dir, fname, f, name, pieces=None):
+        read.append(name)
+        return real(ckpt_dir, fname, f, name, pieces)
+
+    monkeypatch.setattr(loader_mod, "_read", spy)
+    cfg = Qwen3NextConfig.from_hf(model_dir)
+    cores = DenseCoreFactory(kernels)
+    par = RankWithoutGroup(rank, TP)
+    target = Qwen3NextForCausalLM(cfg, cores, kernels, parallel=par, expert_parallel=True)
+    load_target(target, model_dir)
+    mtp = Qwen3NextMTP(
+        cfg, cores, kernels, target.model.embed_tokens, target.lm_head, parallel=par, expert_parallel=True
+    )
+    load_mtp(mtp, model_dir)
+    monkeypatch.setattr(loader_mod, "_read", real)
+    return target, mtp, read
+
+
+def _moe_blocks(target, mtp) -> dict[str, SparseMoeBlock]:
+    out = {f"target.{n}": m for n, m in target.named_modules() if isinstance(m, SparseMoeBlock)}
+    out.update({f"mtp.{n}": m for n, m in mtp.named_modules() if isinstance(m, SparseMoeBlock)})
+    return out
+
+
+def test_each_rank_holds_and_reads_only_its_experts(model_dir, kernels32, dense_models, monkeypatch):
+    """Rank r's routed experts are TP = 1's experts ``[r E/2, (r + 1) E/2)`` bit for bit, whole (full
+    intermediate size), target and MTP layers alike: 1/2 of the expert bytes; the loader read those experts'
+    tensors once each and no other expert's. The shared expert stays split over its intermediate dim."""
+    full = _moe_blocks(*dense_models)
+    cfg = Qwen3NextConfig.from_hf(model_dir)
+    n = cfg.num_experts // TP
+    for r in range(TP):
+        target, mtp, read = _ep_rank(model_dir, kernels32, r, monkeypatch)
+        blocks = _moe_blocks(target, mtp)
+        assert blocks.keys() == full.keys() and blocks
+        total = mine = 0
+        for name, block in blocks.items():
+            ref = full[name]
+            assert block.experts.expert_start == r * n and block.experts.num_experts == n
+            for w in ("w13", "w2"):
+                ours, theirs = getattr(block.experts, w), getattr(ref.experts, w)
+                assert torch.equal(ours, theirs[r * n : (r + 1) * n]), f"{name}.experts.{w} rank {r}"
+                total += theirs.numel() * theirs.element_size()
+                mine += ours.numel() * ours.element_size()
+            torch.testing.assert_close(block.gate.weight, ref.gate.weight, rtol=0, atol=0)
+            shared, ref_shared = block.shared_expert.down_proj.weight, ref.shared_expert.down_proj.weight
+            assert shared.shape[1] * TP == ref_shared.shape[1], f"{name}: shared expert not split"
+        print(f"\nrank {r}: routed expert bytes {mine:,d} of {total:,d}")
+        assert mine * TP == total
+        experts_read = [int(m.group(1)) for m in map(EXPERT.search, read) if m]
+        assert experts_read and set(experts_read) == set(range(r * n, (r + 1) * n)), sorted(set(experts_read))
+        assert len(read) == len(set(read)), "a tensor was read twice"
+
+
+@pytest.fixture(scope="module")
+def ep2(model_dir, greedy_cases):
+    """The engine on 2 gloo ranks with expert parallelism: greedy k = 0, 1, 3 over every reference case,
+    then k = 1 through the bucketed decode / verify steps. Per rank, per run: (results, seconds)."""
+    cases = greedy_cases["cases"]
+    greedy = SamplingParams(max_tokens=greedy_cases["max_new_tokens"], ignore_eos=True)
+    prompts = [c["prompt_ids"] for c in cases]
+    runs = [
+        TPRun(EngineConfig(num_speculative_tokens=k, expert_parallel=True, **ENGINE), prompts, greedy)
+        for k in KS
+    ]
+    bucketed = EngineConfig(num_speculative_tokens=1, expert_parallel=True, cuda_graphs=True, **ENGINE)
+    runs.append(TPRun(bucketed, prompts, greedy))
+    t0 = time.perf_counter()
+    out = generate_tp(model_dir, runs, TP, device_type="cpu")
+    print(f"TP=2 + EP: {len(runs)} runs on 2 ranks in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+@pytest.mark.parametrize("run", [*(f"k={k}" for k in KS), "k=1 bucketed"])
+def test_tp2_expert_parallel_greedy_reproduces_the_reference(ep2, greedy_cases, run):
+    index = [*(f"k={k}" for k in KS), "k=1 bucketed"].index(run)
+    k = KS[index] if index < len(KS) else 1
+    cases = greedy_cases["cases"]
+    for rank, runs in enumerate(ep2):
+        results, _ = runs[index]
+        mismatch = greedy_mismatch(results, cases)
+        if mismatch:
+            pytest.fail(f"TP=2 + EP rank {rank} {run}: {mismatch}")
+        if k:
+            drafted = sum(r.stats.num_draft_tokens for r in results)
+            accepted = sum(r.stats.num_accepted_tokens for r in results)
+            assert accepted >= MIN_ACCEPTANCE[k] * drafted, (
+                f"rank {rank} {run}: acceptance {accepted}/{drafted}"
+            )
+    stats = [[(r.stats.num_drafts, r.stats.num_accepted_tokens) for r in runs[index][0]] for runs in ep2]
+    assert stats[0] == stats[1]
