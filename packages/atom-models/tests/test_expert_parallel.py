@@ -12,17 +12,22 @@ import pytest
 import torch
 from _helpers import MIN_ACCEPTANCE, greedy_mismatch
 from atom_core import ConfigError, Qwen3NextConfig
+from atom_kernels import select_kernels
 from atom_models import DenseCoreFactory, Qwen3NextForCausalLM, Qwen3NextMTP, load_mtp, load_target
 from atom_models import loader as loader_mod
 from atom_models.engine import EngineConfig, SamplingParams
 from atom_models.engine.tp_launch import TPRun, generate_tp
-from atom_models.moe import SparseMoeBlock
+from atom_models.moe import SparseMoeBlock, shared_pseudo_experts
 from atom_models.parallel import RankWithoutGroup, TPLayout
+from atom_models.testing import tiny_config
 
 TP = 2
 KS = (0, 1, 3)
 ENGINE = dict(max_model_len=256, max_num_seqs=8)
 EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")
+# (atol, rtol): the ranks' summed MoE outputs against the folded block's, float32 (summation order only):
+# measured 9.5e-07
+TOL = (1e-5, 1e-5)
 
 
 def test_layout_partitions_the_experts(model_dir):
@@ -50,6 +55,61 @@ def test_layout_partitions_the_experts(model_dir):
     odd = dataclasses.replace(cfg, num_experts=cfg.num_experts + 1)
     with pytest.raises(ConfigError, match="num_experts"):
         TPLayout.from_config(odd, 0, TP, expert_parallel=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialRank:
+    """Rank ``rank`` of ``world_size`` whose all-reduce returns its own partial sum (the test adds the
+    ranks' outputs itself)."""
+
+    rank: int
+    world_size: int
+    capturable: bool = True
+
+    def all_reduce(self, x):
+        return x
+
+
+def test_folded_shared_expert_config_unfolds_under_expert_parallel():
+    """A config whose shared expert is one expert size (Is = I: folded into a pseudo-expert at TP = 1, as in
+    the published checkpoints) keeps the shared expert separate under expert parallelism (split over its
+    intermediate dim, its own gate; router H -> E): the two ranks' partial outputs, given the folded
+    block's weights, sum to the folded block's output."""
+    kernels = select_kernels("cpu", torch.float32, backend="reference")
+    cfg = tiny_config(
+        hidden_size=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    )  # fmt: skip
+    assert shared_pseudo_experts(cfg) == 1
+    folded = SparseMoeBlock(cfg, kernels, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in folded.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    e, i = cfg.num_experts, cfg.moe_intermediate_size
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(1))
+    total = torch.zeros_like(x)
+    n, half = e // TP, i // TP
+    for r in range(TP):
+        par = PartialRank(r, TP)
+        layout = TPLayout.from_config(cfg, r, TP, expert_parallel=True)
+        block = SparseMoeBlock(cfg, kernels, dtype=torch.float32, layout=layout, parallel=par)
+        assert block.num_shared == 0 and block.gate.weight.shape == (e, 32)
+        assert block.experts.w13.shape == (n, 2 * i, 32)
+        rows = slice(r * half, (r + 1) * half)
+        sw13, sw2 = folded.experts.w13[e], folded.experts.w2[e]  # the pseudo-expert: the shared expert
+        with torch.no_grad():
+            block.gate.weight.copy_(folded.gate.weight[:e])
+            block.shared_expert_gate.weight.copy_(folded.gate.weight[e : e + 1])
+            block.experts.w13.copy_(folded.experts.w13[r * n : (r + 1) * n])
+            block.experts.w2.copy_(folded.experts.w2[r * n : (r + 1) * n])
+            block.shared_expert.gate_up_proj.weight.copy_(torch.cat([sw13[:i][rows], sw13[i:][rows]]))
+            block.shared_expert.down_proj.weight.copy_(sw2[:, rows])
+            total += block(x)
+    with torch.no_grad():
+        want = folded(x)
+    print(f"\nfolded vs expert-parallel sum: max |diff| {(total - want).abs().max().item():.2e}")
+    torch.testing.assert_close(total, want, atol=TOL[0], rtol=TOL[1])
 
 
 def _ep_rank(model_dir, kernels, rank, monkeypatch):
