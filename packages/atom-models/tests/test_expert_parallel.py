@@ -5,8 +5,10 @@ routed experts (whole, equal to TP = 1's), and the standalone engine on 2 gloo r
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from atom_models import DenseCoreFactory, Qwen3NextForCausalLM, Qwen3NextMTP, lo
 from atom_models import loader as loader_mod
 from atom_models.engine import EngineConfig, SamplingParams
 from atom_models.engine.tp_launch import TPRun, generate_tp
-from atom_models.moe import SparseMoeBlock, shared_pseudo_experts
+from atom_models.moe import Fp8Experts, SparseMoeBlock, shared_pseudo_experts
 from atom_models.parallel import RankWithoutGroup, TPLayout
 from atom_models.testing import tiny_config
 
@@ -169,6 +171,33 @@ def test_each_rank_holds_and_reads_only_its_experts(model_dir, kernels32, dense_
         experts_read = [int(m.group(1)) for m in map(EXPERT.search, read) if m]
         assert experts_read and set(experts_read) == set(range(r * n, (r + 1) * n)), sorted(set(experts_read))
         assert len(read) == len(set(read)), "a tensor was read twice"
+
+
+def test_fp8_checkpoint_ranks_hold_tp1_experts(model_dir, kernels32, tmp_path, monkeypatch):
+    """An FP8 block-scaled checkpoint (scripts/make_fp8_checkpoint.py): each expert-parallel rank's
+    ``Fp8Experts`` (weights and block scales) are TP = 1's experts ``[r E/2, (r + 1) E/2)`` bit for bit."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_fp8_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_fp8_checkpoint", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ckpt = tmp_path / "tiny-fp8"
+    mod.make_fp8_checkpoint(model_dir, ckpt)
+    cfg = Qwen3NextConfig.from_hf(ckpt)
+    cores = DenseCoreFactory(kernels32)
+    one = Qwen3NextForCausalLM(cfg, cores, kernels32)
+    load_target(one, ckpt)
+    one_mtp = Qwen3NextMTP(cfg, cores, kernels32, one.model.embed_tokens, one.lm_head)
+    load_mtp(one_mtp, ckpt)
+    full = _moe_blocks(one, one_mtp)
+    n = cfg.num_experts // TP
+    for r in range(TP):
+        blocks = _moe_blocks(*_ep_rank(ckpt, kernels32, r, monkeypatch)[:2])
+        assert blocks.keys() == full.keys()
+        for name, block in blocks.items():
+            assert isinstance(block.experts, Fp8Experts) and block.experts.expert_start == r * n
+            for w in ("w13", "w13_scale_inv", "w2", "w2_scale_inv"):
+                ours, theirs = getattr(block.experts, w), getattr(full[name].experts, w)[r * n : (r + 1) * n]
+                assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8)), f"{name}.{w} rank {r}"
 
 
 @pytest.fixture(scope="module")
