@@ -237,3 +237,16 @@ def test_tp2_expert_parallel_greedy_reproduces_the_reference(ep2, greedy_cases, 
             )
     stats = [[(r.stats.num_drafts, r.stats.num_accepted_tokens) for r in runs[index][0]] for runs in ep2]
     assert stats[0] == stats[1]
+
+
+def test_atom_generate_expert_parallel_prints_the_tp1_text(model_dir, capsys):
+    from atom_models.cli import main
+
+    argv = ["--model", str(model_dir), "--prompt", "import os\ndef main(", "--max-tokens", "10"]
+    argv += ["--speculative-tokens", "1", "--ignore-eos"]
+    assert main(argv) == 0
+    tp1 = capsys.readouterr().out
+    assert main([*argv, "--tensor-parallel-size", "2", "--expert-parallel"]) == 0
+    ep = capsys.readouterr().out
+    keep = lambda out: [line for line in out.splitlines() if not line.startswith(("10 tokens in", "MTP k=1"))]  # noqa: E731
+    assert keep(tp1) and keep(tp1) == keep(ep)
