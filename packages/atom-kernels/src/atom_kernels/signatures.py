@@ -72,13 +72,13 @@ class MoeGateRouter(Protocol):
 
 
 class MoeExperts(Protocol):
-    """``moe_experts``: ``out[t] = sum_j weights[t, j] * (silu_and_mul(x[t] @ w13[e].T) @ w2[e].T)``, ``e = ids[t, j]``. Spec: :func:`atom_kernels.ops.moe.reference.moe_experts`."""
+    """``moe_experts``: ``out[t] = sum_j weights[t, j] * (silu_and_mul(x[t] @ w13[e].T) @ w2[e].T)``, ``e = ids[t, j]``; a slot with ``e = -1`` (an expert this rank does not hold: expert parallelism, ids mapped by ``local_expert_ids``) contributes zero. Spec: :func:`atom_kernels.ops.moe.reference.moe_experts`."""
 
     def __call__(self, x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor: ...
 
 
 class MoeExpertsFp8(Protocol):
-    """``moe_experts_fp8``: :class:`MoeExperts` with FP8 block-scaled expert weights (W8A8, dynamic activation scales). Spec: :func:`atom_kernels.ops.moe.reference.moe_experts_fp8`."""
+    """``moe_experts_fp8``: :class:`MoeExperts` with FP8 block-scaled expert weights (W8A8, dynamic activation scales); id -1 contributes zero, as in :class:`MoeExperts`. Spec: :func:`atom_kernels.ops.moe.reference.moe_experts_fp8`."""
 
     def __call__(
         self,

@@ -131,8 +131,8 @@ def moe_experts_fp8(
     tickets: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """FP8 routed experts (semantics: the reference ``moe_experts_fp8``). Ids must lie in ``[0, E)``
-    (checked only on CPU). Up to ``PAIR_MAX_TOKENS`` tokens the pair path of
+    """FP8 routed experts (semantics: the reference ``moe_experts_fp8``). Ids must lie in ``[-1, E)``
+    (checked only on CPU); a -1 slot (an expert this rank does not hold) contributes zero. Up to ``PAIR_MAX_TOKENS`` tokens the pair path of
     :mod:`~atom_kernels.ops.moe.triton_fp8_decode` runs (``config["PAIRS"]`` forces it on or off), else the
     aligned path. ``tickets``: int32 zeros, at least ``experts_fp8_tickets(H)``, that the pair path's
     second GEMM takes as its per-(token, column tile) counters for the routed sum and leaves zero (without
@@ -187,4 +187,4 @@ def moe_experts_fp8(
         y.stride(0), BN_Q=bn, BK_Q=bk, BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=k2,
         num_warps=cfg["W2"], num_stages=cfg["S2"], **launch_options(dev),
     )  # fmt: skip
-    return weighted_sum(y, flat_w, out, top_k)
+    return weighted_sum(y, flat_w, flat_ids, out, top_k)
