@@ -210,7 +210,7 @@ def atom_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _kernels(x).silu_and_mul(x)
 
 
-# The ``Kernels`` fields (atom_kernels.signatures) that call the ops above.
+# The ``Kernels`` fields (reference signatures) that call the ops above.
 def _rms_norm_op(x, weight, eps, residual=None):
     if residual is None:
         return torch.ops.vllm.atom_rms_norm(x, weight, float(eps))
