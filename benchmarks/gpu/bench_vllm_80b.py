@@ -37,6 +37,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "scripts"))  # llm_spec_counters
 SEED_ACCEPTANCE_LENGTH = 1.91
 
 
@@ -68,19 +69,6 @@ def _randomize_worker(worker: Any) -> dict[str, Any]:
     }
 
 
-def spec_counters(llm: Any) -> dict[str, int]:
-    names = {
-        "vllm:spec_decode_num_drafts": "drafts",
-        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens": "accepted",
-    }
-    out = dict.fromkeys(names.values(), 0)
-    for m in llm.get_metrics():
-        if m.name in names:
-            out[names[m.name]] += int(m.value)
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)
@@ -99,6 +87,7 @@ def main() -> int:
     import common
     import torch
     from bench_plugin_graphs import write_config
+    from llm_spec_counters import spec_counters
     from vllm import LLM, SamplingParams
 
     out = common.out_dir(str(args.out) if args.out else None)
@@ -147,8 +136,8 @@ def main() -> int:
             counters.append({key: after[key] - before[key] for key in after})
             assert all(len(o.outputs[0].token_ids) == n for o in outs), "a request stopped early"
         decode_s = times[1] - times[0]
-        drafts = counters[1]["drafts"] - counters[0]["drafts"]
-        accepted = counters[1]["accepted"] - counters[0]["accepted"]
+        drafts = counters[1]["num_drafts"] - counters[0]["num_drafts"]
+        accepted = counters[1]["num_accepted_tokens"] - counters[0]["num_accepted_tokens"]
         tokens_per_step = 1 + (accepted / drafts if drafts else 0.0)
         steps = args.output_len / tokens_per_step
         step_ms = decode_s / steps * 1e3
