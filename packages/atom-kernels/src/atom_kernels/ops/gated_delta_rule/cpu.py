@@ -241,11 +241,13 @@ def gated_delta_rule_verify(
     *,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    pending_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_verify` (same contract)."""
     check_gated_delta_rule_verify(
-        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log, dt_bias
-    )
+        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log, dt_bias,
+        pending_pos,
+    )  # fmt: skip
     op = "gated_delta_rule_verify"
     num_seqs, q_len, num_k_heads, dk = k.shape
     num_v_heads, dv = v.shape[2], v.shape[3]
@@ -277,11 +279,14 @@ def gated_delta_rule_verify(
 
     # 4. stash this step's tokens for the next step's commit.
     new = torch.cat([k.float().flatten(2), us.flatten(2), g32], dim=-1)  # [N, Q, P]
-    if all_valid:
+    keep = None if all_valid else valid.nonzero().squeeze(1)
+    if keep is None:
         pending[slots, :q_len] = new
     else:
-        keep = valid.nonzero().squeeze(1)
         pending[slots[keep], :q_len] = new[keep]
+    if pending_pos is not None:
+        rows, commit = (slots, num_commit) if keep is None else (slots[keep], num_commit[keep])
+        pending_pos[rows, 0] += commit.to(pending_pos.dtype)
     return out.to(q.dtype)
 
 

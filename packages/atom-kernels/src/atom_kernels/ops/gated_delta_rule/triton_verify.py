@@ -234,13 +234,14 @@ def _verify_kernel(
 
 @triton.jit
 def _stash_kernel(
-    k_ptr, g_ptr, pend_ptr, idx_ptr, A_ptr, dt_ptr,
-    s_k, s_g, s_p, s_i, s_A, s_dt,  # strides: tuples in the axis order of strides()
+    k_ptr, g_ptr, pend_ptr, idx_ptr, A_ptr, dt_ptr, pos_ptr, commit_ptr,
+    s_k, s_g, s_p, s_i, s_A, s_dt, s_pos, s_c,  # strides: tuples in the axis order of strides()
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr,
-    BH: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
+    BH: tl.constexpr, GATED: tl.constexpr, HAS_POS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """pending[slot, j] k and g parts = this step's token j (float32); slot < 0 skipped. ``GATED``: g_ptr
-    holds the raw a, gated here (as the verify kernel does)."""
+    holds the raw a, gated here (as the verify kernel does). ``HAS_POS``: the program of token 0 also
+    advances ``pending_pos[slot]`` by the sequence's ``num_commit`` (no other program reads it)."""
     pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     i_n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -260,6 +261,10 @@ def _stash_kernel(
             dt_bias = tl.load(dt_ptr + o_h * s_dt[0], mask=m_h, other=0.0).to(tl.float32)
             b_g, _ = gdn_gate(b_g, b_g, A_log, dt_bias)
         tl.store(p_row + (HK * DK + HV * DV + o_h) * s_p[2], b_g, mask=m_h)
+        if HAS_POS:  # noqa: SIM102  (constexpr, then a runtime test: Triton compiles the first away)
+            if j == 0:
+                p_pos = pos_ptr + slot * s_pos[0]
+                tl.store(p_pos, tl.load(p_pos) + tl.load(commit_ptr + i_n * s_c[0]).to(tl.int32))
 
 
 def stash_shared(
@@ -269,19 +274,24 @@ def stash_shared(
     state_indices: torch.Tensor,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    pending_pos: torch.Tensor | None = None,
+    num_commit: torch.Tensor | None = None,
 ) -> None:
     """Launch 2 of the verify op: ``pending[slot, j]``'s k and g parts = this step's token j (``g`` is the
-    raw ``a`` when ``A_log``/``dt_bias`` are given). Must follow every read of the old pending tokens
-    (stream order after the verify kernel)."""
+    raw ``a`` when ``A_log``/``dt_bias`` are given), and ``pending_pos[slot] += num_commit`` where given.
+    Must follow every read of the old pending tokens (stream order after the verify kernel)."""
     N, Q, HK, DK = k.shape
     HV = g.shape[2]
     DV = (pending.shape[2] - HK * DK - HV) // HV
     _stash_kernel[(N, Q)](
         k_ptr=k, g_ptr=g, pend_ptr=pending, idx_ptr=state_indices, A_ptr=A_log, dt_ptr=dt_bias,
+        pos_ptr=pending_pos, commit_ptr=num_commit,
         **strides("k", k, "nthd"), **strides("g", g, "nth"), **strides("p", pending, "srp"),
         **strides("i", state_indices, "n"), **strides("A", A_log, "h"), **strides("dt", dt_bias, "h"),
+        **strides("pos", pending_pos, "s1"), **strides("c", num_commit, "n"),
         HK=HK, HV=HV, DK=DK, DV=DV, BLOCK=min(2048, triton.next_power_of_2(HK * DK)),
-        BH=triton.next_power_of_2(HV), GATED=A_log is not None, num_warps=4, **launch_options(k.device),
+        BH=triton.next_power_of_2(HV), GATED=A_log is not None, HAS_POS=pending_pos is not None,
+        num_warps=4, **launch_options(k.device),
     )  # fmt: skip
 
 
@@ -300,19 +310,21 @@ def gated_delta_rule_verify(
     *,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    pending_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_verify` (with
-    ``A_log``/``dt_bias``: the gating fused into both launches)."""
+    ``A_log``/``dt_bias``: the gating fused into both launches; ``pending_pos`` advanced in the second)."""
     check_gated_delta_rule_verify(
-        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log, dt_bias
-    )
+        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log, dt_bias,
+        pending_pos,
+    )  # fmt: skip
     if q.device.type == "cpu":  # reads values: only under the interpreter (no device sync on a GPU)
         op, r = "gated_delta_rule_verify", pending.shape[1]
         check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
         check_num_accepted_values(op, num_commit, r, f"R={r}", low=0, name="num_commit")
     return _launch_verify(
         q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm,
-        A_log=A_log, dt_bias=dt_bias,
+        A_log=A_log, dt_bias=dt_bias, pending_pos=pending_pos,
     )  # fmt: skip
 
 
@@ -331,6 +343,7 @@ def _launch_verify(
     launch: VerifyLaunch | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    pending_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The two launches of the verify op with ``launch`` (None: :func:`verify_launch_config`); no input
     checks. Benchmarks and tests compare launch settings through this. ``A_log``/``dt_bias`` given: fused
@@ -363,5 +376,5 @@ def _launch_verify(
         L2NORM=use_qk_l2norm, WY=cfg.wy, GATED=A_log is not None, num_warps=cfg.num_warps, **extra,
         **launch_options(q.device),
     )  # fmt: skip
-    stash_shared(k, g, pending, state_indices, A_log, dt_bias)
+    stash_shared(k, g, pending, state_indices, A_log, dt_bias, pending_pos, num_commit)
     return o
