@@ -43,6 +43,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "scripts"))  # llm_spec_counters
 SEED_ACCEPTANCE_LENGTH = 1.91
 
 
@@ -74,23 +75,11 @@ def _randomize_worker(worker: Any) -> dict[str, Any]:
     }
 
 
-def spec_counters(llm: Any) -> dict[str, int]:
-    names = {
-        "vllm:spec_decode_num_drafts": "drafts",
-        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens": "accepted",
-    }
-    out = dict.fromkeys(names.values(), 0)
-    for m in llm.get_metrics():
-        if m.name in names:
-            out[names[m.name]] += int(m.value)
-    return out
-
-
 def measure(llm: Any, prompts: list[dict[str, Any]], n: int, k: int) -> dict[str, Any]:
     """One timed ``generate`` of ``n`` greedy tokens per prompt, all submitted at once. The decode time per
     token (TPOT) is each request's own, from vLLM's request stats (first to last token, engine-core clock),
     so prefill and the queue before it do not enter; the step time is TPOT x tokens per step."""
+    from llm_spec_counters import spec_counters
     from vllm import SamplingParams
 
     before = spec_counters(llm)
@@ -112,7 +101,9 @@ def measure(llm: Any, prompts: list[dict[str, Any]], n: int, k: int) -> dict[str
     tpot_last_ms = (last.last_token_ts - last.first_token_ts) / (n - 1) * 1e3
     ttft = sorted(o.metrics.first_token_ts - o.metrics.scheduled_ts for o in outs)
     tpot_ms = statistics.median(tpot) * 1e3
-    tokens_per_step = 1 + (counters["accepted"] / counters["drafts"] if counters["drafts"] else 0.0)
+    tokens_per_step = 1 + (
+        counters["num_accepted_tokens"] / counters["num_drafts"] if counters["num_drafts"] else 0.0
+    )
     step_ms = tpot_ms * tokens_per_step
     decode_step_ms = tpot_last_ms * tokens_per_step
     return {"concurrency": len(prompts), "output_len": n, "wall_s": wall, "tpot_ms_median": tpot_ms,

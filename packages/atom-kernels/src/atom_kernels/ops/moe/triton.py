@@ -151,6 +151,23 @@ def _moe_align_kernel(
 
 
 @triton.jit
+def aligned_tile(
+    sorted_ptr, num_pairs, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """The tile of one program of an aligned-path expert GEMM (grid: ``BLOCK_M``-row blocks of
+    :func:`moe_align`'s sorted pairs x ``BLOCK_N`` output columns): its rows of the sorted pairs, their
+    (token, expert) pair ids and validity (padding rows hold ``num_pairs``), the output columns ``offs_n`` and
+    their mask (``< N``), and the first K tile's offsets."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    return rows, pair, valid, offs_n, n_ok, offs_k
+
+
+@triton.jit
 def _moe_gemm1_kernel(
     x_ptr,
     w_ptr,
@@ -172,18 +189,13 @@ def _moe_gemm1_kernel(
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
+    e = tl.load(block_expert_ptr + tl.program_id(0))
     if e < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
+    rows, pair, valid, offs_n, n_ok, offs_k = aligned_tile(
+        sorted_ptr, num_pairs, inter, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     tok = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < inter
-    offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
     g_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     u_ptrs = g_ptrs + inter * stride_wn
@@ -228,17 +240,12 @@ def _moe_gemm2_kernel(
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
+    e = tl.load(block_expert_ptr + tl.program_id(0))
     if e < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < H
-    offs_k = tl.arange(0, BLOCK_K)
+    rows, pair, valid, offs_n, n_ok, offs_k = aligned_tile(
+        sorted_ptr, num_pairs, H, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + offs_k[None, :]
     w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
