@@ -133,11 +133,16 @@ def _prefill_context_lens(
     md: GDNAttentionMetadata, m: CommonAttentionMetadata, spec_rows: bool
 ) -> np.ndarray:
     """Tokens each prefill row had before this step (int32, in the prefill part's order): vLLM's host upper
-    bound of ``seq_lens`` is exact for prefill rows; without it, the device values (one host copy)."""
+    bound of ``seq_lens`` is exact for prefill rows. Both of vLLM's runners pass it (vLLM's own GDN builder
+    requires it too); reading the device ``seq_lens`` instead would stall the step on the device."""
     qsl = m.query_start_loc_cpu.numpy().astype(np.int64)
     nr = qsl.shape[0] - 1
-    seq = m.seq_lens_cpu_upper_bound
-    seq = (seq if seq is not None else m.seq_lens.cpu())[:nr].numpy().astype(np.int64)
+    if m.seq_lens_cpu_upper_bound is None:
+        raise ValueError(
+            "GDN metadata of a prompt chunk needs CommonAttentionMetadata.seq_lens_cpu_upper_bound (the host "
+            "copy of seq_lens that vLLM's model runners pass)"
+        )
+    seq = m.seq_lens_cpu_upper_bound[:nr].numpy().astype(np.int64)
     ctx = seq - (qsl[1:] - qsl[:-1])
     if spec_rows:
         rows = np.arange(nr)[~md.spec_sequence_masks_cpu.numpy().astype(bool)[:nr]]
