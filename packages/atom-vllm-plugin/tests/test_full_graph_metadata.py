@@ -2,8 +2,9 @@
 
 Real vLLM 0.32 classes (``EngineArgs`` -> ``VllmConfig`` for the bundled model with ``FULL_AND_PIECEWISE``,
 the plugin's builders on vLLM's ``CommonAttentionMetadata``, vLLM's forward context) and the plugin's
-target model in float32 (see ``_batch_rig``). For k = 0 (decode), 1 and 3 (verify), after a prefill of
-three requests:
+target model in float32 (see ``_batch_rig``). For k = 0 (decode), 1 and 3 (verify), without and with
+prefix caching (vLLM's Mamba "align" mode: the GDN slot picked from a block-table row by the request's
+length), after a prefill of three requests:
 
 1. the builders' ``build_for_cudagraph_capture`` runs on a capture batch of four requests, as vLLM's graph
    capture does, and leaves the four requests' slots in the GDN builder's persistent buffers;
@@ -38,10 +39,14 @@ REAL, PADDED = 3, 4
 PROMPT_LENS = (9, 12, 7)
 
 
-@pytest.fixture(scope="module", params=[0, 1, 3], ids=["decode-k0", "verify-k1", "verify-k3"])
+@pytest.fixture(
+    scope="module",
+    params=[(0, False), (1, False), (3, False), (0, True), (1, True), (3, True)],
+    ids=["decode-k0", "verify-k1", "verify-k3", "decode-k0-align", "verify-k1-align", "verify-k3-align"],
+)
 def rig(request):
-    k = request.param
-    return BatchRig(str(testing.model_dir()), k=k, num_reqs=PADDED, draft=k > 0)
+    k, align = request.param
+    return BatchRig(str(testing.model_dir()), k=k, num_reqs=PADDED, draft=k > 0, align=align)
 
 
 def _tensors(obj, prefix=""):

@@ -73,7 +73,9 @@ def _check(rig, step: Step, what: str):
                 pytest.fail(f"{what}: the second group's record{p} is the first group's tensor")
         parts = (*updated.step.decodes, *updated.step.verifies)
         for i, part in enumerate(parts):
-            assert _in_buffers(part.state_indices, second), f"{what}: part {i} slots not in the second builder"
+            assert _in_buffers(part.state_indices, second), (
+                f"{what}: part {i} slots not in the second builder"
+            )
         want = dict(_leaves(second.build(0, m2, **spec_args)))
     assert got.keys() == want.keys(), f"{what}: fields differ: {sorted(got.keys() ^ want.keys())}"
     for p, w in want.items():
@@ -112,9 +114,11 @@ def test_update_block_table_equals_build(rig):
     drafts = k if k > 0 else -1
     prefill = Step([Row(r, 0, toks(n), drafts=-1) for r, n in enumerate((9, 12, 7))])
     _check(rig, prefill, "prefill")
-    uniform = [Row(r, s, toks(q), num_accepted=min(1 + r, q), drafts=drafts) for r, s in enumerate((9, 12, 7))]
+    uniform = [
+        Row(r, s, toks(q), num_accepted=min(1 + r, q), drafts=drafts) for r, s in enumerate((9, 12, 7))
+    ]
     updated = _check(rig, Step(uniform), "decode/verify")
-    assert (updated.step.verifies if k > 0 else updated.step.decodes), "no decode / verify part"
+    assert updated.step.verifies if k > 0 else updated.step.decodes, "no decode / verify part"
     _check(rig, Step(uniform, pad_to=4), "decode/verify padded to a full graph's batch")
     mixed = [*uniform[:2], Row(3, 0, toks(5), drafts=-1)]
     _check(rig, Step(mixed), "a prompt chunk beside decodes / verifications")

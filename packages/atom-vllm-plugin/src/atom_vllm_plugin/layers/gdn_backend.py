@@ -8,9 +8,9 @@ group then reads without host work. The layers name this backend, so they never 
 
 Deferred-commit verification needs only the request's own slot: ``AtomGDNCore.get_kv_cache_spec`` asks for
 no speculative state blocks, so column 0 of vLLM's spec state indices is the slot (in "align" mode, the
-block of the step's last token). With prefix caching the record also carries the step's whole-slot copies
-(``gdn_snapshots``) and, for prompt chunks, each sequence's context length, so that a chunk resuming from a
-shared snapshot commits its pending tokens first.
+block of the step's last token). With prefix caching the record carries, for prompt chunks, each sequence's
+context length, so that a chunk resuming from a shared snapshot commits its pending tokens first; the
+step's whole-slot copies between blocks run outside the forward (``patches.mamba_align``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch
 from atom_models.gdn_meta import (
     GDNDecodeMeta,
     GDNPrefillMeta,
-    GDNSnapshotMeta,
     GDNStepMeta,
     GDNVerifyMeta,
 )
@@ -33,8 +32,6 @@ from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionMetadata,
     GDNAttentionMetadataBuilder,
 )
-
-from atom_vllm_plugin.layers.gdn_snapshots import StepCopies
 
 
 @dataclass
@@ -138,28 +135,22 @@ def _prefill_context_lens(
     md: GDNAttentionMetadata, m: CommonAttentionMetadata, spec_rows: bool
 ) -> np.ndarray:
     """Tokens each prefill row had before this step (int32, in the prefill part's order): vLLM's host upper
-    bound of ``seq_lens`` is exact for prefill rows; without it, the device values (one host copy)."""
+    bound of ``seq_lens`` is exact for prefill rows. Both of vLLM's runners pass it (vLLM's own GDN builder
+    requires it too); reading the device ``seq_lens`` instead would stall the step on the device."""
     qsl = m.query_start_loc_cpu.numpy().astype(np.int64)
     nr = qsl.shape[0] - 1
-    seq = m.seq_lens_cpu_upper_bound
-    seq = (seq if seq is not None else m.seq_lens.cpu())[:nr].numpy().astype(np.int64)
+    if m.seq_lens_cpu_upper_bound is None:
+        raise ValueError(
+            "GDN metadata of a prompt chunk needs CommonAttentionMetadata.seq_lens_cpu_upper_bound (the host "
+            "copy of seq_lens that vLLM's model runners pass)"
+        )
+    seq = m.seq_lens_cpu_upper_bound[:nr].numpy().astype(np.int64)
     ctx = seq - (qsl[1:] - qsl[:-1])
     if spec_rows:
         rows = np.arange(nr)[~md.spec_sequence_masks_cpu.numpy().astype(bool)[:nr]]
     else:
         rows = np.arange(md.num_decodes, md.num_decodes + md.num_prefills)
     return ctx[rows[: md.num_prefills]].astype(np.int32)
-
-
-def snapshot_meta(copies: StepCopies, device: torch.device) -> GDNSnapshotMeta:
-    """The record's copies (block ids as int64 device tensors)."""
-
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device)
-
-    return GDNSnapshotMeta(
-        t(copies.before_src), t(copies.before_dst), t(copies.after_src), t(copies.after_dst)
-    )
 
 
 def gdn_step_from_vllm(
@@ -204,24 +195,19 @@ class AtomGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
     """vLLM's GDN metadata (the reorder threshold is 1 + k: a verification batch counts as a decode) and
     the GDN pipeline's record of the same step.
 
-    CUDA graphs: ``UNIFORM_BATCH``, as vLLM's own builder (without prefix caching): full graphs for decode batches (k = 0) and
+    CUDA graphs: ``UNIFORM_BATCH``, as vLLM's own builder, with or without prefix caching: full graphs for decode batches (k = 0) and
     verify batches of ``1 + k`` tokens per request. The record's decode and verify parts hold only views of
     ``StepBuffers`` (refilled in place every step) and ints fixed by the batch's shape, and the zero-length
     padding rows of a padded batch become rows with slot ``PAD_SLOT`` (``num_accepted`` 1), which the
     kernels skip on the device; so a graph captured at one batch size replays correctly for any real batch
     padded to it. ``build_for_cudagraph_capture`` is vLLM's (it calls :meth:`build`). A batch with a prompt
     chunk runs outside full graphs (vLLM's piecewise graphs around the ``vllm::atom_gdn_core`` op).
-    With prefix caching ("align" mode) the step's whole-slot copies vary from step to step in number, so
-    the builder declares ``NEVER`` there: vLLM then runs piecewise graphs, the GDN op eagerly between them.
+    With prefix caching ("align" mode) the slots are vLLM's block of each request's last token, and the
+    whole-slot copies between blocks, which vary from step to step, run before and after the forward
+    (``patches.mamba_align``), so the record has the same shape as without prefix caching.
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
-
-    @classmethod
-    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        if vllm_config.cache_config.mamba_cache_mode == "align":
-            return AttentionCGSupport.NEVER
-        return cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -231,14 +217,6 @@ class AtomGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         # (same spec, other state slots) only to re-gather their state indices (vLLM 0.32 turns this on for
         # its own builder under Model Runner V2 only; align mode's re-gather needs V2's precomputed indices).
         self.supports_update_block_table = vllm_config.cache_config.mamba_cache_mode != "align"
-        self.align = vllm_config.cache_config.mamba_cache_mode == "align"
-        layers = vllm_config.compilation_config.static_forward_context
-        self.snapshot_schedule = getattr(layers.get(layer_names[0]), "snapshot_schedule", None)
-        if self.align and self.snapshot_schedule is None:
-            raise TypeError(
-                f"{layer_names[0]}: prefix caching needs ATOM's GDN cores (with a snapshot schedule) in every "
-                "layer of the group this builder serves"
-            )
 
     def build(
         self,
@@ -256,10 +234,6 @@ class AtomGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             fast_build,
         )
         step = gdn_step_from_vllm(md, common_attn_metadata, self.step_buffers)
-        if self.align:
-            copies = self.snapshot_schedule.take(self.layer_names)
-            if copies is not None and not copies.empty:
-                step = replace(step, snapshots=snapshot_meta(copies, self.device))
         return AtomGDNAttentionMetadata(
             **{f.name: getattr(md, f.name) for f in fields(md)}, step=step, common=common_attn_metadata
         )

@@ -7,12 +7,14 @@ snapshot (``atom_models.gdn_snapshot``): the slot of a request holds the committ
 of its last verify and their position, which is valid for a range of prefix lengths. Per step and request,
 :func:`plan_step_copies` maps atom-models' :func:`~atom_models.gdn_snapshot.plan_block_snapshots` (in
 block-table columns) onto the request's block ids: move the state into the step's block, and keep the block
-that vLLM is about to share valid at its boundary. The copies run on the device inside every GDN layer's
-forward (``GDNStepMeta.snapshots``), before and after the layer's own work.
+that vLLM is about to share valid at its boundary.
 
-The runner side (``patches.mamba_align``) computes the copies where vLLM's runner would copy Mamba states
-(it knows each request's previous state block) and publishes them on the model's :class:`SnapshotSchedule`;
-the GDN metadata builder of each KV-cache group takes them when it builds the step's record.
+The copies run at step level, where vLLM's runner copies Mamba states (``patches.mamba_align``): the
+"before" copies of a step before its forward, the "after" copies once the forward has run (vLLM's
+postprocess after sampling), each as one set of device index copies per GDN layer (:func:`run_copies`), no
+host work per pair and none inside the forward. The forward of a decode or verify batch therefore has no
+snapshot work at all, and vLLM may capture it in a full CUDA graph as without prefix caching. Between the
+two points the "after" copies wait on the model's :class:`SnapshotSchedule`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from atom_models.gdn_snapshot import plan_block_snapshots
+import torch
+from atom_models.gdn_snapshot import copy_slots, plan_block_snapshots
+from atom_models.gdn_state import GDNLayerState
 
 NULL_BLOCK = 0  # vLLM's null block id (vllm.v1.attention.backends.utils.NULL_BLOCK_ID): never a state
 
@@ -110,10 +114,25 @@ def _resolve(
     return np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
 
 
+def run_copies(states: Sequence[GDNLayerState], src: np.ndarray, dst: np.ndarray) -> None:
+    """``state[dst[i]] = state[src[i]]`` (every tensor of the slot) in each of one group's GDN layers.
+
+    The block ids go to the device once (one index tensor each for all layers); each layer then takes one
+    gather and one scatter per state tensor (``atom_models.gdn_snapshot.copy_slots``). Nothing to copy:
+    nothing runs."""
+    if src.size == 0 or not states:
+        return
+    device = states[0].ssm.device
+    s = torch.from_numpy(src).to(device, non_blocking=True)
+    d = torch.from_numpy(dst).to(device, non_blocking=True)
+    for state in states:
+        copy_slots(state, s, d)
+
+
 class SnapshotSchedule:
-    """This step's copies per Mamba KV-cache group, published by the runner side and taken once by the
-    group's GDN metadata builder (a dummy or profiling forward, which the runner does not prepare, finds
-    none). One per model, shared by its GDN cores; keyed by every layer name of the group."""
+    """The "after" copies of the step that is running, per Mamba KV-cache group: deferred by the runner
+    side before the forward, taken (once) after it. One per model, shared by its GDN cores; keyed by every
+    layer name of the group."""
 
     def __init__(self) -> None:
         self._copies: dict[str, StepCopies] = {}
