@@ -20,7 +20,7 @@ pytestmark = [requires_vllm, pytest.mark.slow]
 
 TP = 2
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (2-core CI machine)
-KS = (1, 3)
+KS = (0, 1, 3)
 STATE_K = 1  # the engine whose ranks are inspected
 # Lowest acceptance on greedy.json, float32: TP = 2 without expert parallelism measured 0.758 / 0.494 for
 # k = 1 / 3 (equal to TP = 1's; test_vllm_tp.py), the bar 0.05 below.
@@ -56,12 +56,14 @@ def test_tp2_expert_parallel_float32_reproduces_greedy(k: int) -> None:
     job = r["jobs"]["greedy"]
     bad = greedy_differences(job["token_ids"])
     assert not bad, f"TP={TP} + EP float32 k={k} output differs from greedy.json:\n" + "\n".join(bad)
-    rate = job["acceptance_rate"]
-    assert rate is not None and rate >= MIN_ACCEPTANCE[k], f"k={k}: acceptance {rate} ({job['spec']})"
+    if k > 0:
+        rate = job["acceptance_rate"]
+        assert rate is not None and rate >= MIN_ACCEPTANCE[k], f"k={k}: acceptance {rate} ({job['spec']})"
     log = Path(r["log"]).read_text()
     for rank in range(TP):
         assert f"ATOM Qwen3-Next on TP rank {rank} of {TP}:" in log, f"no startup line of rank {rank}"
-        assert f"ATOM Qwen3-Next MTP draft on TP rank {rank} of {TP}:" in log
+        if k > 0:
+            assert f"ATOM Qwen3-Next MTP draft on TP rank {rank} of {TP}:" in log
 
 
 def _checkpoint_experts(ckpt: Path) -> tuple[int, float]:
