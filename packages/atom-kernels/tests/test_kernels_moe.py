@@ -259,10 +259,11 @@ def test_moe_experts_matches_per_token_loop(impl, tol, device, dtype, tokens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 65])
+@pytest.mark.parametrize("tokens", [1, 65, 600])
 def test_moe_experts_with_shared_pseudo_experts(impl, tol, device, dtype, tokens):
     """The model's folded shared expert: ``moe_router(..., num_shared=2)`` routes every token to experts
-    E and E + 1 as well (K = top_k + 2 columns), one ``moe_experts`` call over E + 2 stacked experts."""
+    E and E + 1 as well (K = top_k + 2 columns), one ``moe_experts`` call over E + 2 stacked experts.
+    T = 600 pads each routed expert to T in a batched form: the cpu backend's sorted per-expert loop."""
     router, experts = impl("moe_router", dtype), impl("moe_experts", dtype)
     num_experts, m, hidden, inter, top_k = 16, 2, 64, 32, 4
     x = randn(tokens, hidden, seed=12, dtype=dtype, device=device)
