@@ -61,6 +61,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from llm_spec_counters import spec_counters  # scripts/ (this file's folder, first on sys.path)
+
 PLACEHOLDER_OPS = (
     "rotary_embedding",
     "fused_add_rms_norm",
@@ -335,21 +337,6 @@ def _worker_probe(worker: Any) -> dict[str, Any]:
     }
 
 
-def _spec_counters(llm: Any) -> dict[str, Any]:
-    names = {
-        "vllm:spec_decode_num_drafts": "num_drafts",
-        "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
-    }
-    out = dict.fromkeys(names.values(), 0)
-    for m in llm.get_metrics():
-        if m.name in names:
-            out[names[m.name]] += int(m.value)
-    drafted = out["num_draft_tokens"]
-    out["acceptance_rate"] = out["num_accepted_tokens"] / drafted if drafted else None
-    return out
-
-
 def run(mode: str, k: int, num_prompts: int | None, out_dir: Path | None) -> int:
     from atom_core.paths import reference_dir
 
@@ -386,7 +373,10 @@ def run(mode: str, k: int, num_prompts: int | None, out_dir: Path | None) -> int
         print(f"case {i}: {'match' if ok else f'DIFFERS at token {first}'}", flush=True)
     result["cases"] = matches
     result["all_match"] = all(m["match"] for m in matches)
-    result["spec_decode"] = _spec_counters(llm)
+    result["spec_decode"] = spec = spec_counters(llm)
+    spec["acceptance_rate"] = (
+        spec["num_accepted_tokens"] / spec["num_draft_tokens"] if spec["num_draft_tokens"] else None
+    )
     print(json.dumps({k: result[k] for k in ("all_match", "generate_s", "spec_decode")}), flush=True)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -26,3 +26,6 @@ TRITON_INTERPRET=1 uv run --no-sync pytest -q -p no:cacheprovider -k triton \
     packages/atom-kernels/tests/test_kernels_conv1d.py packages/atom-kernels/tests/test_kernels_triton_paths.py \
     packages/atom-kernels/tests/test_kernels_dense_ops.py packages/atom-kernels/tests/test_kernels_fp8.py \
     packages/atom-kernels/tests/test_kernels_fp8_gated_norm.py packages/atom-kernels/tests/test_kernels_linear.py
+# Expert parallelism's -1 ids in the MoE kernels: the float32 cases (the bf16 ones run on the GPU).
+TRITON_INTERPRET=1 uv run --no-sync pytest -q -p no:cacheprovider -k "triton and expert_parallel and not dtype1" \
+    packages/atom-kernels/tests/test_kernels_moe.py packages/atom-kernels/tests/test_kernels_moe_fp8.py

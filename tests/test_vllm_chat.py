@@ -11,15 +11,11 @@ rendering of the messages and whose answer is the float32 greedy continuation of
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-
 import pytest
 from _reference import consistency
+from _runs import RUNS, Lanes
+from _server import ServerError, VllmServer
 from _vllm import model_dir, requires_vllm
-from atom_core.net import free_port
 
 K = 2
 MAX_GAP = 0.01  # float32 vs transformers' float32: only near-ties may differ
@@ -76,40 +72,19 @@ def test_chat_markers_are_plain_text_in_the_bundled_vocabulary() -> None:
 
 @pytest.fixture(scope="module")
 def chat_server(tmp_path_factory):
-    import httpx
-
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("chat_server") / "server.log"
-    env = dict(os.environ, ATOM_DISABLE_VLLM_PLUGIN="0", VLLM_CPU_KVCACHE_SPACE="1")
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir()),
-        "--served-model-name", "tiny", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-        "--max-model-len", "512", "--max-num-seqs", "8",
-        "--speculative-config", f'{{"method": "mtp", "num_speculative_tokens": {K}}}',
+    args = [
+        "--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+        "--max-num-seqs", "8", "--speculative-config", f'{{"method": "mtp", "num_speculative_tokens": {K}}}',
     ]  # fmt: skip
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"server did not come up in 600 s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(2)
-        yield base, log_path
-    finally:
-        proc.terminate()
+    log = tmp_path_factory.mktemp("chat_server") / "server.log"
+    with RUNS.lanes.hold(1) as cores:  # a core of its own beside the engine runs started ahead (_runs.py)
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            with VllmServer(
+                model_dir(), args, plugin=True, log=log, env=Lanes.bind_env(cores), timeout=600
+            ) as srv:
+                yield srv
+        except ServerError as e:
+            pytest.fail(str(e))
 
 
 @requires_vllm
@@ -117,7 +92,7 @@ def chat_server(tmp_path_factory):
 def test_chat_completion_is_served_with_mtp(chat_server) -> None:
     import httpx
 
-    base, log_path = chat_server
+    base = chat_server.base
     body = {
         "model": "tiny", "messages": MESSAGES, "max_tokens": 48, "temperature": 0.0,
         "ignore_eos": True, "return_token_ids": True,
@@ -138,12 +113,6 @@ def test_chat_completion_is_served_with_mtp(chat_server) -> None:
     print(f"\nchat completion: {choice['message']['content']!r}; {c}")
     assert c.max_gap <= MAX_GAP, f"a chat token is far from the float32 argmax: {c}"
     # the plugin served it, with MTP drafts accepted
-    log = log_path.read_text()
-    assert "ATOM vLLM plugin active" in log
-    metrics = httpx.get(f"{base}/metrics", timeout=30).text
-    accepted = sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("vllm:spec_decode_num_accepted_tokens_total")
-    )
+    assert "ATOM vLLM plugin active" in chat_server.log_text()
+    accepted = chat_server.metric("vllm:spec_decode_num_accepted_tokens_total")
     assert accepted > 0, "no MTP draft token was accepted"

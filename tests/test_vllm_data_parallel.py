@@ -14,59 +14,30 @@ local to each engine (every engine holds all experts), so nothing crosses the DP
 
 from __future__ import annotations
 
-import contextlib
-import os
-import re
-import signal
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from _runs import RUNS, Lanes
+from _server import ServerError, VllmServer, per_label
 from _vllm import greedy_cases, model_dir, requires_vllm
-from atom_core.net import free_port
 
 pytestmark = [requires_vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def dp_server(tmp_path_factory):
-    import httpx
-
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("dp_server") / "server.log"
-    env = dict(os.environ, ATOM_DISABLE_VLLM_PLUGIN="0", VLLM_CPU_KVCACHE_SPACE="1")
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir()),
-        "--served-model-name", "tiny", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-        "--max-model-len", "512", "--max-num-seqs", "8", "--no-enable-prefix-caching",
-        "--data-parallel-size", "2", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
+    args = [
+        "--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+        "--max-num-seqs", "8", "--no-enable-prefix-caching", "--data-parallel-size", "2",
+        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
     ]  # fmt: skip
-    with open(log_path, "w") as log:
-        # its own session: the engine cores and workers it spawns are stopped with it
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 900
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"server did not come up in 900 s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(2)
-        yield base, log_path
-    finally:
-        with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    log = tmp_path_factory.mktemp("dp_server") / "server.log"
+    with RUNS.lanes.hold(2) as cores:  # an engine core per core (DP rank r on the r-th), beside the runs
+        try:
+            with VllmServer(model_dir(), args, plugin=True, log=log, env=Lanes.bind_env(cores, 2)) as srv:
+                yield srv
+        except ServerError as e:
+            pytest.fail(str(e))
 
 
 def _greedy(base: str, prompt_ids: list[int]) -> list[int]:
@@ -80,21 +51,14 @@ def _greedy(base: str, prompt_ids: list[int]) -> list[int]:
 
 
 def test_data_parallel_2_reproduces_greedy_on_both_engines(dp_server) -> None:
-    import httpx
 
-    base, log_path = dp_server
+    base = dp_server.base
     cases = greedy_cases()
     with ThreadPoolExecutor(len(cases)) as pool:
         outs = list(pool.map(lambda c: _greedy(base, c["prompt_ids"]), cases))
     for i, (got, c) in enumerate(zip(outs, cases)):
         assert got == c["greedy_ids"], f"case {i}: DP 2 output differs from greedy.json"
-    metrics = httpx.get(f"{base}/metrics", timeout=30).text
-    accepted = {
-        m.group(1): float(m.group(2))
-        for m in re.finditer(
-            r'^vllm:spec_decode_num_accepted_tokens_total\{engine="(\d+)"[^}]*\} (\S+)$', metrics, re.M
-        )  # fmt: skip
-    }
+    accepted = per_label(dp_server.metrics_text(), "vllm:spec_decode_num_accepted_tokens_total", "engine")
     print(f"\nDP 2: accepted draft tokens per engine {accepted}")
     assert set(accepted) == {"0", "1"} and all(v > 0 for v in accepted.values()), accepted
-    assert "ATOM vLLM plugin active" in log_path.read_text()
+    assert "ATOM vLLM plugin active" in dp_server.log_text()

@@ -12,15 +12,20 @@ with block scales, so the router spreads tokens over the experts as a trained mo
 caching off, token-id prompts (no tokenizer).
 
 Per concurrency c in ``--concurrency``: c random prompts of ``--input-len`` tokens are submitted at once,
-greedy, ``ignore_eos``; once untimed (new batch shapes compile kernels), then once with 16 output tokens and
-once with ``16 + --output-len``; the difference
-is the decode time of ``--output-len`` tokens per request (prefill and the first steps cancel). Reported:
-output tokens/s of the whole batch in decode, the engine steps that took (from the spec-decode counters:
-tokens per step = 1 + accepted drafts per step) and so the step time, and the projected single-stream
-tokens/s at the seed's acceptance length 1.91 (random weights accept almost no drafts; the step time is
-what the product costs, the acceptance is the model's). JSON ``vllm_80b_<mode>_k<k>_<gpu>.json``.
+greedy, ``ignore_eos``; once untimed (new batch shapes compile kernels), then once with ``--output-len``
+tokens. Each request's decode time per output token (TPOT) comes from vLLM's request stats (first to last
+token on the engine core's clock), so each request's own prefill and queueing do not enter; the median TPOT
+still holds the steps that ran other requests' prompt chunks beside it (what a user of that batch sees).
+The request whose first token came last decodes only after every prompt was prefilled: its TPOT x tokens
+per step (1 + accepted drafts per step, from the spec-decode counters) is the decode step of the full batch
+(``decode_step_ms``; the batch shrinks only as its earlier peers finish). Reported: both, the batch's
+decode tokens/s at that step, and the projected single-stream tokens/s at the seed's
+acceptance length 1.91 (random weights accept almost no drafts; the step time is what the product costs,
+the acceptance is the model's). ``--profile-tokens N`` then profiles one stream of N tokens with vLLM's own
+worker profiler (``trace_steps.py`` reads the trace: GPU busy and idle per step, and what the host was doing
+while the GPU waited). JSON ``vllm_80b_<mode>_k<k>_<gpu>.json``.
 
-    python benchmarks/gpu/bench_vllm_80b.py --layers 32 --k 1 --out $OUT   # an H100; 48 layers need an H200
+    python benchmarks/gpu/bench_vllm_80b.py --layers 32 --k 1 --profile-tokens 48 --out $OUT  # H100: 32 layers
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -37,6 +43,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "scripts"))  # llm_spec_counters
 SEED_ACCEPTANCE_LENGTH = 1.91
 
 
@@ -68,17 +75,66 @@ def _randomize_worker(worker: Any) -> dict[str, Any]:
     }
 
 
-def spec_counters(llm: Any) -> dict[str, int]:
-    names = {
-        "vllm:spec_decode_num_drafts": "drafts",
-        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens": "accepted",
-    }
-    out = dict.fromkeys(names.values(), 0)
-    for m in llm.get_metrics():
-        if m.name in names:
-            out[names[m.name]] += int(m.value)
-    return out
+def measure(llm: Any, prompts: list[dict[str, Any]], n: int, k: int) -> dict[str, Any]:
+    """One timed ``generate`` of ``n`` greedy tokens per prompt, all submitted at once. The decode time per
+    token (TPOT) is each request's own, from vLLM's request stats (first to last token, engine-core clock),
+    so prefill and the queue before it do not enter; the step time is TPOT x tokens per step."""
+    from llm_spec_counters import spec_counters
+    from vllm import SamplingParams
+
+    before = spec_counters(llm)
+    t = time.perf_counter()
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False
+    )
+    wall = time.perf_counter() - t
+    after = spec_counters(llm)
+    counters = {key: after[key] - before[key] for key in after}
+    if any(len(o.outputs[0].token_ids) != n for o in outs):
+        raise RuntimeError(f"a request stopped before its {n} tokens")
+    if any(o.metrics is None for o in outs):
+        raise RuntimeError("vLLM returned no request stats (LLM needs disable_log_stats=False)")
+    tpot = sorted((o.metrics.last_token_ts - o.metrics.first_token_ts) / (n - 1) for o in outs)
+    # the request whose first token came last decodes only after every prompt of the batch was prefilled:
+    # its TPOT is the decode step of the full batch (the batch shrinks only as its earlier peers finish)
+    last = max(outs, key=lambda o: o.metrics.first_token_ts).metrics
+    tpot_last_ms = (last.last_token_ts - last.first_token_ts) / (n - 1) * 1e3
+    ttft = sorted(o.metrics.first_token_ts - o.metrics.scheduled_ts for o in outs)
+    tpot_ms = statistics.median(tpot) * 1e3
+    tokens_per_step = 1 + (
+        counters["num_accepted_tokens"] / counters["num_drafts"] if counters["num_drafts"] else 0.0
+    )
+    step_ms = tpot_ms * tokens_per_step
+    decode_step_ms = tpot_last_ms * tokens_per_step
+    return {"concurrency": len(prompts), "output_len": n, "wall_s": wall, "tpot_ms_median": tpot_ms,
+            "tpot_ms_min_max": [tpot[0] * 1e3, tpot[-1] * 1e3], "ttft_s_median": statistics.median(ttft),
+            "decode_tokens_per_s": len(prompts) / (tpot_ms / 1e3), "tokens_per_step": tokens_per_step,
+            "step_ms": step_ms, "tpot_ms_last_started": tpot_last_ms, "decode_step_ms": decode_step_ms,
+            "decode_step_tokens_per_s": len(prompts) * tokens_per_step / decode_step_ms * 1e3,
+            "projected_stream_tokens_per_s": (SEED_ACCEPTANCE_LENGTH if k else 1.0) / decode_step_ms * 1e3,
+            "counters": counters}  # fmt: skip
+
+
+def profile_one_stream(llm: Any, args: argparse.Namespace, g: Any) -> dict[str, Any]:
+    """vLLM's own worker profiler (torch, CPU + CUDA) over one stream decoding ``--profile-tokens`` tokens;
+    the trace is read by :mod:`trace_steps` (GPU busy vs idle per step, idle time by host phase)."""
+    import torch
+    import trace_steps
+    from vllm import SamplingParams
+
+    prompt = [{"prompt_token_ids": torch.randint(10, 150000, (args.input_len,), generator=g).tolist()}]
+    llm.start_profile()
+    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=args.profile_tokens, ignore_eos=True),
+                 use_tqdm=False)  # fmt: skip
+    llm.stop_profile()
+    traces = sorted(Path(args.profile_dir).rglob("*.json*"), key=lambda p: p.stat().st_mtime)
+    if not traces:
+        raise RuntimeError(f"vLLM's profiler wrote no trace under {args.profile_dir}")
+    report = trace_steps.analyse(trace_steps.load_events(traces[-1]), skip=3)
+    report.pop("per_step")
+    report["trace"] = traces[-1].name
+    print(json.dumps(report, indent=1), flush=True)
+    return report
 
 
 def main() -> int:
@@ -91,7 +147,14 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.93)
+    ap.add_argument(
+        "--profile-tokens", type=int, default=0, help="also profile one stream of this many tokens"
+    )
+    ap.add_argument("--profile-stack", action="store_true", help="record Python stacks in the profile")
     args = ap.parse_args()
+    args.profile_dir = str((args.out or Path(tempfile.gettempdir())) / "vllm_profile")
+    if args.profile_tokens:
+        os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
@@ -110,6 +173,8 @@ def main() -> int:
         max_model_len=args.input_len + args.output_len + 64, max_num_seqs=max_c,
         max_num_batched_tokens=8192, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=False, disable_log_stats=False, seed=0,
+        profiler_config={"profiler": "torch", "torch_profiler_dir": args.profile_dir, "torch_profiler_with_stack": args.profile_stack}
+        if args.profile_tokens else None,
         speculative_config={"method": "mtp", "num_speculative_tokens": args.k} if args.k else None,
         compilation_config={"cudagraph_mode": args.cudagraph_mode, "cudagraph_capture_sizes": sizes,
                             # vLLM's quant-fusion passes pattern-match vLLM's own CUDA norm / activation /
@@ -135,32 +200,10 @@ def main() -> int:
         ]
         # first run at this concurrency: new batch shapes JIT-compile kernels and warm caches; not timed
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-        times, counters = [], []
-        for n in (16, 16 + args.output_len):
-            before = spec_counters(llm)
-            t = time.perf_counter()
-            outs = llm.generate(
-                prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False
-            )
-            times.append(time.perf_counter() - t)
-            after = spec_counters(llm)
-            counters.append({key: after[key] - before[key] for key in after})
-            assert all(len(o.outputs[0].token_ids) == n for o in outs), "a request stopped early"
-        decode_s = times[1] - times[0]
-        drafts = counters[1]["drafts"] - counters[0]["drafts"]
-        accepted = counters[1]["accepted"] - counters[0]["accepted"]
-        tokens_per_step = 1 + (accepted / drafts if drafts else 0.0)
-        steps = args.output_len / tokens_per_step
-        step_ms = decode_s / steps * 1e3
-        row = {"concurrency": c, "decode_s": decode_s, "total_s_short": times[0], "total_s_long": times[1],
-               "decode_tokens_per_s": c * args.output_len / decode_s, "tokens_per_step": tokens_per_step,
-               "step_ms": step_ms,
-               "projected_stream_tokens_per_s": SEED_ACCEPTANCE_LENGTH / step_ms * 1e3 if args.k else 1e3 / step_ms,
-               "counters": counters}  # fmt: skip
-        if decode_s <= 0:  # the two runs' prefill times differ by more than the decode takes
-            row["invalid"] = "long run not slower than short run: prefill variance exceeds the decode time"
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "counters"}), flush=True)
+        rows.append(measure(llm, prompts, args.output_len, args.k))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "counters"}), flush=True)
+    if args.profile_tokens:
+        result["profile"] = profile_one_stream(llm, args, g)
     result["rows"] = rows
     name = f"vllm_80b_{args.cudagraph_mode.lower()}_k{args.k}_{common.gpu_tag(torch.device('cuda'))}"
     if args.layers != bench_engine.FP8_LAYERS:

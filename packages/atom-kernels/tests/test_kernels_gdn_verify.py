@@ -200,7 +200,8 @@ def _update_coefficients(q, k, v, g, beta, state):
 
 def test_padding_rows_and_zero_commit(impl, device):
     """A slot < 0 touches no pool row; num_commit = 0 commits nothing; a zero pending token is the
-    identity; pending rows past Q keep their contents."""
+    identity; pending rows past Q keep their contents; ``pending_pos`` advances by ``num_commit`` on the
+    listed slots only."""
     fn = impl("gated_delta_rule_verify", torch.float32)
     n, q_len, r = 3, 2, 4
     q, k, v, g, beta = make_inputs((n, q_len), 300, torch.float32, device)
@@ -210,8 +211,10 @@ def test_padding_rows_and_zero_commit(impl, device):
     slots = torch.tensor([1, -1, 2], dtype=torch.int32, device=device)
     acc = torch.tensor([0, 3, 1], dtype=torch.int32, device=device)
     pool0, pending0 = pool.clone(), pending.clone()
-    o = fn(q, k, v, g, beta, pool, pending, slots, acc, SCALE)
+    pos = torch.tensor([[5], [17], [30], [41]], dtype=torch.int32, device=device)
+    o = fn(q, k, v, g, beta, pool, pending, slots, acc, SCALE, pending_pos=pos)
     exact = (0.0, 0.0)
+    assert pos.view(-1).tolist() == [5, 17 + 0, 30 + 1, 41], f"pending_pos {pos.view(-1).tolist()}"
     assert_close(pool[1], pool0[1], exact, "num_commit 0 commits nothing")
     assert_close(pool[2], pool0[2], exact, "a zero pending token is the identity")
     for s in (0, 3):
@@ -245,6 +248,22 @@ def test_bad_inputs(impl, device):
         fn(q, k, v, g, beta, pool, pending.bfloat16(), slots, acc, SCALE)
     with pytest.raises(ValueError, match="num_commit must have dtype int32"):
         fn(q, k, v, g, beta, pool, pending, slots, acc.long(), SCALE)
+    with pytest.raises(ValueError, match=r"pending_pos must have shape \[S=4, 1\]"):
+        fn(q, k, v, g, beta, pool, pending, slots, acc, SCALE, pending_pos=torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="pending_pos must have dtype int32"):
+        fn(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            pool,
+            pending,
+            slots,
+            acc,
+            SCALE,
+            pending_pos=torch.zeros(4, 1, dtype=torch.int64),
+        )
     with pytest.raises(ValueError, match=r"state_indices must have shape \[N=2\]"):
         fn(q, k, v, g, beta, pool, pending, slots[:, None].expand(n, q_len), acc, SCALE)
     if device.type == "cpu":

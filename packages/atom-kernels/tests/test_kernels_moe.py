@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from atom_kernels.testing import assert_close, randn
+from atom_kernels.ops.moe import local_expert_ids
+from atom_kernels.testing import assert_close, gen, randn
 
 # (op, dtype) -> (atol, rtol) against the float64 per-token loop. Measured max abs error in comments.
 TOL = {
@@ -277,6 +278,65 @@ def test_moe_experts_with_shared_pseudo_experts(impl, tol, device, dtype, tokens
     assert_close(out, expected, tol("moe_experts", dtype), f"moe_experts + shared {dtype} T={tokens}")
 
 
+def test_local_expert_ids(device):
+    """Global ids -> one rank's: ``id - first`` inside ``[first, first + count)``, -1 elsewhere, same dtype."""
+    ids = torch.tensor([[0, 3, 4], [7, 5, 2]], device=device)
+    for dtype in (torch.int64, torch.int32):
+        got = local_expert_ids(ids.to(dtype), 3, 3)
+        assert got.dtype == dtype
+        assert got.cpu().tolist() == [[-1, 0, 1], [-1, 2, -1]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 65])
+def test_moe_experts_expert_parallel(impl, tol, device, dtype, tokens):
+    """Experts split over 2 ranks (8 of 16 each): a rank's call on its 8 experts with its ids
+    (``local_expert_ids``, -1 for the other rank's) == the per-token loop over the slots it holds (a token
+    with none gets exactly zero); the two ranks' outputs sum to the call over all 16."""
+    router, experts = impl("moe_router", dtype), impl("moe_experts", dtype)
+    num_experts, hidden, inter, top_k, ranks = 16, 64, 32, 4, 2
+    x = randn(tokens, hidden, seed=22, dtype=dtype, device=device)
+    w13 = randn(num_experts, 2 * inter, hidden, seed=23, dtype=dtype, device=device, scale=hidden**-0.5)
+    w2 = randn(num_experts, hidden, inter, seed=24, dtype=dtype, device=device, scale=inter**-0.5)
+    logits = randn(tokens, num_experts, seed=25, dtype=dtype, device=device)
+    weights, ids = router(logits, top_k, True)
+    full = experts(x, weights, ids, w13, w2)
+    n = num_experts // ranks
+    total = torch.zeros(x.shape, dtype=torch.float32, device=device)
+    for r in range(ranks):
+        lo = r * n
+        local = local_expert_ids(ids, lo, n)
+        out = experts(x, weights, local, w13[lo : lo + n], w2[lo : lo + n])
+        assert out.dtype == dtype and out.shape == x.shape
+        held = ((ids >= lo) & (ids < lo + n)).cpu()
+        expected = naive_moe(x, weights.cpu() * held, ids.cpu(), w13, w2)
+        assert_close(out, expected, tol("moe_experts", dtype), f"rank {r} of {ranks} {dtype} T={tokens}")
+        none = ~held.any(1)
+        assert torch.equal(out.cpu()[none], torch.zeros_like(out.cpu()[none])), "a token with no local expert"
+        total += out.float()
+    assert_close(total, full.float(), tol("moe_experts", dtype), f"sum over ranks {dtype} T={tokens}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_experts_busy_expert_and_unheld_slots(impl, tol, device, dtype):
+    """One expert in every token's row (as a folded shared expert) and -1 ids (slots held elsewhere) in
+    half the rows of another column: padding every expert to the busy one's count would triple the rows,
+    which sends the cpu backend to its sorted per-expert loop; == the per-token loop over the held slots."""
+    experts = impl("moe_experts", dtype)
+    tokens, num_experts, hidden, inter = 300, 4, 64, 32
+    x = randn(tokens, hidden, seed=32, dtype=dtype, device=device)
+    w13 = randn(num_experts, 2 * inter, hidden, seed=33, dtype=dtype, device=device, scale=hidden**-0.5)
+    w2 = randn(num_experts, hidden, inter, seed=34, dtype=dtype, device=device, scale=inter**-0.5)
+    routed = torch.randint(0, num_experts, (tokens, 2), generator=gen(35))
+    routed[::2, 1] = -1
+    ids = torch.cat([torch.zeros(tokens, 1, dtype=torch.long), routed], 1)
+    weights = torch.rand(tokens, 3, generator=gen(36))
+    out = experts(x, weights.to(device), ids.to(device), w13, w2)
+    held = ids >= 0
+    expected = naive_moe(x, weights * held, ids.clamp(min=0), w13, w2)
+    assert_close(out, expected, tol("moe_experts", dtype), f"busy expert + unheld slots {dtype}")
+
+
 def test_moe_experts_int32_ids_and_unused_experts(impl, tol, device):
     """Only some experts receive tokens; int32 ids give the same result as int64."""
     experts = impl("moe_experts", torch.float32)
@@ -310,5 +370,7 @@ def test_bad_inputs(impl, device):
     with pytest.raises(ValueError, match="w13 must have dtype bfloat16"):
         experts(x.bfloat16(), weights, ids, w13, w2)
     if device.type == "cpu":
-        with pytest.raises(ValueError, match=r"ids must lie in \[0, E=4\)"):
+        with pytest.raises(ValueError, match=r"ids must lie in \[-1, E=4\)"):
             experts(x, weights, ids + 4, w13, w2)
+        with pytest.raises(ValueError, match=r"ids must lie in \[-1, E=4\)"):
+            experts(x, weights, ids - 2, w13, w2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from atom_kernels.ops.moe import TICKET_COLUMNS, TICKET_TOKENS, experts_fp8_tickets
+from atom_kernels.ops.moe import TICKET_COLUMNS, TICKET_TOKENS, experts_fp8_tickets, local_expert_ids
 from atom_kernels.testing import assert_close, randn
 
 E4M3 = torch.float8_e4m3fn
@@ -99,6 +99,37 @@ def test_moe_experts_fp8_matches_per_token_loop(impl, tol, device, dtype, tokens
     assert out.shape == x.shape and out.dtype == dtype
     expected = per_token_loop(x, weights, ids, q13, s13, q2, s2, block)
     assert_close(out, expected, tol("moe_fp8", dtype), f"moe_experts_fp8 {dtype} T={tokens} I={inter}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_moe_experts_fp8_expert_parallel(impl, tol, device, dtype, tokens):
+    """Experts split over 2 ranks (4 of 8 each): a rank's call on its experts with ids from
+    ``local_expert_ids`` (-1 for the other rank's) == the per-token loop over the slots it holds (a token
+    with none gets exactly zero); the two ranks' outputs sum to the call over all 8. 1 and 5 tokens take
+    the triton backend's pair path, 40 its aligned path."""
+    fn = impl("moe_experts_fp8", dtype)
+    num_experts, hidden, inter, top_k, block, ranks = 8, 256, 64, 2, (128, 128), 2
+    q13, s13, q2, s2 = make_experts(num_experts, hidden, inter, block, device, seed=3)
+    x = randn(tokens, hidden, seed=4, dtype=dtype, device=device)
+    logits = randn(tokens, num_experts, seed=5, dtype=torch.float32, device=device)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
+    full = fn(x, weights, ids, q13, s13, q2, s2, block)
+    n = num_experts // ranks
+    total = torch.zeros(x.shape, dtype=torch.float32, device=device)
+    for r in range(ranks):
+        lo = r * n
+        part = (q13[lo : lo + n], s13[lo : lo + n], q2[lo : lo + n], s2[lo : lo + n])
+        tickets = torch.zeros(experts_fp8_tickets(hidden), dtype=torch.int32, device=device)
+        out = fn(x, weights, local_expert_ids(ids, lo, n), *part, block, tickets=tickets)
+        assert int(tickets.abs().sum()) == 0, "the launch left a ticket set"
+        held = ((ids >= lo) & (ids < lo + n)).cpu()
+        expected = per_token_loop(x, weights.cpu() * held, ids, q13, s13, q2, s2, block)
+        assert_close(out, expected, tol("moe_fp8", dtype), f"rank {r} {dtype} T={tokens}")
+        none = ~held.any(1)
+        assert torch.equal(out.cpu()[none], torch.zeros_like(out.cpu()[none])), "a token with no local expert"
+        total += out.float()
+    assert_close(total, full.float(), tol("moe_fp8", dtype), f"sum over ranks {dtype} T={tokens}")
 
 
 def test_moe_experts_fp8_bad_inputs(impl, device):
@@ -216,6 +247,33 @@ def test_moe_experts_fp8_fused_sum_is_bit_equal(device, dtype, tokens):
     if device.type == "cuda":
         expected = per_token_loop(*args)
         assert_close(fused, expected, TOL[("moe_fp8", dtype, "triton")], f"fused sum {dtype} T={tokens}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("config", [{"PAIRS": True}, {"PAIRS": True, "FUSED_SUM": False}, {"PAIRS": False}])
+def test_moe_experts_fp8_triton_expert_parallel_paths(device, dtype, tokens, config):
+    """Each path of the triton FP8 experts (pair path with its fused sum, with the separate sum, aligned)
+    on one rank's half of the experts with ids from ``local_expert_ids`` (-1 for the other half) gives
+    bit for bit the same path over all experts with the other half's routing weights zeroed (the -1 pairs
+    add exactly nothing), and leaves the tickets zero."""
+    fp8 = pair_module(device, dtype)
+    num_experts, hidden, inter, top_k, block = 8, 200, 192, 3, (128, 128)
+    q13, s13, q2, s2 = make_experts(num_experts, hidden, inter, block, device, seed=9)
+    x = randn(tokens, hidden, seed=10, dtype=dtype, device=device)
+    logits = randn(tokens, num_experts, seed=11, dtype=torch.float32, device=device)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
+    n = num_experts // 2
+    for lo in (0, n):
+        held = (ids >= lo) & (ids < lo + n)
+        part = (q13[lo : lo + n], s13[lo : lo + n], q2[lo : lo + n], s2[lo : lo + n])
+        tickets = torch.zeros(experts_fp8_tickets(hidden), dtype=torch.int32, device=device)
+        local = local_expert_ids(ids, lo, n)
+        out = fp8.moe_experts_fp8(x, weights, local, *part, block, tickets=tickets, config=config)
+        assert not tickets.any(), "a launch left a ticket non-zero"
+        want = fp8.moe_experts_fp8(x, weights * held, ids, q13, s13, q2, s2, block, config=config)
+        diff = (out.float() - want.float()).abs().max().item()
+        assert torch.equal(out, want), f"experts [{lo}, {lo + n}) {config} T={tokens}: max |diff| {diff:.3e}"
 
 
 def test_moe_experts_fp8_forced_pairs_need_enough_tickets(device):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import typing
 from types import MappingProxyType
 
 import atom_kernels
@@ -12,6 +11,7 @@ import pytest
 import torch
 from atom_core.errors import ConfigError
 from atom_kernels import registry
+from atom_kernels.backends.reference import REFERENCE_OPS
 from atom_kernels.kernels import Kernels, select_kernels
 
 
@@ -124,17 +124,29 @@ def test_backend_modules_table_is_read_only():
         registry.BACKEND_MODULES["triton"] = "somewhere.else"  # type: ignore[index]
 
 
+def _spec(op: str) -> list[inspect.Parameter]:
+    """The reference implementation's parameters: the one written source of ``op``'s signature."""
+    return list(inspect.signature(REFERENCE_OPS[op]).parameters.values())
+
+
 @pytest.mark.parametrize("op", registry.OPS)
-def test_every_backend_has_the_signature_kernels_declares(op):
-    """``Kernels.<op>`` is typed by a Protocol whose ``__call__`` is the reference's signature; every
-    importable backend takes the same parameters (extra ones only keyword-only, with defaults)."""
-    proto = typing.get_type_hints(Kernels)[op]
-    spec = list(inspect.signature(proto.__call__).parameters.values())[1:]  # without self
+def test_every_backend_has_the_reference_signature(op):
+    """Every importable backend takes the reference's parameters (names, kinds, defaults, in order); extra
+    ones only keyword-only, with defaults."""
+    spec = [(p.name, p.kind, p.default) for p in _spec(op)]
     for backend, impl in registry.implementations(op).items():
         params = list(inspect.signature(impl.fn).parameters.values())
         head = [(p.name, p.kind, p.default) for p in params[: len(spec)]]
-        assert head == [(p.name, p.kind, p.default) for p in spec], f"{op}: {backend} differs from {proto}"
+        assert head == spec, f"{op}: {backend}'s {impl.fn.__qualname__} differs from the reference"
         for extra in params[len(spec) :]:
             assert (
                 extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default is not inspect.Parameter.empty
             ), f"{op}: {backend}'s extra parameter {extra.name!r} must be keyword-only with a default"
+
+
+@pytest.mark.parametrize("op", registry.OPS)
+def test_every_check_takes_the_reference_parameters(op):
+    """``check_<op>`` (which every backend's op calls) takes the reference's parameters by name, in order."""
+    reference = REFERENCE_OPS[op]
+    check = getattr(inspect.getmodule(reference), f"check_{op}")
+    assert list(inspect.signature(check).parameters) == [p.name for p in _spec(op)]

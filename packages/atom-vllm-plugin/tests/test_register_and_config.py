@@ -134,10 +134,15 @@ def test_config_errors_name_the_checkpoint_vllm_serves():
         from_vllm(bad, "target")
 
 
-def test_expert_parallel_is_refused_by_name():
+def test_expert_parallel_follows_vllm_and_is_refused_with_data_parallel():
+    """``enable_expert_parallel`` reaches both roles' configs; the combination with data parallel (vLLM's
+    expert group spanning DP replicas) is refused by name."""
     cfg = _vllm_config(k=1)
+    assert not from_vllm(cfg, "target").expert_parallel
     cfg.parallel_config.enable_expert_parallel = True
-    with pytest.raises(ConfigError, match="field 'enable_expert_parallel' = True"):
+    assert from_vllm(cfg, "target").expert_parallel and from_vllm(cfg, "draft").expert_parallel
+    cfg.parallel_config.data_parallel_size = 2
+    with pytest.raises(ConfigError, match="field 'data_parallel_size' = 2.*expert parallel"):
         from_vllm(cfg, "target")
 
 

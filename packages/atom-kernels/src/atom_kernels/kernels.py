@@ -3,47 +3,53 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 import torch
 from atom_core.envs import forced_kernel_backend
 
 from atom_kernels import registry
-from atom_kernels import signatures as sig
+
+Op = Callable[..., Any]
+"""An op's callable. Its signature is the reference implementation's (``atom_kernels.ops.<family>.reference``,
+the spec); every backend takes the same parameters and may add keyword-only ones with defaults
+(``tests/test_kernels_registry.py`` checks every registered implementation)."""
 
 
 @dataclass(frozen=True)
 class Kernels:
-    """The resolved op callables, typed by :mod:`atom_kernels.signatures` (semantics: docs/kernel-api.md)."""
+    """The resolved op callables, one per name of :data:`atom_kernels.registry.OPS`, each with its reference
+    implementation's signature (:data:`Op`; semantics: docs/kernel-api.md)."""
 
     device: torch.device
     dtype: torch.dtype
-    rms_norm: sig.RmsNorm
-    gated_rms_norm: sig.GatedRmsNorm
-    rope: sig.Rope
-    silu_and_mul: sig.SiluAndMul
-    linear: sig.Linear
-    moe_router: sig.MoeRouter
-    moe_gate_router: sig.MoeGateRouter
-    moe_experts: sig.MoeExperts
-    moe_experts_fp8: sig.MoeExpertsFp8
-    gdn_gating: sig.GdnGating
-    l2norm: sig.L2Norm
-    causal_conv1d_varlen: sig.CausalConv1dVarlen
-    causal_conv1d_update: sig.CausalConv1dUpdate
-    gated_delta_rule_chunked: sig.GatedDeltaRuleChunked
-    gated_delta_rule_recurrent: sig.GatedDeltaRuleRecurrent
-    gated_delta_rule_verify: sig.GatedDeltaRuleVerify
-    kv_cache_write: sig.KvCacheWrite
-    paged_attention: sig.PagedAttention
-    fp8_block_dequant: sig.Fp8BlockDequant
-    fp8_act_quant: sig.Fp8ActQuant
-    fp8_linear: sig.Fp8Linear
-    gated_norm_fp8_linear: sig.GatedNormFp8Linear
-    fp8_kv_quant: sig.Fp8KvQuant
-    fp8_kv_dequant: sig.Fp8KvDequant
+    rms_norm: Op
+    gated_rms_norm: Op
+    rope: Op
+    silu_and_mul: Op
+    linear: Op
+    moe_router: Op
+    moe_gate_router: Op
+    moe_experts: Op
+    moe_experts_fp8: Op
+    gdn_gating: Op
+    l2norm: Op
+    causal_conv1d_varlen: Op
+    causal_conv1d_update: Op
+    gated_delta_rule_chunked: Op
+    gated_delta_rule_recurrent: Op
+    gated_delta_rule_verify: Op
+    kv_cache_write: Op
+    paged_attention: Op
+    fp8_block_dequant: Op
+    fp8_act_quant: Op
+    fp8_linear: Op
+    gated_norm_fp8_linear: Op
+    fp8_kv_quant: Op
+    fp8_kv_dequant: Op
     backends: Mapping[str, str] = field(repr=False, compare=False, default_factory=dict)
 
     def backend_of(self, op: str) -> str:

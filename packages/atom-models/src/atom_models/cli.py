@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel ranks, one spawned process each (default 1: this process)",
     )
     p.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="partition the routed experts over the tensor-parallel ranks (whole experts, 1/tp per rank) "
+        "instead of splitting each expert's intermediate dimension",
+    )
+    p.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -91,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         num_speculative_tokens=args.speculative_tokens,
         max_num_seqs=max(1, len(args.prompt)),
         cuda_graphs=args.cuda_graphs,
+        expert_parallel=args.expert_parallel,
     )
     prompts = [tok.encode(p).ids for p in args.prompt]
     params = [

@@ -42,8 +42,20 @@ def sources(module: nn.Module, pname: str, local: str, rows: int) -> list[str]:
     shared expert's tensors, its router also the shared gate row."""
     block = folded_block(module, pname)
     if block is None:
-        return sources_for(local, rows)
+        return sources_for(local, rows, first_expert=expert_start(module, pname) or 0)
     return sources_for(local, block.experts.num_experts, folded=True)
+
+
+def expert_start(module: nn.Module, pname: str) -> int | None:
+    """The first checkpoint expert of the expert-parallel routed experts that parameter ``pname`` belongs
+    to (``Experts.expert_start``), or None (not such a parameter, or every expert held)."""
+    if "." not in pname:
+        return None
+    try:
+        owner = module.get_submodule(pname.rsplit(".", 1)[0])
+    except AttributeError:
+        return None
+    return getattr(owner, "expert_start", None)
 
 
 @dataclass(frozen=True)

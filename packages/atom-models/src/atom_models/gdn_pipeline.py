@@ -190,11 +190,8 @@ def gdn_verify(
         use_qk_l2norm=True,
         A_log=weights.A_log,
         dt_bias=weights.dt_bias,
+        pending_pos=state.pending_pos,  # advanced by num_accepted inside the op (no launch of its own)
     )
-    if state.pending_pos is not None:
-        slots = meta.state_indices
-        old = state.pending_pos.view(-1)[slots.clamp(min=0).long()]
-        put_positions(state.pending_pos, slots, old + meta.num_accepted)
     return o.view(n * ql, geometry.num_v_heads, geometry.head_v_dim)
 
 

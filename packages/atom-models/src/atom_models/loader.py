@@ -177,6 +177,7 @@ def convert_fp8_modules(module: nn.Module, scope: Scope, quant, kernels) -> list
                 full_intermediate_size=mod.full_intermediate_size,
                 name=name,
                 num_shared=mod.num_shared,
+                expert_start=mod.expert_start,
             )
         else:
             if mod.shard is not None:
@@ -296,6 +297,14 @@ def _plan(
                     target = map_name(scope.from_ckpt(name))
                     if target is not None:
                         target = dataclasses.replace(target, param=scope.param_prefix + target.param)
+                    first = None if target is None else folded_shared.expert_start(module, target.param)
+                    if first is not None and target.expert is not None and target.param in params:  # EP
+                        held = first <= target.expert < first + params[target.param].shape[0]
+                        if not held:  # another expert-parallel rank's expert: not read here
+                            if name + SCALE_SUFFIX in scales:
+                                used_scales.add(name + SCALE_SUFFIX)
+                            continue
+                        target = dataclasses.replace(target, expert=target.expert - first, tp=None)
                     block = folded_shared.folded_block(module, expected[name]) if name in expected else None
                     if block is not None:
                         found = folded_shared.plan_copies(

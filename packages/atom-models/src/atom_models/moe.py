@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from atom_core import Qwen3NextConfig
-from atom_kernels.ops.moe import experts_fp8_tickets
+from atom_kernels.ops.moe import experts_fp8_tickets, local_expert_ids
 from torch import nn
 
 from atom_models.modules import GatedMLP, Linear
@@ -24,7 +24,12 @@ class Experts(nn.Module):
     ``m * full_intermediate_size``): pseudo-expert j holds its gate and up rows and its down columns
     ``[j * I_full, (j + 1) * I_full)``, of which this rank holds ``intermediate_range`` shifted by
     ``j * I_full``. Their outputs sum to the shared expert's (SiLU-and-mul is per channel, down a sum over
-    channels). ``num_experts`` is ``E``, the routed experts only.
+    channels). ``num_experts`` is ``E``, the routed experts this module holds.
+
+    Expert parallel (``expert_start = s``, not None): the module holds the model's experts ``[s, s + E)``
+    whole; ``forward`` takes the router's global ids and maps them with ``local_expert_ids`` (-1, skipped
+    by the op, for experts held on other ranks), so its output is this rank's partial sum. No shared
+    pseudo-experts then (``num_shared`` must be 0). None: every expert, ids used as they are.
     """
 
     def __init__(
@@ -36,10 +41,12 @@ class Experts(nn.Module):
         intermediate_range: tuple[int, int] | None = None,
         full_intermediate_size: int | None = None,
         num_shared: int = 0,
+        expert_start: int | None = None,
     ):
         super().__init__()
         self.num_experts = num_experts
         self.num_shared = num_shared
+        self.expert_start = _check_expert_start(expert_start, num_shared)
         self.intermediate_range = (0, intermediate_size) if intermediate_range is None else intermediate_range
         self.full_intermediate_size = (
             intermediate_size if full_intermediate_size is None else full_intermediate_size
@@ -57,14 +64,32 @@ class Experts(nn.Module):
         )
 
     def forward(self, kernels, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return kernels.moe_experts(x, weights, ids, self.w13, self.w2)
+        return kernels.moe_experts(x, weights, _local_ids(self, ids), self.w13, self.w2)
+
+
+def _check_expert_start(expert_start: int | None, num_shared: int) -> int | None:
+    if expert_start is None:
+        return None
+    if isinstance(expert_start, bool) or not isinstance(expert_start, int) or expert_start < 0:
+        raise ValueError(f"expert_start must be None or an int >= 0, got {expert_start!r}")
+    if num_shared:
+        raise ValueError("experts partitioned over ranks (expert_start) hold no shared pseudo-experts")
+    return expert_start
+
+
+def _local_ids(experts: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The router's ids as ``experts`` indexes them: unchanged, or (expert parallel) local, -1 elsewhere."""
+    if experts.expert_start is None:
+        return ids
+    return local_expert_ids(ids, experts.expert_start, experts.num_experts)
 
 
 class Fp8Experts(nn.Module):
     """Routed experts with FP8 block-scaled weights, stacked: ``w13[E + m, 2I, H]`` and ``w2[E + m, H, I]``
     float8_e4m3fn; ``w13_scale_inv[E + m, 2 * ceil(I/bn), ceil(H/bk)]`` (the gate's row blocks, then the up
     projection's, each as in its checkpoint tensor) and ``w2_scale_inv[E + m, ceil(H/bn), ceil(I/bk)]``
-    float32. ``I``, ``intermediate_range`` and the ``num_shared = m`` pseudo-experts as in :class:`Experts`;
+    float32. ``I``, ``intermediate_range``, ``expert_start`` and the ``num_shared = m`` pseudo-experts as
+    in :class:`Experts`;
     a pseudo-expert whose rows lie inside one scale block of the shared expert's tensor holds a copy of that
     block's scales. Every rank's range (of every pseudo-expert too) must start on a block boundary or lie
     inside one block (``ValueError`` otherwise, naming ``name``, on every rank).
@@ -81,10 +106,12 @@ class Fp8Experts(nn.Module):
         full_intermediate_size: int | None = None,
         name: str = "experts",
         num_shared: int = 0,
+        expert_start: int | None = None,
     ):
         super().__init__()
         self.num_experts = num_experts
         self.num_shared = num_shared
+        self.expert_start = _check_expert_start(expert_start, num_shared)
         self.intermediate_range = (0, intermediate_size) if intermediate_range is None else intermediate_range
         self.full_intermediate_size = (
             intermediate_size if full_intermediate_size is None else full_intermediate_size
@@ -127,7 +154,7 @@ class Fp8Experts(nn.Module):
         return kernels.moe_experts_fp8(
             x,
             weights,
-            ids,
+            _local_ids(self, ids),
             self.w13,
             self.w13_scale_inv,
             self.w2,
@@ -183,7 +210,13 @@ class SparseMoeBlock(nn.Module):
     the routed experts and the shared expert are sharded over their intermediate dimension (each
     pseudo-expert as a routed one), so each rank's output is a partial sum (the sigmoid gate is a
     per-token scalar, so it applies to partial sums), all-reduced ONCE per block. No token is moved between
-    ranks (no all-to-all); expert parallelism is not implemented.
+    ranks (no all-to-all).
+
+    Expert parallel (``layout.expert_parallel``): rank r holds ``layout.num_local_experts`` routed experts
+    from ``layout.expert_start`` on, whole (:class:`Experts` with ``expert_start``); the router still
+    scores all ``E`` experts on every rank, each rank computes the slots routed to its experts, and the
+    same one all-reduce sums the partial outputs. The shared expert is not folded then (a separate
+    :class:`GatedMLP`, split over its intermediate dimension, with its own ``shared_expert_gate``).
     """
 
     def __init__(
@@ -200,17 +233,22 @@ class SparseMoeBlock(nn.Module):
         self.parallel = parallel
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
-        self.num_shared = shared_pseudo_experts(config)
+        self.num_experts = config.num_experts  # the router's E (all of the model's routed experts)
+        ep = layout.expert_parallel
+        self.num_shared = 0 if ep else shared_pseudo_experts(config)
         # HF names the router "gate" (a Linear H -> E without bias); folded: H -> router_rows(config).
-        self.gate = Linear(config.hidden_size, router_rows(config), dtype=dtype)
+        self.gate = Linear(config.hidden_size, config.num_experts if ep else router_rows(config), dtype=dtype)
         self.experts = Experts(
-            config.num_experts,
+            layout.num_local_experts,
             config.hidden_size,
             layout.moe_intermediate_size,
             dtype=dtype,
-            intermediate_range=layout.row_range(config.moe_intermediate_size),
+            intermediate_range=(0, config.moe_intermediate_size)
+            if ep
+            else layout.row_range(config.moe_intermediate_size),
             full_intermediate_size=config.moe_intermediate_size,
             num_shared=self.num_shared,
+            expert_start=layout.expert_start if ep else None,
         )
         separate = config.shared_expert_intermediate_size > 0 and not self.num_shared
         self.shared_expert = (
@@ -231,7 +269,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.kernels
-        e = self.experts.num_experts
+        e = self.num_experts
         if isinstance(self.gate, Linear) and self.gate.bias is None and self.gate.shard is None:
             weights, ids = k.moe_gate_router(
                 x,

@@ -150,7 +150,9 @@ class Qwen3NextForCausalLM(nn.Module):
     this with its own ``parallel``; ``self.layout`` (:class:`TPLayout`) holds the rank's sizes, checked
     against the config (``ConfigError`` naming the field the world size does not divide). Every rank
     runs ``forward`` on the same inputs and gets the same (replicated) hidden states; ``compute_logits``
-    all-gathers the vocabulary shards, so every rank gets the full ``[T, V]``.
+    all-gathers the vocabulary shards, so every rank gets the full ``[T, V]``. ``expert_parallel``: the
+    routed experts are partitioned over the ranks, whole, instead of split over their intermediate
+    dimension (:class:`TPLayout`; each rank loads only its own experts).
     """
 
     def __init__(
@@ -160,13 +162,14 @@ class Qwen3NextForCausalLM(nn.Module):
         kernels,
         dtype: torch.dtype | None = None,
         parallel: ParallelContext = SINGLE_PROCESS,
+        expert_parallel: bool = False,
     ):
         super().__init__()
         dtype = kernels.dtype if dtype is None else dtype
         self.config = config
         self.kernels = kernels
         self.parallel = parallel
-        self.layout = TPLayout.from_config(config, parallel.rank, parallel.world_size)
+        self.layout = TPLayout.from_config(config, parallel.rank, parallel.world_size, expert_parallel)
         self.model = Qwen3NextModel(
             config, cores, kernels, dtype=dtype, prefix="model", layout=self.layout, parallel=parallel
         )

@@ -25,7 +25,8 @@ class Qwen3NextMTP(nn.Module):
     all-gathers the full vocabulary. ``fc`` (``[H, 2H]``) is replicated, not column-parallel with a
     gather as in vLLM: it is ``2 H^2`` parameters (8 MiB in bf16 at H = 2048, kept bf16 by the published
     FP8 checkpoint), and replicating it spares the draft step one all-gather on its critical path, for
-    ``(tp - 1) / tp`` of that memory per rank.
+    ``(tp - 1) / tp`` of that memory per rank. ``expert_parallel``: the MoE layer's routed experts are
+    partitioned over the ranks, as in the target (:class:`TPLayout`).
     """
 
     def __init__(
@@ -37,6 +38,7 @@ class Qwen3NextMTP(nn.Module):
         lm_head: Linear,
         dtype: torch.dtype | None = None,
         parallel: ParallelContext = SINGLE_PROCESS,
+        expert_parallel: bool = False,
     ):
         super().__init__()
         if config.num_mtp_layers < 1:
@@ -47,7 +49,7 @@ class Qwen3NextMTP(nn.Module):
         self.config = config
         self.kernels = kernels
         self.parallel = parallel
-        self.layout = TPLayout.from_config(config, parallel.rank, parallel.world_size)
+        self.layout = TPLayout.from_config(config, parallel.rank, parallel.world_size, expert_parallel)
         if getattr(embed_tokens, "parallel", parallel).world_size != parallel.world_size:
             raise ValueError(
                 f"Qwen3NextMTP: the shared embed_tokens is split over {embed_tokens.parallel.world_size} ranks, "

@@ -8,7 +8,9 @@ and with ``shard=(i, n)`` into the i-th of n row blocks (dim 0) of that: the i-t
 :class:`~atom_models.modules.Fp8Linear` holds them), equal blocks otherwise (stacked experts).
 
 The ``tp`` column says which part of the checkpoint tensor tensor-parallel rank r reads (the parameter
-holds only that part; the loader reads it with ``get_slice``):
+holds only that part; the loader reads it with ``get_slice``). Routed experts partitioned over
+expert-parallel ranks are the exception: a rank reads its own experts' tensors whole (``param[expert -
+expert_start]``) and no other expert's (``Experts.expert_start``, applied by the loader):
 
 - ``None``: replicated, every rank reads the whole tensor;
 - ``ROWS`` / ``COLS``: dim 0 / dim 1 split in ``world_size`` equal contiguous ranges, rank r reads the r-th
@@ -187,12 +189,13 @@ def group_parts(regroup: str, config) -> tuple[tuple[str, int], ...]:
     raise ValueError(f"unknown regroup {regroup!r} (weight_map.RULES); known: {REGROUPS}")
 
 
-def sources_for(param: str, num_rows: int, folded: bool = False) -> list[str]:
+def sources_for(param: str, num_rows: int, folded: bool = False, first_expert: int = 0) -> list[str]:
     """The checkpoint names (scope-relative) that together fill parameter ``param``.
 
-    ``num_rows`` is ``param.shape[0]`` (the number of routed experts for stacked expert parameters).
-    ``folded``: ``param`` belongs to a MoE block with the shared expert folded in; the shared expert's
-    tensors (``FOLDED_SHARED_RULES``) are sources too.
+    ``num_rows`` is ``param.shape[0]`` (the number of routed experts for stacked expert parameters: the
+    checkpoint's experts ``first_expert .. first_expert + num_rows - 1``, a slice of them when the experts
+    are partitioned over expert-parallel ranks). ``folded``: ``param`` belongs to a MoE block with the
+    shared expert folded in; the shared expert's tensors (``FOLDED_SHARED_RULES``) are sources too.
     """
     names: list[str] = []
     for rx, rule in _DST + (_FOLDED_DST if folded else ()):
@@ -201,7 +204,8 @@ def sources_for(param: str, num_rows: int, folded: bool = False) -> list[str]:
             continue
         layer = m.groupdict().get("layer")
         if rule.stacks_experts:
-            names.extend(rule.src.format(layer=layer, expert=e) for e in range(num_rows))
+            experts = range(first_expert, first_expert + num_rows)
+            names.extend(rule.src.format(layer=layer, expert=e) for e in experts)
         else:
             names.append(rule.src.format(layer=layer))
     return names

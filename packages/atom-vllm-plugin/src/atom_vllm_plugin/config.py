@@ -31,6 +31,9 @@ class AtomVllmConfig:
     speculative: SpeculativeConfig | None
     dtype: torch.dtype
     tensor_parallel_size: int = 1  # vLLM's parallel_config.tensor_parallel_size, checked against the model
+    # vLLM's parallel_config.enable_expert_parallel: the routed experts partitioned over the TP ranks (whole,
+    # 1/tp of them loaded per rank) instead of split over their intermediate dimension (atom_models TPLayout)
+    expert_parallel: bool = False
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -125,8 +128,10 @@ def from_vllm(vllm_config: Any, role: Role) -> AtomVllmConfig:
     """Build the config of the target (``role='target'``) or of the MTP draft (``role='draft'``).
 
     Refuses a ``tensor_parallel_size`` the model cannot be sharded by (a :class:`ConfigError` naming the
-    config field, e.g. ``linear_num_key_heads``): every worker's model constructor and the GDN state-size
-    classmethods start here, so such a size fails before any weight is read."""
+    config field, e.g. ``linear_num_key_heads``, or ``num_experts`` with ``enable_expert_parallel``): every
+    worker's model constructor and the GDN state-size classmethods start here, so such a size fails before
+    any weight is read. ``enable_expert_parallel`` partitions the routed experts over the TP ranks; with
+    ``data_parallel_size > 1`` it is refused (vLLM's expert group would span the DP replicas)."""
     spec = speculative_from_vllm(vllm_config.speculative_config)
     if role == "draft":
         if spec is None or vllm_config.speculative_config.draft_model_config is None:
@@ -149,19 +154,24 @@ def from_vllm(vllm_config: Any, role: Role) -> AtomVllmConfig:
     cache_from_vllm(vllm_config.cache_config)  # rejects a KV cache dtype the plugin cannot store
     if role == "target":  # the target is built first: a refused flag stops vLLM before any weight is read
         check_quantization(getattr(vllm_config.model_config, "quantization", None), model, where)
-    if getattr(vllm_config.parallel_config, "enable_expert_parallel", False):
+    ep = bool(getattr(vllm_config.parallel_config, "enable_expert_parallel", False))
+    dp = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
+    if ep and dp > 1:  # vLLM's expert group would span the DP replicas; the plugin partitions over TP only
         raise ConfigError(
-            "enable_expert_parallel",
-            True,
+            "data_parallel_size",
+            dp,
             "vllm_config",
-            "the ATOM plugin shards experts over their intermediate dimension only; leave expert parallel off",
+            "the ATOM plugin partitions experts over the tensor-parallel ranks only; expert parallel with "
+            "data_parallel_size > 1 is not supported (use data parallel without expert parallel, or TP + EP)",
         )
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
-    TPLayout.from_config(model, 0, tp)  # ConfigError naming the field the TP size does not divide
+    # ConfigError naming the field the TP size does not divide (num_experts with expert parallel)
+    TPLayout.from_config(model, 0, tp, expert_parallel=ep)
     return AtomVllmConfig(
         role=role,
         model=model,
         speculative=spec,
         dtype=vllm_config.model_config.dtype,
         tensor_parallel_size=tp,
+        expert_parallel=ep,
     )

@@ -61,9 +61,14 @@ class EngineConfig:
     # bucketed decode/verify steps over persistent buffers, captured as CUDA graphs on a GPU (on a CPU
     # the same bucketed path runs eagerly); None: on when the device is CUDA, off elsewhere
     cuda_graphs: bool | None = None
+    # tensor parallel: partition the routed experts over the ranks, each rank holding and loading 1/tp of
+    # them whole (TPLayout), instead of splitting every expert over its intermediate dimension
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # validates the name
+        if not isinstance(self.expert_parallel, bool):
+            raise ValueError(f"EngineConfig.expert_parallel must be a bool, got {self.expert_parallel!r}")
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"EngineConfig.cuda_graphs must be a bool or None, got {self.cuda_graphs!r}")
         minimums = {
@@ -130,7 +135,9 @@ class LLMEngine:
         self.device = torch.device(device)
         self.dtype = dtype
         self.parallel = parallel
-        self.layout = TPLayout.from_config(config, parallel.rank, parallel.world_size)
+        self.layout = TPLayout.from_config(
+            config, parallel.rank, parallel.world_size, engine_config.expert_parallel
+        )
         self.dequantize_fp8 = dequantize_fp8
         if kernels is not None:
             kd = torch.device(kernels.device)
@@ -173,6 +180,7 @@ class LLMEngine:
             device=self.device,
             parallel=parallel,
             dequantize_fp8=dequantize_fp8,
+            expert_parallel=engine_config.expert_parallel,
         )
         self.scheduler = Scheduler(
             self.caches,

@@ -101,10 +101,12 @@ class ModelRunner:
         device: torch.device,
         parallel: ParallelContext,
         dequantize_fp8: bool,
+        expert_parallel: bool = False,
     ):
         k = num_speculative_tokens
         self.config, self.caches, self.kernels = config, caches, kernels
         self.dtype, self.device, self.parallel = dtype, device, parallel
+        self.expert_parallel = expert_parallel
         self.target, self.mtp = self._build_models(k, dequantize_fp8)
         self.builder = BatchBuilder(block_size, device)
         self.decider = TPDecider(parallel, device)
@@ -136,10 +138,15 @@ class ModelRunner:
         config, kernels, dtype, parallel = self.config, self.kernels, self.dtype, self.parallel
         cores = EngineCoreFactory(self.caches, kernels)
         with torch.device("meta"):
-            target = Qwen3NextForCausalLM(config, cores, kernels, dtype=dtype, parallel=parallel)
+            ep = self.expert_parallel
+            target = Qwen3NextForCausalLM(
+                config, cores, kernels, dtype=dtype, parallel=parallel, expert_parallel=ep
+            )
             shared = (target.model.embed_tokens, target.lm_head)
             mtp = (
-                Qwen3NextMTP(config, cores, kernels, *shared, dtype=dtype, parallel=parallel)
+                Qwen3NextMTP(
+                    config, cores, kernels, *shared, dtype=dtype, parallel=parallel, expert_parallel=ep
+                )
                 if k > 0
                 else None
             )

@@ -8,7 +8,11 @@ Sharding (the scheme of vLLM's ``qwen3_next.py``, the anchor):
   (the checkpoint's per-key-head-group layout makes a rank's rows of ``in_proj_qkvz`` / ``in_proj_ba``
   contiguous; the conv channels of q, k and v are three slices);
 - MoE: every rank holds every expert, sharded over the expert intermediate dimension (as the shared expert
-  and dense MLPs are): one all-reduce per MoE block, every rank routes every token, no token shuffling;
+  and dense MLPs are): one all-reduce per MoE block, every rank routes every token, no token shuffling.
+  With ``expert_parallel`` the routed experts are partitioned instead: rank r holds experts
+  ``[r * E / tp, (r + 1) * E / tp)`` whole (``expert_start``, ``num_local_experts``), computes them for
+  every token (the router still runs on all ``E`` logits everywhere), and the same all-reduce sums the
+  ranks' partial outputs; the shared expert stays split over its intermediate dimension;
 - vocabulary: ``embed_tokens`` and ``lm_head`` rows split in contiguous ranges.
 """
 
@@ -34,10 +38,18 @@ class TPLayout:
     shared_expert_intermediate_size: int
     intermediate_size: int  # dense MLP layers
     vocab_size: int  # rows of embed_tokens / lm_head on this rank
+    expert_parallel: bool = False  # routed experts partitioned over the ranks (whole), not split
+    num_local_experts: int = 0  # routed experts this rank holds (all of them without expert_parallel)
+    expert_start: int = 0  # the first of them (the checkpoint's expert index)
 
     @classmethod
-    def from_config(cls, config: Qwen3NextConfig, rank: int = 0, world_size: int = 1) -> TPLayout:
-        """Raise :class:`~atom_core.ConfigError` naming the field that ``world_size`` does not divide."""
+    def from_config(
+        cls, config: Qwen3NextConfig, rank: int = 0, world_size: int = 1, expert_parallel: bool = False
+    ) -> TPLayout:
+        """Raise :class:`~atom_core.ConfigError` naming the field that ``world_size`` does not divide
+        (``num_experts`` with ``expert_parallel``; ``moe_intermediate_size`` without)."""
+        if not isinstance(expert_parallel, bool):
+            raise ValueError(f"expert_parallel must be a bool, got {expert_parallel!r}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"tensor parallel rank {rank} of world size {world_size} is not a valid rank")
         tp = world_size
@@ -60,6 +72,7 @@ class TPLayout:
         else:
             kv_local, replicas = 1, tp // kv
         dense = any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+        experts = split("num_experts", config.num_experts) if expert_parallel else config.num_experts
         return cls(
             rank=rank,
             world_size=tp,
@@ -69,9 +82,11 @@ class TPLayout:
             linear_num_key_heads=split("linear_num_key_heads", config.linear_num_key_heads),
             # a multiple of the key heads (the config checks it), so divisible whenever they are
             linear_num_value_heads=config.linear_num_value_heads // tp,
-            moe_intermediate_size=split("moe_intermediate_size", config.moe_intermediate_size)
-            if config.num_experts
-            else 0,
+            moe_intermediate_size=0
+            if not config.num_experts
+            else config.moe_intermediate_size
+            if expert_parallel
+            else split("moe_intermediate_size", config.moe_intermediate_size),
             shared_expert_intermediate_size=split(
                 "shared_expert_intermediate_size", config.shared_expert_intermediate_size
             ),
@@ -79,12 +94,16 @@ class TPLayout:
             if dense
             else config.intermediate_size // tp,  # no dense MLP layer: the size is never used
             vocab_size=split("vocab_size", config.vocab_size),
+            expert_parallel=expert_parallel,
+            num_local_experts=experts,
+            expert_start=rank * experts if expert_parallel else 0,
         )
 
     @classmethod
     def of(cls, config: Qwen3NextConfig, parallel, layout: TPLayout | None = None) -> TPLayout:
         """``layout`` (checked to be ``parallel``'s rank and world size), or the layout of ``parallel``'s
-        rank when None: what a module given both ``layout=`` and ``parallel=`` uses."""
+        rank when None (experts split, not partitioned): what a module given both ``layout=`` and
+        ``parallel=`` uses."""
         if layout is None:
             return cls.from_config(config, parallel.rank, parallel.world_size)
         if (layout.rank, layout.world_size) != (parallel.rank, parallel.world_size):

@@ -51,6 +51,8 @@ forward context the layers register in), as vLLM's ops do.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from vllm.utils.torch_utils import direct_register_custom_op
 
@@ -78,12 +80,6 @@ def atom_attention_with_output(
     layer.run_into(output, q, k, v)
 
 
-def _atom_attention_fake(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_name: str
-) -> None:
-    return None
-
-
 # ---- Gated DeltaNet ---------------------------------------------------------------------------------
 def atom_gdn_core(
     mixed_qkv: torch.Tensor,
@@ -106,20 +102,6 @@ def atom_gdn_core(
     layer.run_into(output, mixed_qkv, b, a, weights)
 
 
-def _atom_gdn_core_fake(
-    mixed_qkv: torch.Tensor,
-    b: torch.Tensor,
-    a: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    output: torch.Tensor,
-    layer_name: str,
-) -> None:
-    return None
-
-
 # ---- kernels behind ops: bound backend, plans chosen at run time -----------------------------------
 _KERNELS: dict[tuple[str, torch.dtype], object] = {}
 """The backend kernels (``atom_kernels.Kernels``) the kernel ops call, per (device type, dtype)."""
@@ -138,10 +120,6 @@ def atom_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _kernels(x).linear(x, weight, bias)
 
 
-def _atom_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
 # ``tickets`` (fp8_linear, gated_norm_fp8_linear, moe_gate_router, moe_experts_fp8): int32 counters the kernels take atomically and return to zero
 # within the launch, so the op leaves them as it found them. They are not declared mutated: that would make
 # functionalisation clone them (a copy and a zeroed buffer per call) and give the graph a write-back.
@@ -154,17 +132,6 @@ def atom_fp8_linear(
     tickets: torch.Tensor | None,
 ) -> torch.Tensor:
     return _kernels(x).fp8_linear(x, w_fp8, scale_inv, tuple(block), bias, tickets=tickets)
-
-
-def _atom_fp8_linear_fake(
-    x: torch.Tensor,
-    w_fp8: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block: list[int],
-    bias: torch.Tensor | None,
-    tickets: torch.Tensor | None,
-) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], w_fp8.shape[0]))
 
 
 def atom_gated_norm_fp8_linear(
@@ -183,20 +150,6 @@ def atom_gated_norm_fp8_linear(
     )
 
 
-def _atom_gated_norm_fp8_linear_fake(
-    o: torch.Tensor,
-    z: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    w_fp8: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block: list[int],
-    bias: torch.Tensor | None,
-    tickets: torch.Tensor | None,
-) -> torch.Tensor:
-    return o.new_empty((*o.shape[:-2], w_fp8.shape[0]))
-
-
 def atom_moe_gate_router(
     x: torch.Tensor,
     gate_weight: torch.Tensor,
@@ -211,29 +164,10 @@ def atom_moe_gate_router(
     )
 
 
-def _atom_moe_gate_router_fake(
-    x: torch.Tensor,
-    gate_weight: torch.Tensor,
-    num_experts: int,
-    top_k: int,
-    renormalize: bool,
-    num_shared: int,
-    tickets: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (x.shape[0], top_k + num_shared)  # routed columns, then the shared pseudo-experts
-    return x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.int64)
-
-
 def atom_moe_experts(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
     return _kernels(x).moe_experts(x, weights, ids, w13, w2)
-
-
-def _atom_moe_experts_fake(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
-) -> torch.Tensor:
-    return torch.empty_like(x)
 
 
 def atom_moe_experts_fp8(
@@ -252,26 +186,8 @@ def atom_moe_experts_fp8(
     )
 
 
-def _atom_moe_experts_fp8_fake(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    w13: torch.Tensor,
-    w13_scale_inv: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale_inv: torch.Tensor,
-    block: list[int],
-    tickets: torch.Tensor | None,
-) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
 def atom_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _kernels(x).rms_norm(x, weight, eps)
-
-
-def _atom_rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def atom_add_rms_norm(
@@ -280,22 +196,8 @@ def atom_add_rms_norm(
     return _kernels(x).rms_norm(x, weight, eps, residual)
 
 
-def _atom_add_rms_norm_fake(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(
-        x.shape, dtype=x.dtype, device=x.device
-    )
-
-
 def atom_gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _kernels(x).gated_rms_norm(x, z, weight, eps)
-
-
-def _atom_gated_rms_norm_fake(
-    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def atom_rope(
@@ -304,23 +206,11 @@ def atom_rope(
     return _kernels(q).rope(q, k, positions, rotary_dim, theta)
 
 
-def _atom_rope_fake(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(
-        k.shape, dtype=k.dtype, device=k.device
-    )
-
-
 def atom_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _kernels(x).silu_and_mul(x)
 
 
-def _atom_silu_and_mul_fake(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
-
-
-# The ``Kernels`` fields (atom_kernels.signatures) that call the ops above.
+# The ``Kernels`` fields (reference signatures) that call the ops above.
 def _rms_norm_op(x, weight, eps, residual=None):
     if residual is None:
         return torch.ops.vllm.atom_rms_norm(x, weight, float(eps))
@@ -401,6 +291,62 @@ def compilable_kernels(kernels):
     )
 
 
+def _outputs(real, rule):
+    """The fake impl of the op ``real``: ``rule`` called with ``real``'s arguments by name (it names those it
+    reads and takes the rest as ``**_``), returning new empty tensors of the real outputs' shapes, dtypes and
+    strides (checked against the real op by ``torch.library.opcheck`` in the tests)."""
+    signature = inspect.signature(real)
+
+    def fake(*args, **kwargs):
+        return rule(**signature.bind(*args, **kwargs).arguments)
+
+    return fake
+
+
+def _router_outputs(x: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty((x.shape[0], columns), dtype=torch.float32), x.new_empty(
+        (x.shape[0], columns), dtype=torch.int64
+    )
+
+
+_OPS = (
+    # (op name, function, arguments it writes in place, its outputs from its arguments)
+    ("atom_attention_with_output", atom_attention_with_output, ["output"], lambda **_: None),
+    ("atom_gdn_core", atom_gdn_core, ["output"], lambda **_: None),
+    ("atom_linear", atom_linear, None, lambda x, weight, **_: x.new_empty((*x.shape[:-1], weight.shape[0]))),
+    (
+        "atom_fp8_linear",
+        atom_fp8_linear,
+        None,
+        lambda x, w_fp8, **_: x.new_empty((*x.shape[:-1], w_fp8.shape[0])),
+    ),
+    (
+        "atom_gated_norm_fp8_linear",
+        atom_gated_norm_fp8_linear,
+        None,
+        lambda o, w_fp8, **_: o.new_empty((*o.shape[:-2], w_fp8.shape[0])),
+    ),
+    (
+        "atom_moe_gate_router",
+        atom_moe_gate_router,
+        None,  # routed columns, then the shared pseudo-experts
+        lambda x, top_k, num_shared, **_: _router_outputs(x, top_k + num_shared),
+    ),
+    ("atom_moe_experts", atom_moe_experts, None, lambda x, **_: torch.empty_like(x)),
+    ("atom_moe_experts_fp8", atom_moe_experts_fp8, None, lambda x, **_: torch.empty_like(x)),
+    ("atom_rms_norm", atom_rms_norm, None, lambda x, **_: x.new_empty(x.shape)),
+    (
+        "atom_add_rms_norm",
+        atom_add_rms_norm,
+        None,
+        lambda x, **_: (x.new_empty(x.shape), x.new_empty(x.shape)),
+    ),
+    ("atom_gated_rms_norm", atom_gated_rms_norm, None, lambda x, **_: x.new_empty(x.shape)),
+    ("atom_rope", atom_rope, None, lambda q, k, **_: (q.new_empty(q.shape), k.new_empty(k.shape))),
+    ("atom_silu_and_mul", atom_silu_and_mul, None, lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2))),
+)
+"""Every op of this module: ``vllm::<op name>``."""
+
 _registered = False
 
 
@@ -409,54 +355,8 @@ def register_ops() -> None:
     global _registered
     if _registered:
         return
-    direct_register_custom_op(
-        op_name="atom_attention_with_output",
-        op_func=atom_attention_with_output,
-        mutates_args=["output"],
-        fake_impl=_atom_attention_fake,
-    )
-    direct_register_custom_op(
-        op_name="atom_gdn_core",
-        op_func=atom_gdn_core,
-        mutates_args=["output"],
-        fake_impl=_atom_gdn_core_fake,
-    )
-    direct_register_custom_op(
-        op_name="atom_linear",
-        op_func=atom_linear,
-        fake_impl=_atom_linear_fake,
-    )
-    direct_register_custom_op(
-        op_name="atom_fp8_linear",
-        op_func=atom_fp8_linear,
-        fake_impl=_atom_fp8_linear_fake,
-    )
-    direct_register_custom_op(
-        op_name="atom_gated_norm_fp8_linear",
-        op_func=atom_gated_norm_fp8_linear,
-        fake_impl=_atom_gated_norm_fp8_linear_fake,
-    )
-    direct_register_custom_op(
-        op_name="atom_moe_gate_router",
-        op_func=atom_moe_gate_router,
-        fake_impl=_atom_moe_gate_router_fake,
-    )
-    direct_register_custom_op(
-        op_name="atom_moe_experts",
-        op_func=atom_moe_experts,
-        fake_impl=_atom_moe_experts_fake,
-    )
-    direct_register_custom_op(
-        op_name="atom_moe_experts_fp8",
-        op_func=atom_moe_experts_fp8,
-        fake_impl=_atom_moe_experts_fp8_fake,
-    )
-    for name, func, fake in (
-        ("atom_rms_norm", atom_rms_norm, _atom_rms_norm_fake),
-        ("atom_add_rms_norm", atom_add_rms_norm, _atom_add_rms_norm_fake),
-        ("atom_gated_rms_norm", atom_gated_rms_norm, _atom_gated_rms_norm_fake),
-        ("atom_rope", atom_rope, _atom_rope_fake),
-        ("atom_silu_and_mul", atom_silu_and_mul, _atom_silu_and_mul_fake),
-    ):
-        direct_register_custom_op(op_name=name, op_func=func, fake_impl=fake)
+    for name, func, mutates, rule in _OPS:
+        direct_register_custom_op(
+            op_name=name, op_func=func, mutates_args=mutates, fake_impl=_outputs(func, rule)
+        )
     _registered = True

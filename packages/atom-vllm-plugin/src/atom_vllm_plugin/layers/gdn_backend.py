@@ -15,7 +15,7 @@ shared snapshot commits its pending tokens first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
 import numpy as np
@@ -39,9 +39,11 @@ from atom_vllm_plugin.layers.gdn_snapshots import StepCopies
 
 @dataclass
 class AtomGDNAttentionMetadata(GDNAttentionMetadata):
-    """vLLM's GDN metadata with the GDN pipeline's record for the same step."""
+    """vLLM's GDN metadata with the GDN pipeline's record for the same step (and the batch layout the
+    record was made from, which :meth:`AtomGDNAttentionMetadataBuilder.update_block_table` reads again)."""
 
     step: GDNStepMeta | None = None
+    common: CommonAttentionMetadata | None = field(default=None, repr=False)
 
 
 class StepBuffers:
@@ -225,6 +227,10 @@ class AtomGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         max_seqs = vllm_config.scheduler_config.max_num_seqs
         self.step_buffers = StepBuffers(max_seqs, self.num_spec + 1, device)
+        # vLLM builds the first GDN group's metadata of a step and asks the builders of the other groups
+        # (same spec, other state slots) only to re-gather their state indices (vLLM 0.32 turns this on for
+        # its own builder under Model Runner V2 only; align mode's re-gather needs V2's precomputed indices).
+        self.supports_update_block_table = vllm_config.cache_config.mamba_cache_mode != "align"
         self.align = vllm_config.cache_config.mamba_cache_mode == "align"
         layers = vllm_config.compilation_config.static_forward_context
         self.snapshot_schedule = getattr(layers.get(layer_names[0]), "snapshot_schedule", None)
@@ -254,7 +260,23 @@ class AtomGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             copies = self.snapshot_schedule.take(self.layer_names)
             if copies is not None and not copies.empty:
                 step = replace(step, snapshots=snapshot_meta(copies, self.device))
-        return AtomGDNAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, step=step)
+        return AtomGDNAttentionMetadata(
+            **{f.name: getattr(md, f.name) for f in fields(md)}, step=step, common=common_attn_metadata
+        )
+
+    def update_block_table(
+        self, metadata: AtomGDNAttentionMetadata, blk_table: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> AtomGDNAttentionMetadata:
+        """This group's metadata from another GDN group's of the same step: vLLM's re-gather of the state
+        indices from this group's block table (staged in this builder's buffers), then the record made
+        again from them into this builder's ``StepBuffers`` (a full graph of this group's layers was
+        captured over these buffers). vLLM's batch-level work (``build``) runs once per step, not per group."""
+        if metadata.common is None:
+            raise ValueError(
+                "update_block_table: the metadata was not made by AtomGDNAttentionMetadataBuilder.build"
+            )
+        md = super().update_block_table(metadata, blk_table, slot_mapping)
+        return replace(md, step=gdn_step_from_vllm(md, metadata.common, self.step_buffers))
 
 
 class AtomGDNAttentionBackend(GDNAttentionBackend):

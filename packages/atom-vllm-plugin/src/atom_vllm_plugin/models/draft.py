@@ -93,6 +93,7 @@ class AtomQwen3NextMTP(nn.Module):
                 lm_head=AwaitingTarget("lm_head"),
                 dtype=self.atom_config.dtype,
                 parallel=self.parallel,
+                expert_parallel=self.atom_config.expert_parallel,
             )
         convert_mtp_fp8(mtp)
         materialize([mtp], device)

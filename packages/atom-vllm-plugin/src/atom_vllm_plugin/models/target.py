@@ -78,6 +78,7 @@ class AtomQwen3NextForCausalLM(nn.Module):
                 kernels,
                 dtype=self.atom_config.dtype,
                 parallel=self.parallel,
+                expert_parallel=self.atom_config.expert_parallel,
             )
         convert_target_fp8(self.atom)
         materialize([self.atom], device)

@@ -102,6 +102,7 @@ def check_gated_delta_rule_verify(
     use_qk_l2norm: bool,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    pending_pos: torch.Tensor | None = None,
 ) -> None:
     c = Checker("gated_delta_rule_verify")
     c.tensor("q", q, ("N", "Q", "Hk", "Dk"), FLOAT_DTYPES)
@@ -117,3 +118,4 @@ def check_gated_delta_rule_verify(
         c.dim("Q") <= c.dim("R"),
         f"the verify tokens Q={c.dim('Q')} must fit the pending buffer (R={c.dim('R')} tokens per slot)",
     )
+    c.optional("pending_pos", pending_pos, ("S", 1), (torch.int32,))

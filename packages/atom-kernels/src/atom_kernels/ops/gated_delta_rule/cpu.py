@@ -165,6 +165,22 @@ def _apply_tokens(
     return out, u
 
 
+def _slots(state_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The slots as int64, which rows are real (slot >= 0), and whether all are (one host read)."""
+    slots = state_indices.long()
+    valid = slots >= 0
+    return slots, valid, bool(valid.all())
+
+
+def _float_tokens(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias) -> tuple[torch.Tensor, ...]:
+    """The new tokens in float32 as both ops use them: q (scaled) and k (L2-normalised when asked) with the
+    key heads repeated to the value heads, v, and the gates ``g``, ``beta`` (computed from the raw ``a``,
+    ``b`` under fused gating)."""
+    q32, k32 = _prepare_qk(q, k, v.shape[2], scale, use_qk_l2norm)
+    g32, b32 = _gate_values(g, beta, A_log, dt_bias)
+    return q32, k32, v.float(), g32, b32
+
+
 def gated_delta_rule_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -185,12 +201,8 @@ def gated_delta_rule_recurrent(
     )
     check_slot_values("gated_delta_rule_recurrent", "state_indices", state_indices, ssm_state.shape[0])
     num_v_heads = v.shape[2]
-    slots = state_indices.long()
-    valid = slots >= 0
-    all_valid = bool(valid.all())
-    q32, k32 = _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm)
-    g32, b32 = _gate_values(g, beta, A_log, dt_bias)
-    v32 = v.float()
+    slots, valid, all_valid = _slots(state_indices)
+    q32, k32, v32, g32, b32 = _float_tokens(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias)
     if _in_place(ssm_state):
         rows = slots.tolist()
         x = _token_matrix(q32, k32)
@@ -229,20 +241,20 @@ def gated_delta_rule_verify(
     *,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    pending_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_verify` (same contract)."""
     check_gated_delta_rule_verify(
-        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log, dt_bias
-    )
+        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log, dt_bias,
+        pending_pos,
+    )  # fmt: skip
     op = "gated_delta_rule_verify"
     num_seqs, q_len, num_k_heads, dk = k.shape
     num_v_heads, dv = v.shape[2], v.shape[3]
     check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
     r = pending.shape[1]
     check_num_accepted_values(op, num_commit, r, f"R={r}", low=0, name="num_commit")
-    slots = state_indices.long()
-    valid = slots >= 0
-    all_valid = bool(valid.all())
+    slots, valid, all_valid = _slots(state_indices)
     safe = slots.clamp(min=0)
     kd, vd = num_k_heads * dk, num_v_heads * dv
     # Pending tokens: the first num_commit of each slot are committed, the rest get g = 0, u = 0.
@@ -253,9 +265,7 @@ def gated_delta_rule_verify(
     pk32 = torch.where(take[..., None, None], pk32, 0.0)  # tokens not committed may hold anything
     pu = torch.where(take[..., None], old[..., kd : kd + vd], 0.0).view(num_seqs, r, num_v_heads, dv)
     pg = torch.where(take[..., None], old[..., kd + vd :], 0.0)
-    q32, k32 = _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm)
-    g32, b32 = _gate_values(g, beta, A_log, dt_bias)
-    v32 = v.float()
+    q32, k32, v32, g32, b32 = _float_tokens(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias)
     if _in_place(ssm_state):
         # 1 + 2 on each slot's state in place: commit, then the products the verify needs.
         rows = slots.tolist()
@@ -269,11 +279,14 @@ def gated_delta_rule_verify(
 
     # 4. stash this step's tokens for the next step's commit.
     new = torch.cat([k.float().flatten(2), us.flatten(2), g32], dim=-1)  # [N, Q, P]
-    if all_valid:
+    keep = None if all_valid else valid.nonzero().squeeze(1)
+    if keep is None:
         pending[slots, :q_len] = new
     else:
-        keep = valid.nonzero().squeeze(1)
         pending[slots[keep], :q_len] = new[keep]
+    if pending_pos is not None:
+        rows, commit = (slots, num_commit) if keep is None else (slots[keep], num_commit[keep])
+        pending_pos[rows, 0] += commit.to(pending_pos.dtype)
     return out.to(q.dtype)
 
 

@@ -237,6 +237,7 @@ def gated_delta_rule_verify(
     *,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    pending_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MTP verify with deferred commit: commit the accepted pending tokens, verify Q new ones, stash them.
 
@@ -253,6 +254,9 @@ def gated_delta_rule_verify(
         scale: query scale; use_qk_l2norm: L2-normalise q and k (also the pending k on replay).
         A_log, dt_bias: ``[Hv]``, both or neither. Given: fused gating, ``g, beta = gdn_gating(A_log, g,
             dt_bias, beta)`` (float32) before the rule; the stashed ``g`` is the computed one.
+        pending_pos: ``[S, 1]`` int32 or None: per slot the sequence position of pending token 0; each real
+            row's slot advances by its ``num_commit`` (the first of the stashed tokens is that many positions
+            after the first of the committed ones).
 
     Returns:
         ``o [N, Q, Hv, Dv]`` in q.dtype. No per-token state is stored: the committed state is written
@@ -260,8 +264,9 @@ def gated_delta_rule_verify(
         token is ``S = S exp(g) + u k^T``: no reduction over the state, so committing is cheap.
     """
     check_gated_delta_rule_verify(
-        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log, dt_bias
-    )
+        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log, dt_bias,
+        pending_pos,
+    )  # fmt: skip
     op = "gated_delta_rule_verify"
     num_seqs, q_len, num_k_heads, dk = k.shape
     num_v_heads, dv = v.shape[2], v.shape[3]
@@ -302,4 +307,6 @@ def gated_delta_rule_verify(
     # 3. stash this step's tokens for the next step's commit.
     new = torch.cat([k.float().flatten(2), us.flatten(2), g32], dim=-1)  # [N, Q, P]
     pending[slots[keep], :q_len] = new[keep]
+    if pending_pos is not None:
+        pending_pos[slots[keep], 0] += num_commit[keep].to(pending_pos.dtype)
     return out.to(q.dtype)

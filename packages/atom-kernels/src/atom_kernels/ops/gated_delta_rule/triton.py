@@ -43,103 +43,86 @@ from atom_kernels.ops.l2norm.checks import DEFAULT_EPS as L2NORM_EPS
 FLA_CHUNK_SIZES = (16, 32, 64)
 
 
-def strides(name: str, t: torch.Tensor | None, axes: str) -> dict[str, int]:
-    """Keyword arguments ``s_<name><axis>`` = ``t.stride()`` (one letter per axis of ``t``) for a kernel
-    launch; zeros when ``t`` is None (an input the kernel does not read)."""
+def strides(name: str, t: torch.Tensor | None, axes: str) -> dict[str, tuple[int, ...]]:
+    """Keyword argument ``s_<name>`` = ``t.stride()`` (a tuple, indexed in the kernel in ``axes`` order, one
+    letter per axis of ``t``) for a kernel launch; zeros when ``t`` is None (an input the kernel does not
+    read)."""
     if t is None:
-        return {f"s_{name}{a}": 0 for a in axes}
+        return {f"s_{name}": (0,) * len(axes)}
     if t.dim() != len(axes):
         raise ValueError(f"strides: {name} has {t.dim()} dims, the kernel names {len(axes)} ({axes!r})")
-    return {f"s_{name}{a}": st for a, st in zip(axes, t.stride())}
+    return {f"s_{name}": tuple(t.stride())}
 
 
 @triton.jit
-def _recurrent_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    g_ptr,
-    beta_ptr,
-    o_ptr,
-    state_ptr,
+def head_program(
     idx_ptr,
-    A_ptr,
-    dt_ptr,
-    scale,
-    eps,
-    s_qn,
-    s_qt,
-    s_qh,
-    s_qd,
-    s_kn,
-    s_kt,
-    s_kh,
-    s_kd,
-    s_vn,
-    s_vt,
-    s_vh,
-    s_vd,
-    s_gn,
-    s_gt,
-    s_gh,
-    s_bn,
-    s_bt,
-    s_bh,
-    s_on,
-    s_ot,
-    s_oh,
-    s_od,
-    s_ss,
-    s_sh,
-    s_sv,
-    s_sk,
-    s_in,
-    s_Ah,
-    s_dth,
-    Q: tl.constexpr,
+    s_i,
     HV: tl.constexpr,
     GROUP: tl.constexpr,
-    DK: tl.constexpr,
     DV: tl.constexpr,
-    BK: tl.constexpr,
     BV: tl.constexpr,
-    L2NORM: tl.constexpr,
-    GATED: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
+    """The prologue of a kernel with one program per (block of ``BV`` value rows, sequence x value head) on
+    grid ``(cdiv(DV, BV), N * HV)``: waits for the previous kernel first (PDL launches), then returns the
+    sequence ``i_n`` (int64), value head ``i_hv``, key head ``i_hk``, the value rows ``o_v`` and their mask
+    ``m_v``, and the sequence's state slot (int64; < 0: padding row)."""
+    pdl_enter(PDL)
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = (i_nh // HV).to(tl.int64)
     i_hv = i_nh % HV
     i_hk = i_hv // GROUP
-    o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < DK
     m_v = o_v < DV
+    slot = tl.load(idx_ptr + i_n * s_i[0]).to(tl.int64)
+    return i_n, i_hv, i_hk, o_v, m_v, slot
 
-    slot = tl.load(idx_ptr + i_n * s_in).to(tl.int64)
-    p_h = state_ptr + slot * s_ss + i_hv * s_sh + o_v[:, None] * s_sv + o_k[None, :] * s_sk  # [BV, BK] tile
+
+@triton.jit
+def head_gate_params(A_ptr, dt_ptr, i_hv, s_A, s_dt, GATED: tl.constexpr):
+    """Fused gating (``GATED``): the head's ``A_log`` and ``dt_bias`` as float32 scalars; else zeros (unused)."""
+    A_log = 0.0
+    dt_bias = 0.0
+    if GATED:
+        A_log = tl.load(A_ptr + i_hv * s_A[0]).to(tl.float32)
+        dt_bias = tl.load(dt_ptr + i_hv * s_dt[0]).to(tl.float32)
+    return A_log, dt_bias
+
+
+@triton.jit
+def _recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, idx_ptr, A_ptr, dt_ptr, scale, eps,
+    s_q, s_k, s_v, s_g, s_b, s_o, s_s, s_i, s_A, s_dt,  # strides: tuples in the axis order of strides()
+    Q: tl.constexpr, HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATED: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    i_n, i_hv, i_hk, o_v, m_v, slot = head_program(idx_ptr, s_i, HV, GROUP, DV, BV, PDL)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < DK
+    p_h = (
+        state_ptr + slot * s_s[0] + i_hv * s_s[1] + o_v[:, None] * s_s[2] + o_k[None, :] * s_s[3]
+    )  # [BV, BK] tile
     # The slot condition enters the mask as a bound, not `mask & cond` (the interpreter rejects a
     # tensor & scalar-bool mask); empty on padding rows.
     m_h = (o_v < tl.where(slot >= 0, DV, 0))[:, None] & m_k[None, :]
     h = tl.load(p_h, mask=m_h, other=0.0).to(tl.float32)
-    if GATED:  # fused gating: g_ptr / beta_ptr hold the raw a / b
-        A_log = tl.load(A_ptr + i_hv * s_Ah).to(tl.float32)
-        dt_bias = tl.load(dt_ptr + i_hv * s_dth).to(tl.float32)
+    A_log, dt_bias = head_gate_params(A_ptr, dt_ptr, i_hv, s_A, s_dt, GATED)  # GATED: g / beta hold a / b
 
     for j in tl.static_range(Q):
-        b_q = tl.load(q_ptr + i_n * s_qn + j * s_qt + i_hk * s_qh + o_k * s_qd, mask=m_k, other=0.0).to(
-            tl.float32
-        )
-        b_k = tl.load(k_ptr + i_n * s_kn + j * s_kt + i_hk * s_kh + o_k * s_kd, mask=m_k, other=0.0).to(
-            tl.float32
-        )
-        b_v = tl.load(v_ptr + i_n * s_vn + j * s_vt + i_hv * s_vh + o_v * s_vd, mask=m_v, other=0.0).to(
-            tl.float32
-        )
-        b_g = tl.load(g_ptr + i_n * s_gn + j * s_gt + i_hv * s_gh).to(tl.float32)
-        b_b = tl.load(beta_ptr + i_n * s_bn + j * s_bt + i_hv * s_bh).to(tl.float32)
+        b_q = tl.load(
+            q_ptr + i_n * s_q[0] + j * s_q[1] + i_hk * s_q[2] + o_k * s_q[3], mask=m_k, other=0.0
+        ).to(tl.float32)
+        b_k = tl.load(
+            k_ptr + i_n * s_k[0] + j * s_k[1] + i_hk * s_k[2] + o_k * s_k[3], mask=m_k, other=0.0
+        ).to(tl.float32)
+        b_v = tl.load(
+            v_ptr + i_n * s_v[0] + j * s_v[1] + i_hv * s_v[2] + o_v * s_v[3], mask=m_v, other=0.0
+        ).to(tl.float32)
+        b_g = tl.load(g_ptr + i_n * s_g[0] + j * s_g[1] + i_hv * s_g[2]).to(tl.float32)
+        b_b = tl.load(beta_ptr + i_n * s_b[0] + j * s_b[1] + i_hv * s_b[2]).to(tl.float32)
         if GATED:
             b_g, b_b = gdn_gate(b_g, b_b, A_log, dt_bias)
         if L2NORM:
@@ -150,7 +133,9 @@ def _recurrent_kernel(
         h = h + b_u[:, None] * b_k[None, :]
         b_o = tl.sum(h * b_q[None, :], 1) * scale
         tl.store(
-            o_ptr + i_n * s_on + j * s_ot + i_hv * s_oh + o_v * s_od, b_o.to(o_ptr.dtype.element_ty), mask=m_v
+            o_ptr + i_n * s_o[0] + j * s_o[1] + i_hv * s_o[2] + o_v * s_o[3],
+            b_o.to(o_ptr.dtype.element_ty),
+            mask=m_v,
         )
     tl.store(p_h, h.to(state_ptr.dtype.element_ty), mask=m_h)
 

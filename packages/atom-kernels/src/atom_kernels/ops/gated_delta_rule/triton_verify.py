@@ -55,7 +55,12 @@ import triton.language as tl
 from atom_kernels.ops._checks import check_num_accepted_values, check_slot_values
 from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.gated_delta_rule.checks import check_gated_delta_rule_verify
-from atom_kernels.ops.gated_delta_rule.triton import recurrent_launch_config, strides
+from atom_kernels.ops.gated_delta_rule.triton import (
+    head_gate_params,
+    head_program,
+    recurrent_launch_config,
+    strides,
+)
 from atom_kernels.ops.gdn_gating.triton import gdn_gate, gdn_gating
 from atom_kernels.ops.l2norm.checks import DEFAULT_EPS as L2NORM_EPS
 
@@ -95,17 +100,16 @@ def _rsum(x):
 @triton.jit
 def _token(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_n, i_hk, i_hv, t, d2, m_d2, o_v, m_v, scale, eps, A_log, dt_bias,
-    s_qn, s_qt, s_qh, s_qd, s_kn, s_kt, s_kh, s_kd, s_vn, s_vt, s_vh, s_vd, s_gn, s_gt, s_gh,
-    s_bn, s_bt, s_bh, L2NORM: tl.constexpr, GATED: tl.constexpr,
+    s_q, s_k, s_v, s_g, s_b, L2NORM: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     """Token ``t`` of sequence ``i_n``: q and k as ``[NC, KC]`` float32, v as ``[BV]`` (its dtype: converted
     where used), g, beta, and the L2 norms as scalars, ``r_q`` (times the scale) and ``r_k``. ``GATED``:
     g_ptr / beta_ptr hold the raw a / b, gated here with the head's float32 ``A_log`` and ``dt_bias``."""
-    t_q = tl.load(q_ptr + i_n * s_qn + t * s_qt + i_hk * s_qh + d2 * s_qd, mask=m_d2, other=0.0)
-    t_k = tl.load(k_ptr + i_n * s_kn + t * s_kt + i_hk * s_kh + d2 * s_kd, mask=m_d2, other=0.0)
-    t_v = tl.load(v_ptr + i_n * s_vn + t * s_vt + i_hv * s_vh + o_v * s_vd, mask=m_v, other=0.0)
-    t_g = tl.load(g_ptr + i_n * s_gn + t * s_gt + i_hv * s_gh).to(tl.float32)
-    t_b = tl.load(beta_ptr + i_n * s_bn + t * s_bt + i_hv * s_bh).to(tl.float32)
+    t_q = tl.load(q_ptr + i_n * s_q[0] + t * s_q[1] + i_hk * s_q[2] + d2 * s_q[3], mask=m_d2, other=0.0)
+    t_k = tl.load(k_ptr + i_n * s_k[0] + t * s_k[1] + i_hk * s_k[2] + d2 * s_k[3], mask=m_d2, other=0.0)
+    t_v = tl.load(v_ptr + i_n * s_v[0] + t * s_v[1] + i_hv * s_v[2] + o_v * s_v[3], mask=m_v, other=0.0)
+    t_g = tl.load(g_ptr + i_n * s_g[0] + t * s_g[1] + i_hv * s_g[2]).to(tl.float32)
+    t_b = tl.load(beta_ptr + i_n * s_b[0] + t * s_b[1] + i_hv * s_b[2]).to(tl.float32)
     if GATED:
         t_g, t_b = gdn_gate(t_g, t_b, A_log, dt_bias)
     t_q = t_q.to(tl.float32)
@@ -120,86 +124,19 @@ def _token(
 
 @triton.jit
 def _verify_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    g_ptr,
-    beta_ptr,
-    o_ptr,
-    state_ptr,
-    pend_ptr,
-    idx_ptr,
-    commit_ptr,
-    A_ptr,
-    dt_ptr,
-    scale,
-    eps,
-    s_qn,
-    s_qt,
-    s_qh,
-    s_qd,
-    s_kn,
-    s_kt,
-    s_kh,
-    s_kd,
-    s_vn,
-    s_vt,
-    s_vh,
-    s_vd,
-    s_gn,
-    s_gt,
-    s_gh,
-    s_bn,
-    s_bt,
-    s_bh,
-    s_on,
-    s_ot,
-    s_oh,
-    s_od,
-    s_ss,
-    s_sh,
-    s_sv,
-    s_sk,
-    s_ps,
-    s_pr,
-    s_pp,
-    s_in,
-    s_Ah,
-    s_dth,
-    Q: tl.constexpr,
-    R: tl.constexpr,
-    QP: tl.constexpr,
-    HK: tl.constexpr,
-    HV: tl.constexpr,
-    GROUP: tl.constexpr,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
-    NC: tl.constexpr,
-    KC: tl.constexpr,
-    BV: tl.constexpr,
-    L2NORM: tl.constexpr,
-    WY: tl.constexpr,
-    GATED: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, pend_ptr, idx_ptr, commit_ptr, A_ptr, dt_ptr,
+    scale, eps,
+    s_q, s_k, s_v, s_g, s_b, s_o, s_s, s_p, s_i, s_A, s_dt,  # strides: tuples in the axis order of strides()
+    Q: tl.constexpr, R: tl.constexpr, QP: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, NC: tl.constexpr, KC: tl.constexpr,
+    BV: tl.constexpr, L2NORM: tl.constexpr, WY: tl.constexpr, GATED: tl.constexpr,
     PDL: tl.constexpr = False,
-):
-    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = (i_nh // HV).to(tl.int64)
-    i_hv = i_nh % HV
-    i_hk = i_hv // GROUP
+):  # fmt: skip
+    i_n, i_hv, i_hk, o_v, m_v, slot = head_program(idx_ptr, s_i, HV, GROUP, DV, BV, PDL)
     d2 = tl.arange(0, NC)[:, None] * KC + tl.arange(0, KC)[None, :]  # [NC, KC]: Dk positions
     m_d2 = d2 < DK
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < DV
-
-    slot = tl.load(idx_ptr + i_n * s_in).to(tl.int64)
     valid = slot >= 0
-    A_log = 0.0  # fused gating only (GATED): the head's gate parameters, float32
-    dt_bias = 0.0
-    if GATED:
-        A_log = tl.load(A_ptr + i_hv * s_Ah).to(tl.float32)
-        dt_bias = tl.load(dt_ptr + i_hv * s_dth).to(tl.float32)
+    A_log, dt_bias = head_gate_params(A_ptr, dt_ptr, i_hv, s_A, s_dt, GATED)  # GATED: g / beta hold a / b
     n_commit = tl.where(valid, tl.minimum(tl.load(commit_ptr + i_n), R), 0)
     # Scalar conditions enter masks as bounds, not `mask & cond`: the interpreter turns a tensor &
     # scalar bool into int32, which tl.load rejects. Empty on padding rows; for the state store also
@@ -207,23 +144,25 @@ def _verify_kernel(
     m_vs = o_v < tl.where(valid, DV, 0)
     m_vc = o_v < tl.where(n_commit > 0, DV, 0)
 
-    p_h = state_ptr + slot * s_ss + i_hv * s_sh + o_v[:, None, None] * s_sv + d2[None, :, :] * s_sk
+    p_h = state_ptr + slot * s_s[0] + i_hv * s_s[1] + o_v[:, None, None] * s_s[2] + d2[None, :, :] * s_s[3]
     m_h = m_d2[None, :, :]
     h = tl.load(p_h, mask=m_vs[:, None, None] & m_h, other=0.0).to(tl.float32)
 
     # ---- 1. commit: h E + sum_j (u_j r_j W_j) k_j^T (r_j = 1/|k_j|), rows walked from the last, so W_j
     # (the product of the decays after row j) builds up; a row beyond num_commit has g = 0, u = 0.
-    p_pend = pend_ptr + slot * s_ps
+    p_pend = pend_ptr + slot * s_p[0]
     w = tl.full([BV], 1.0, tl.float32)
     acc = tl.zeros([BV, NC, KC], dtype=tl.float32)
     for jj in tl.static_range(R):
         j = R - 1 - jj
         m_j = o_v < tl.where(j < n_commit, DV, 0)
         c_k = tl.load(
-            p_pend + j * s_pr + (i_hk * DK + d2) * s_pp, mask=d2 < tl.where(j < n_commit, DK, 0), other=0.0
+            p_pend + j * s_p[1] + (i_hk * DK + d2) * s_p[2],
+            mask=d2 < tl.where(j < n_commit, DK, 0),
+            other=0.0,
         )
-        c_u = tl.load(p_pend + j * s_pr + (HK * DK + i_hv * DV + o_v) * s_pp, mask=m_j, other=0.0)
-        c_g = tl.load(p_pend + j * s_pr + (HK * DK + HV * DV + i_hv) * s_pp, mask=j < n_commit, other=0.0)
+        c_u = tl.load(p_pend + j * s_p[1] + (HK * DK + i_hv * DV + o_v) * s_p[2], mask=m_j, other=0.0)
+        c_g = tl.load(p_pend + j * s_p[1] + (HK * DK + HV * DV + i_hv) * s_p[2], mask=j < n_commit, other=0.0)
         if L2NORM:
             c_u = c_u / tl.sqrt(tl.sum(tl.sum(c_k * c_k, 1), 0) + eps)
         acc = acc + (c_u * w)[:, None, None] * c_k[None, :, :]
@@ -243,7 +182,7 @@ def _verify_kernel(
         # waits for another; u_t = b_t (v_t - A_t x_t - sum_{s<t} (A_t/A_s) (k_s.k_t) u_s) and
         # o_t = A_t y_t + sum_{s<=t} (A_t/A_s) (k_s.q_t) u_s, A_t/A_s = exp(G_t - G_s) (G: running sum of g).
         kt = tl.load(
-            k_ptr + i_n * s_kn + o_q[:, None, None] * s_kt + i_hk * s_kh + d2[None, :, :] * s_kd,
+            k_ptr + i_n * s_k[0] + o_q[:, None, None] * s_k[1] + i_hk * s_k[2] + d2[None, :, :] * s_k[3],
             mask=(o_q < Q)[:, None, None] & m_h,
             other=0.0,
         ).to(tl.float32)  # the Q keys, for the token-token dot products
@@ -255,8 +194,7 @@ def _verify_kernel(
         for t in tl.static_range(Q):
             t_q, t_k, t_v, t_g, t_b, r_q, r_k = _token(
                 q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_n, i_hk, i_hv, t, d2, m_d2, o_v, m_v, scale, eps,
-                A_log, dt_bias, s_qn, s_qt, s_qh, s_qd, s_kn, s_kt, s_kh, s_kd, s_vn, s_vt, s_vh, s_vd,
-                s_gn, s_gt, s_gh, s_bn, s_bt, s_bh, L2NORM, GATED,
+                A_log, dt_bias, s_q, s_k, s_v, s_g, s_b, L2NORM, GATED,
             )  # fmt: skip
             gcum = gcum + t_g
             b_gc = tl.where(o_q == t, gcum, b_gc)
@@ -274,8 +212,7 @@ def _verify_kernel(
         for j in tl.static_range(Q):
             t_q, t_k, t_v, t_g, t_b, r_q, r_k = _token(
                 q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, i_n, i_hk, i_hv, j, d2, m_d2, o_v, m_v, scale, eps,
-                A_log, dt_bias, s_qn, s_qt, s_qh, s_qd, s_kn, s_kt, s_kh, s_kd, s_vn, s_vt, s_vh, s_vd,
-                s_gn, s_gt, s_gh, s_bn, s_bt, s_bh, L2NORM, GATED,
+                A_log, dt_bias, s_q, s_k, s_v, s_g, s_b, L2NORM, GATED,
             )  # fmt: skip
             h = h * tl.exp(t_g)
             t_u = t_b * (t_v.to(tl.float32) - _rsum(h * t_k[None, :, :]) * r_k)  # beta (v - h k): stashed
@@ -285,67 +222,49 @@ def _verify_kernel(
             b_u = tl.where(o_q[None, :] == j, t_u[:, None], b_u)
     m_q = o_q < Q
     tl.store(
-        o_ptr + i_n * s_on + o_q[None, :] * s_ot + i_hv * s_oh + o_v[:, None] * s_od,
+        o_ptr + i_n * s_o[0] + o_q[None, :] * s_o[1] + i_hv * s_o[2] + o_v[:, None] * s_o[3],
         b_o.to(o_ptr.dtype.element_ty),
         mask=m_v[:, None] & m_q[None, :],
     )
 
     # ---- 3. stash this program's own u rows (only it reads them, above); k and g: _stash_kernel.
-    p_su = p_pend + o_q[None, :] * s_pr + (HK * DK + i_hv * DV + o_v[:, None]) * s_pp
+    p_su = p_pend + o_q[None, :] * s_p[1] + (HK * DK + i_hv * DV + o_v[:, None]) * s_p[2]
     tl.store(p_su, b_u, mask=m_vs[:, None] & m_q[None, :])
 
 
 @triton.jit
 def _stash_kernel(
-    k_ptr,
-    g_ptr,
-    pend_ptr,
-    idx_ptr,
-    A_ptr,
-    dt_ptr,
-    s_kn,
-    s_kt,
-    s_kh,
-    s_kd,
-    s_gn,
-    s_gt,
-    s_gh,
-    s_ps,
-    s_pr,
-    s_pp,
-    s_in,
-    s_Ah,
-    s_dth,
-    HK: tl.constexpr,
-    HV: tl.constexpr,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BH: tl.constexpr,
-    GATED: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
+    k_ptr, g_ptr, pend_ptr, idx_ptr, A_ptr, dt_ptr, pos_ptr, commit_ptr,
+    s_k, s_g, s_p, s_i, s_A, s_dt, s_pos, s_c,  # strides: tuples in the axis order of strides()
+    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr,
+    BH: tl.constexpr, GATED: tl.constexpr, HAS_POS: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
     """pending[slot, j] k and g parts = this step's token j (float32); slot < 0 skipped. ``GATED``: g_ptr
-    holds the raw a, gated here (as the verify kernel does)."""
+    holds the raw a, gated here (as the verify kernel does). ``HAS_POS``: the program of token 0 also
+    advances ``pending_pos[slot]`` by the sequence's ``num_commit`` (no other program reads it)."""
     pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     i_n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
-    slot = tl.load(idx_ptr + i_n * s_in).to(tl.int64)
+    slot = tl.load(idx_ptr + i_n * s_i[0]).to(tl.int64)
     if slot >= 0:
-        p_row = pend_ptr + slot * s_ps + j * s_pr
+        p_row = pend_ptr + slot * s_p[0] + j * s_p[1]
         for off in range(0, HK * DK, BLOCK):
             o = off + tl.arange(0, BLOCK)
             m = o < HK * DK
-            x = tl.load(k_ptr + i_n * s_kn + j * s_kt + (o // DK) * s_kh + (o % DK) * s_kd, mask=m)
-            tl.store(p_row + o * s_pp, x.to(tl.float32), mask=m)
+            x = tl.load(k_ptr + i_n * s_k[0] + j * s_k[1] + (o // DK) * s_k[2] + (o % DK) * s_k[3], mask=m)
+            tl.store(p_row + o * s_p[2], x.to(tl.float32), mask=m)
         o_h = tl.arange(0, BH)
         m_h = o_h < HV
-        b_g = tl.load(g_ptr + i_n * s_gn + j * s_gt + o_h * s_gh, mask=m_h).to(tl.float32)
+        b_g = tl.load(g_ptr + i_n * s_g[0] + j * s_g[1] + o_h * s_g[2], mask=m_h).to(tl.float32)
         if GATED:
-            A_log = tl.load(A_ptr + o_h * s_Ah, mask=m_h, other=0.0).to(tl.float32)
-            dt_bias = tl.load(dt_ptr + o_h * s_dth, mask=m_h, other=0.0).to(tl.float32)
+            A_log = tl.load(A_ptr + o_h * s_A[0], mask=m_h, other=0.0).to(tl.float32)
+            dt_bias = tl.load(dt_ptr + o_h * s_dt[0], mask=m_h, other=0.0).to(tl.float32)
             b_g, _ = gdn_gate(b_g, b_g, A_log, dt_bias)
-        tl.store(p_row + (HK * DK + HV * DV + o_h) * s_pp, b_g, mask=m_h)
+        tl.store(p_row + (HK * DK + HV * DV + o_h) * s_p[2], b_g, mask=m_h)
+        if HAS_POS:  # noqa: SIM102  (constexpr, then a runtime test: Triton compiles the first away)
+            if j == 0:
+                p_pos = pos_ptr + slot * s_pos[0]
+                tl.store(p_pos, tl.load(p_pos) + tl.load(commit_ptr + i_n * s_c[0]).to(tl.int32))
 
 
 def stash_shared(
@@ -355,19 +274,24 @@ def stash_shared(
     state_indices: torch.Tensor,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    pending_pos: torch.Tensor | None = None,
+    num_commit: torch.Tensor | None = None,
 ) -> None:
     """Launch 2 of the verify op: ``pending[slot, j]``'s k and g parts = this step's token j (``g`` is the
-    raw ``a`` when ``A_log``/``dt_bias`` are given). Must follow every read of the old pending tokens
-    (stream order after the verify kernel)."""
+    raw ``a`` when ``A_log``/``dt_bias`` are given), and ``pending_pos[slot] += num_commit`` where given.
+    Must follow every read of the old pending tokens (stream order after the verify kernel)."""
     N, Q, HK, DK = k.shape
     HV = g.shape[2]
     DV = (pending.shape[2] - HK * DK - HV) // HV
     _stash_kernel[(N, Q)](
         k_ptr=k, g_ptr=g, pend_ptr=pending, idx_ptr=state_indices, A_ptr=A_log, dt_ptr=dt_bias,
+        pos_ptr=pending_pos, commit_ptr=num_commit,
         **strides("k", k, "nthd"), **strides("g", g, "nth"), **strides("p", pending, "srp"),
         **strides("i", state_indices, "n"), **strides("A", A_log, "h"), **strides("dt", dt_bias, "h"),
+        **strides("pos", pending_pos, "s1"), **strides("c", num_commit, "n"),
         HK=HK, HV=HV, DK=DK, DV=DV, BLOCK=min(2048, triton.next_power_of_2(HK * DK)),
-        BH=triton.next_power_of_2(HV), GATED=A_log is not None, num_warps=4, **launch_options(k.device),
+        BH=triton.next_power_of_2(HV), GATED=A_log is not None, HAS_POS=pending_pos is not None,
+        num_warps=4, **launch_options(k.device),
     )  # fmt: skip
 
 
@@ -386,19 +310,21 @@ def gated_delta_rule_verify(
     *,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    pending_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See :func:`atom_kernels.ops.gated_delta_rule.reference.gated_delta_rule_verify` (with
-    ``A_log``/``dt_bias``: the gating fused into both launches)."""
+    ``A_log``/``dt_bias``: the gating fused into both launches; ``pending_pos`` advanced in the second)."""
     check_gated_delta_rule_verify(
-        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log, dt_bias
-    )
+        q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log, dt_bias,
+        pending_pos,
+    )  # fmt: skip
     if q.device.type == "cpu":  # reads values: only under the interpreter (no device sync on a GPU)
         op, r = "gated_delta_rule_verify", pending.shape[1]
         check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
         check_num_accepted_values(op, num_commit, r, f"R={r}", low=0, name="num_commit")
     return _launch_verify(
         q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm,
-        A_log=A_log, dt_bias=dt_bias,
+        A_log=A_log, dt_bias=dt_bias, pending_pos=pending_pos,
     )  # fmt: skip
 
 
@@ -417,6 +343,7 @@ def _launch_verify(
     launch: VerifyLaunch | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    pending_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The two launches of the verify op with ``launch`` (None: :func:`verify_launch_config`); no input
     checks. Benchmarks and tests compare launch settings through this. ``A_log``/``dt_bias`` given: fused
@@ -449,5 +376,5 @@ def _launch_verify(
         L2NORM=use_qk_l2norm, WY=cfg.wy, GATED=A_log is not None, num_warps=cfg.num_warps, **extra,
         **launch_options(q.device),
     )  # fmt: skip
-    stash_shared(k, g, pending, state_indices, A_log, dt_bias)
+    stash_shared(k, g, pending, state_indices, A_log, dt_bias, pending_pos, num_commit)
     return o

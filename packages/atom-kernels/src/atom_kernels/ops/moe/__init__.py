@@ -1,4 +1,5 @@
-"""Mixture of experts: ``moe_router`` (softmax top-k) and ``moe_experts`` (the routed SwiGLU experts)."""
+"""Mixture of experts: ``moe_router`` (softmax top-k) and ``moe_experts`` (the routed SwiGLU experts);
+``local_expert_ids`` maps the router's ids to one expert-parallel rank's."""
 
 from atom_kernels.ops.moe.checks import (
     TICKET_COLUMNS,
@@ -7,5 +8,13 @@ from atom_kernels.ops.moe.checks import (
     check_moe_router,
     experts_fp8_tickets,
 )
+from atom_kernels.ops.moe.expert_parallel import local_expert_ids
 
-__all__ = ["TICKET_COLUMNS", "TICKET_TOKENS", "check_moe_experts", "check_moe_router", "experts_fp8_tickets"]
+__all__ = [
+    "TICKET_COLUMNS",
+    "TICKET_TOKENS",
+    "check_moe_experts",
+    "check_moe_router",
+    "experts_fp8_tickets",
+    "local_expert_ids",
+]

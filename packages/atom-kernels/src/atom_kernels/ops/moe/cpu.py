@@ -32,44 +32,49 @@ a row's two small matmuls): the loop runs where ``E * C > T * K + E * LOOP_ROWS`
 def moe_experts(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
-    """:func:`atom_kernels.ops.moe.reference.moe_experts` (same contract)."""
+    """:func:`atom_kernels.ops.moe.reference.moe_experts` (same contract; -1 ids contribute zero)."""
     check_moe_experts(x, weights, ids, w13, w2)
     num_experts = w13.shape[0]
     flat_ids = ids.reshape(-1).long()
-    pairs = flat_ids.numel()
+    if flat_ids.numel() and values_checkable(flat_ids):
+        lo, hi = int(flat_ids.min()), int(flat_ids.max())
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(
+                f"moe_experts: ids must lie in [-1, E={num_experts}), got values in [{lo}, {hi}]"
+            )
+    held = torch.nonzero(flat_ids >= 0).squeeze(1)  # the (token, slot) pairs of experts held here
+    pairs = held.numel()
     if pairs == 0:
         return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-    if values_checkable(flat_ids):
-        lo, hi = int(flat_ids.min()), int(flat_ids.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"moe_experts: ids must lie in [0, E={num_experts}), got values in [{lo}, {hi}]")
-    counts = torch.bincount(flat_ids, minlength=num_experts)
+    held_ids = flat_ids[held]
+    counts = torch.bincount(held_ids, minlength=num_experts)
     cap = int(counts.max())
     if num_experts * cap > MAX_PADDING * pairs:
         return reference.moe_experts(x, weights, ids, w13, w2)
     top_k = ids.shape[1]
-    order = torch.argsort(flat_ids, stable=True)
+    order = torch.argsort(held_ids, stable=True)
     if num_experts * cap > pairs + num_experts * LOOP_ROWS:
-        return _sorted_loop(x, weights, order, counts.tolist(), top_k, w13, w2)
-    sorted_ids = flat_ids[order]
+        return _sorted_loop(x, weights, held[order], counts.tolist(), top_k, w13, w2)
+    sorted_ids = held_ids[order]
     first = torch.cumsum(counts, 0) - counts  # [E] index of each expert's first pair in `order`
     slot = torch.arange(pairs, device=x.device) - first[sorted_ids]  # rank of the pair within its expert
-    token_of = order // top_k
+    token_of = held[order] // top_k
     xs = x.new_zeros(num_experts, cap, x.shape[1])
     xs[sorted_ids, slot] = x[token_of]
     h = torch.bmm(xs, w13.transpose(1, 2)).float()  # [E, C, 2I]
     half = h.shape[-1] // 2
     act = (F.silu(h[..., :half]) * h[..., half:]).to(x.dtype)
     y = torch.bmm(act, w2.transpose(1, 2))[sorted_ids, slot].float()  # [pairs, H] in `order`
-    y = y * weights.reshape(-1).float()[order, None]
+    y = y * weights.reshape(-1).float()[held[order], None]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, token_of, y)
     return out.to(x.dtype)
 
 
 def _sorted_loop(x, weights, order, counts: list[int], top_k: int, w13, w2) -> torch.Tensor:
-    """The pairs sorted by expert (``order``), each expert's ``counts[e]`` rows as two matmuls on its slice;
-    the reference's rounding points (matmuls in x.dtype, activation in float32, float32 weighted sum)."""
+    """The held pairs sorted by expert (``order``: flat ``(token, slot)`` indices), each expert's ``counts[e]``
+    rows as two matmuls on its slice; the reference's rounding points (matmuls in x.dtype, activation in
+    float32, float32 weighted sum)."""
     token_of = order // top_k
     xs = x[token_of]  # [pairs, H] in expert order
     inter = w2.shape[2]

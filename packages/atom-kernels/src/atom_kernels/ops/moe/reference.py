@@ -85,12 +85,17 @@ def moe_gate_router(
 def moe_experts(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
-    """``out[t] = sum_j weights[t, j] * (silu_and_mul(x[t] @ w13[e].T) @ w2[e].T)``, ``e = ids[t, j]``.
+    """``out[t] = sum_j weights[t, j] * (silu_and_mul(x[t] @ w13[e].T) @ w2[e].T)``, ``e = ids[t, j]``;
+    a slot with ``e = -1`` contributes zero.
+
+    Expert parallelism: a rank holding experts ``[s, s + E)`` of the model's passes its ``E`` experts'
+    weights and the router's global ids mapped by :func:`~atom_kernels.ops.moe.local_expert_ids`
+    (``id - s`` for ids it holds, -1 for the rest); the ranks' outputs sum to the full result.
 
     Args:
         x: ``[T, H]`` tokens.
         weights: ``[T, K]`` routing weights (any float dtype; used in float32).
-        ids: ``[T, K]`` int64/int32 expert ids in ``[0, E)``.
+        ids: ``[T, K]`` int64/int32 expert ids in ``[-1, E)`` (-1: an expert not held here: skipped).
         w13: ``[E, 2I, H]`` fused ``[gate; up]`` projections, x.dtype.
         w2: ``[E, H, I]`` down projections, x.dtype.
 
@@ -110,21 +115,23 @@ def moe_experts(
 
 
 def _route(x, weights, ids, num_experts, expert, op: str) -> torch.Tensor:
-    """``sum_j weights[t, j] * expert(ids[t, j], x[t])`` in float32, returned in x.dtype."""
+    """``sum_j weights[t, j] * expert(ids[t, j], x[t])`` over the slots with ``ids[t, j] >= 0``, in float32,
+    returned in x.dtype."""
     flat_ids = ids.reshape(-1).long()
     if values_checkable(flat_ids) and flat_ids.numel() > 0:
         lo, hi = int(flat_ids.min()), int(flat_ids.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"{op}: ids must lie in [0, E={num_experts}), got values in [{lo}, {hi}]")
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(f"{op}: ids must lie in [-1, E={num_experts}), got values in [{lo}, {hi}]")
     top_k = ids.shape[1]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if flat_ids.numel() == 0:
         return out.to(x.dtype)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    order = torch.argsort(flat_ids, stable=True)  # the -1 slots (not held here) sort first: skipped
+    held = flat_ids >= 0
+    counts = torch.bincount(flat_ids[held], minlength=num_experts).tolist()
     token_of = order // top_k
     flat_w = weights.reshape(-1).float()[order]
-    start = 0
+    start = int((~held).sum())
     for e, n in enumerate(counts):
         if n == 0:
             continue
@@ -159,7 +166,8 @@ def moe_experts_fp8(
     *,
     tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`moe_experts` with FP8 block-scaled expert weights (W8A8, dynamic activation scales).
+    """:func:`moe_experts` with FP8 block-scaled expert weights (W8A8, dynamic activation scales); a slot
+    with id -1 (an expert not held here) contributes zero, as in :func:`moe_experts`.
 
     Per expert: ``h = qdq(x) @ dequant(w13[e]).T`` rounded to x.dtype, ``act = silu(gate) * up`` (float32,
     rounded to x.dtype), ``y = qdq(act) @ dequant(w2[e]).T`` rounded to x.dtype, where ``qdq`` is
@@ -167,7 +175,7 @@ def moe_experts_fp8(
     products in float32. The routed sum accumulates in float32.
 
     Args:
-        x: ``[T, H]``; weights: ``[T, K]``; ids: ``[T, K]`` in ``[0, E)``.
+        x: ``[T, H]``; weights: ``[T, K]``; ids: ``[T, K]`` in ``[-1, E)``.
         w13: ``[E, 2I, H]`` float8_e4m3fn, rows ``[gate; up]``.
         w13_scale: ``[E, 2 * ceil(I/bn), ceil(H/bk)]`` float32: the gate's ``ceil(I/bn)`` row blocks, then
             the up projection's (each half blocked on its own, so ``I`` need not be a multiple of ``bn``).

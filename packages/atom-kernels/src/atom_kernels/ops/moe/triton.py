@@ -145,8 +145,26 @@ def _moe_align_kernel(
         offs = start + tl.arange(0, CHUNK)
         m = offs < num_pairs
         e = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+        m = m & (e >= 0)  # id -1: an expert this rank does not hold (expert parallel): no row
         pos = tl.atomic_add(cursor_ptr + e, tl.full([CHUNK], 1, tl.int32), mask=m)
         tl.store(sorted_ptr + pos, offs, mask=m)
+
+
+@triton.jit
+def aligned_tile(
+    sorted_ptr, num_pairs, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """The tile of one program of an aligned-path expert GEMM (grid: ``BLOCK_M``-row blocks of
+    :func:`moe_align`'s sorted pairs x ``BLOCK_N`` output columns): its rows of the sorted pairs, their
+    (token, expert) pair ids and validity (padding rows hold ``num_pairs``), the output columns ``offs_n`` and
+    their mask (``< N``), and the first K tile's offsets."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    return rows, pair, valid, offs_n, n_ok, offs_k
 
 
 @triton.jit
@@ -171,18 +189,13 @@ def _moe_gemm1_kernel(
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
+    e = tl.load(block_expert_ptr + tl.program_id(0))
     if e < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
+    rows, pair, valid, offs_n, n_ok, offs_k = aligned_tile(
+        sorted_ptr, num_pairs, inter, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     tok = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < inter
-    offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
     g_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     u_ptrs = g_ptrs + inter * stride_wn
@@ -227,17 +240,12 @@ def _moe_gemm2_kernel(
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
+    e = tl.load(block_expert_ptr + tl.program_id(0))
     if e < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < H
-    offs_k = tl.arange(0, BLOCK_K)
+    rows, pair, valid, offs_n, n_ok, offs_k = aligned_tile(
+        sorted_ptr, num_pairs, H, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_at + offs_k[None, :]
     w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -256,6 +264,7 @@ def _moe_gemm2_kernel(
 def _moe_sum_kernel(
     y_ptr,
     topw_ptr,
+    ids_ptr,
     out_ptr,
     H,
     stride_yt,
@@ -269,9 +278,13 @@ def _moe_sum_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < H
     acc = tl.zeros([BLOCK], tl.float32)
-    for j in tl.static_range(TOP_K):
-        rw = tl.load(topw_ptr + t * TOP_K + j).to(tl.float32)
-        acc += rw * tl.load(y_ptr + (t * TOP_K + j) * stride_yt + cols, mask=m, other=0.0).to(tl.float32)
+    for j in tl.static_range(
+        TOP_K
+    ):  # a pair with id -1 (expert not held here) adds nothing: its row is unset
+        e = tl.load(ids_ptr + t * TOP_K + j)
+        rw = tl.where(e >= 0, tl.load(topw_ptr + t * TOP_K + j).to(tl.float32), 0.0)
+        y = tl.load(y_ptr + (t * TOP_K + j) * stride_yt + cols, mask=m & ((cols * 0 + e) >= 0), other=0.0)
+        acc += rw * y.to(tl.float32)
     tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -297,13 +310,13 @@ def moe_router(
 
 
 def check_ids_on_cpu(op: str, ids: torch.Tensor, num_experts: int) -> None:
-    """Expert ids must lie in ``[0, E)``; checked only on CPU (Triton's interpreter), where reading the
-    values costs no device synchronisation."""
+    """Expert ids must lie in ``[-1, E)`` (-1: an expert this rank does not hold); checked only on CPU
+    (Triton's interpreter), where reading the values costs no device synchronisation."""
     if ids.device.type != "cpu":
         return
     lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= num_experts:
-        raise ValueError(f"{op}: ids must lie in [0, E={num_experts}), got values in [{lo}, {hi}]")
+    if lo < -1 or hi >= num_experts:
+        raise ValueError(f"{op}: ids must lie in [-1, E={num_experts}), got values in [{lo}, {hi}]")
 
 
 def plan(num_tokens: int, top_k: int, num_experts: int, config: dict | None = None) -> dict:
@@ -319,21 +332,24 @@ def plan(num_tokens: int, top_k: int, num_experts: int, config: dict | None = No
     return cfg
 
 
-def weighted_sum(y: torch.Tensor, flat_w: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor:
-    """``out[t] = sum_j flat_w[t * K + j] * y[t * K + j]`` (float32 sum in pair order, x.dtype out): one
-    launch of ``_moe_sum_kernel``; ``y [T * K, H]`` per-pair expert outputs, ``out [T, H]``."""
+def weighted_sum(
+    y: torch.Tensor, flat_w: torch.Tensor, flat_ids: torch.Tensor, out: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """``out[t] = sum_j flat_w[t * K + j] * y[t * K + j]`` over the pairs whose id ``flat_ids[t * K + j]``
+    is not -1 (float32 sum in pair order, x.dtype out; the rows of -1 pairs are never read): one launch of
+    ``_moe_sum_kernel``; ``y [T * K, H]`` per-pair expert outputs, ``out [T, H]``."""
     num_tokens, hidden = out.shape
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        y, flat_w, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4,
+        y, flat_w, flat_ids, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4,
         **launch_options(out.device),
     )  # fmt: skip
     return out
 
 
 def moe_align(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort the ``P`` (token, expert) pairs of ``flat_ids [P]`` (ids in ``[0, E)``) into ``block_m``-row
-    blocks of one expert: one launch of ``_moe_align_kernel``.
+    """Sort the ``P`` (token, expert) pairs of ``flat_ids [P]`` (ids in ``[-1, E)``; a -1 pair gets no row)
+    into ``block_m``-row blocks of one expert: one launch of ``_moe_align_kernel``.
 
     Returns ``sorted_ids [max_blocks * block_m]`` int32 (pair indices; padding rows hold ``P``) and
     ``block_expert [max_blocks]`` int32 (-1 past the last segment), ``max_blocks = P // block_m +
@@ -363,8 +379,9 @@ def moe_experts(
 ) -> torch.Tensor:
     """``out[t] = sum_j weights[t, j] * (silu_and_mul(x[t] @ w13[e].T) @ w2[e].T)``, ``e = ids[t, j]``.
 
-    Ids must lie in ``[0, E)`` (checked only on CPU: on a GPU the check would synchronise). ``config`` overrides
-    the tile plan (keys of :func:`plan`); benchmarks use it.
+    Ids must lie in ``[-1, E)`` (checked only on CPU: on a GPU the check would synchronise); a -1 slot (an
+    expert this rank does not hold) contributes zero. ``config`` overrides the tile plan (keys of
+    :func:`plan`); benchmarks use it.
     """
     check_moe_experts(x, weights, ids, w13, w2)
     num_tokens, hidden = x.shape
@@ -406,4 +423,4 @@ def moe_experts(
         BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=cfg["K2"], PREC=prec,
         num_warps=cfg["W2"], num_stages=cfg["S2"], **launch_options(dev),
     )  # fmt: skip
-    return weighted_sum(y, flat_w, out, top_k)
+    return weighted_sum(y, flat_w, flat_ids, out, top_k)

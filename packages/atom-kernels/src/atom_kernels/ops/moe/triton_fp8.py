@@ -29,7 +29,7 @@ import triton.language as tl
 from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.fp8.triton import _act_quant_2d
 from atom_kernels.ops.moe.checks import check_moe_experts_fp8
-from atom_kernels.ops.moe.triton import check_ids_on_cpu, moe_align, plan, weighted_sum
+from atom_kernels.ops.moe.triton import aligned_tile, check_ids_on_cpu, moe_align, plan, weighted_sum
 from atom_kernels.ops.moe.triton_fp8_decode import PAIR_MAX_TOKENS, PAIR_TILES, pair_experts_fp8
 
 
@@ -41,18 +41,13 @@ def _moe_gemm1_fp8_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
+    e = tl.load(block_expert_ptr + tl.program_id(0))
     if e < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
+    rows, pair, valid, offs_n, n_ok, offs_k = aligned_tile(
+        sorted_ptr, num_pairs, inter, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     tok = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < inter
-    offs_k = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
     as_ptrs = xs_ptr + tok * stride_xst
@@ -89,17 +84,12 @@ def _moe_gemm2_fp8_kernel(
     BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
+    e = tl.load(block_expert_ptr + tl.program_id(0))
     if e < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < H
-    offs_k = tl.arange(0, BLOCK_K)
+    rows, pair, valid, offs_n, n_ok, offs_k = aligned_tile(
+        sorted_ptr, num_pairs, H, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     e64 = e.to(tl.int64)
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_at + offs_k[None, :]
     as_ptrs = as_ptr + rows.to(tl.int64) * stride_ast
@@ -131,8 +121,8 @@ def moe_experts_fp8(
     tickets: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """FP8 routed experts (semantics: the reference ``moe_experts_fp8``). Ids must lie in ``[0, E)``
-    (checked only on CPU). Up to ``PAIR_MAX_TOKENS`` tokens the pair path of
+    """FP8 routed experts (semantics: the reference ``moe_experts_fp8``). Ids must lie in ``[-1, E)``
+    (checked only on CPU); a -1 slot (an expert this rank does not hold) contributes zero. Up to ``PAIR_MAX_TOKENS`` tokens the pair path of
     :mod:`~atom_kernels.ops.moe.triton_fp8_decode` runs (``config["PAIRS"]`` forces it on or off), else the
     aligned path. ``tickets``: int32 zeros, at least ``experts_fp8_tickets(H)``, that the pair path's
     second GEMM takes as its per-(token, column tile) counters for the routed sum and leaves zero (without
@@ -187,4 +177,4 @@ def moe_experts_fp8(
         y.stride(0), BN_Q=bn, BK_Q=bk, BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=k2,
         num_warps=cfg["W2"], num_stages=cfg["S2"], **launch_options(dev),
     )  # fmt: skip
-    return weighted_sum(y, flat_w, out, top_k)
+    return weighted_sum(y, flat_w, flat_ids, out, top_k)

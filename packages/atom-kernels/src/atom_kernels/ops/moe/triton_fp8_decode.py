@@ -81,6 +81,8 @@ def _moe_pair_gemm1_fp8_kernel(
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + p).to(tl.int64)
+    if e < 0:  # an expert this rank does not hold: no activation row (the second GEMM skips the pair)
+        return
     tok = (p // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_g = tl.arange(0, GROUP)
@@ -133,18 +135,19 @@ def _moe_pair_gemm2_fp8_kernel(
     offs_c = tl.arange(0, 2)
     c_ok = offs_c < 1
     n_ok = offs_n < H
-    a_ptrs = a_ptr + p.to(tl.int64) * stride_at + offs_g[:, None] + offs_c[None, :] * 0
-    w_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_g[None, :]
-    s_ptrs = ws_ptr + e * stride_se + (offs_n // BN_Q) * stride_sn
-    acc = tl.zeros([BLOCK_N, 2], tl.float32)
-    for g in range(0, tl.cdiv(inter, GROUP)):
-        k0 = g * GROUP
-        a, a_s = _token_group(a_ptrs, k0, offs_g, c_ok, inter, EVEN_K, EPS, FMAX)
-        w = _weight_group(w_ptrs, k0, offs_g, n_ok, inter, EVEN_K)
-        w_s = tl.load(s_ptrs + g, mask=n_ok, other=0.0)
-        acc += tl.dot(w, a) * a_s[None, :] * w_s[:, None]
-    out = y_ptr + p.to(tl.int64) * stride_yt + offs_n[:, None] + offs_c[None, :] * 0
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & c_ok[None, :])
+    if e >= 0:  # id -1: an expert this rank does not hold; no row, but the pair still takes its ticket
+        a_ptrs = a_ptr + p.to(tl.int64) * stride_at + offs_g[:, None] + offs_c[None, :] * 0
+        w_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_g[None, :]
+        s_ptrs = ws_ptr + e * stride_se + (offs_n // BN_Q) * stride_sn
+        acc = tl.zeros([BLOCK_N, 2], tl.float32)
+        for g in range(0, tl.cdiv(inter, GROUP)):
+            k0 = g * GROUP
+            a, a_s = _token_group(a_ptrs, k0, offs_g, c_ok, inter, EVEN_K, EPS, FMAX)
+            w = _weight_group(w_ptrs, k0, offs_g, n_ok, inter, EVEN_K)
+            w_s = tl.load(s_ptrs + g, mask=n_ok, other=0.0)
+            acc += tl.dot(w, a) * a_s[None, :] * w_s[:, None]
+        out = y_ptr + p.to(tl.int64) * stride_yt + offs_n[:, None] + offs_c[None, :] * 0
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & c_ok[None, :])
     if FUSED_SUM:
         tok = p // TOP_K
         count = count_ptr + tok * tl.num_programs(1) + pid_n
@@ -153,9 +156,11 @@ def _moe_pair_gemm2_fp8_kernel(
         if ticket == TOP_K - 1:
             t = tok.to(tl.int64)
             s = tl.zeros([BLOCK_N], tl.float32)
-            for j in tl.static_range(TOP_K):  # pair order, as _moe_sum_kernel
-                rw = tl.load(topw_ptr + t * TOP_K + j).to(tl.float32)
-                yj = tl.load(y_ptr + (t * TOP_K + j) * stride_yt + offs_n, mask=n_ok, other=0.0)
+            for j in tl.static_range(TOP_K):  # pair order, as _moe_sum_kernel (-1 pairs add nothing)
+                ej = tl.load(ids_ptr + t * TOP_K + j)
+                rw = tl.where(ej >= 0, tl.load(topw_ptr + t * TOP_K + j).to(tl.float32), 0.0)
+                held = (offs_n * 0 + ej) >= 0
+                yj = tl.load(y_ptr + (t * TOP_K + j) * stride_yt + offs_n, mask=n_ok & held, other=0.0)
                 s += rw * yj.to(tl.float32)
             tl.store(out_ptr + t * stride_ot + offs_n, s.to(out_ptr.dtype.element_ty), mask=n_ok)
             tl.atomic_xchg(count, 0)  # reset for the next launch
@@ -209,4 +214,4 @@ def pair_experts_fp8(
         TOP_K=top_k, BLOCK_N=cfg["PN2"], EVEN_K=inter % bk == 0, FUSED_SUM=fused, num_warps=cfg["PW2"],
         num_stages=cfg["PS2"], **launch_options(dev),
     )  # fmt: skip
-    return out if fused else weighted_sum(y, flat_w, out, top_k)
+    return out if fused else weighted_sum(y, flat_w, flat_ids, out, top_k)
