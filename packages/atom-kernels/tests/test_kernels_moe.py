@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from atom_kernels.ops.moe import local_expert_ids
-from atom_kernels.testing import assert_close, randn
+from atom_kernels.testing import assert_close, gen, randn
 
 # (op, dtype) -> (atol, rtol) against the float64 per-token loop. Measured max abs error in comments.
 TOL = {
@@ -260,10 +260,11 @@ def test_moe_experts_matches_per_token_loop(impl, tol, device, dtype, tokens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 65])
+@pytest.mark.parametrize("tokens", [1, 65, 600])
 def test_moe_experts_with_shared_pseudo_experts(impl, tol, device, dtype, tokens):
     """The model's folded shared expert: ``moe_router(..., num_shared=2)`` routes every token to experts
-    E and E + 1 as well (K = top_k + 2 columns), one ``moe_experts`` call over E + 2 stacked experts."""
+    E and E + 1 as well (K = top_k + 2 columns), one ``moe_experts`` call over E + 2 stacked experts.
+    T = 600 pads each routed expert to T in a batched form: the cpu backend's sorted per-expert loop."""
     router, experts = impl("moe_router", dtype), impl("moe_experts", dtype)
     num_experts, m, hidden, inter, top_k = 16, 2, 64, 32, 4
     x = randn(tokens, hidden, seed=12, dtype=dtype, device=device)
@@ -314,6 +315,26 @@ def test_moe_experts_expert_parallel(impl, tol, device, dtype, tokens):
         assert torch.equal(out.cpu()[none], torch.zeros_like(out.cpu()[none])), "a token with no local expert"
         total += out.float()
     assert_close(total, full.float(), tol("moe_experts", dtype), f"sum over ranks {dtype} T={tokens}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_experts_busy_expert_and_unheld_slots(impl, tol, device, dtype):
+    """One expert in every token's row (as a folded shared expert) and -1 ids (slots held elsewhere) in
+    half the rows of another column: padding every expert to the busy one's count would triple the rows,
+    which sends the cpu backend to its sorted per-expert loop; == the per-token loop over the held slots."""
+    experts = impl("moe_experts", dtype)
+    tokens, num_experts, hidden, inter = 300, 4, 64, 32
+    x = randn(tokens, hidden, seed=32, dtype=dtype, device=device)
+    w13 = randn(num_experts, 2 * inter, hidden, seed=33, dtype=dtype, device=device, scale=hidden**-0.5)
+    w2 = randn(num_experts, hidden, inter, seed=34, dtype=dtype, device=device, scale=inter**-0.5)
+    routed = torch.randint(0, num_experts, (tokens, 2), generator=gen(35))
+    routed[::2, 1] = -1
+    ids = torch.cat([torch.zeros(tokens, 1, dtype=torch.long), routed], 1)
+    weights = torch.rand(tokens, 3, generator=gen(36))
+    out = experts(x, weights.to(device), ids.to(device), w13, w2)
+    held = ids >= 0
+    expected = naive_moe(x, weights * held, ids.clamp(min=0), w13, w2)
+    assert_close(out, expected, tol("moe_experts", dtype), f"busy expert + unheld slots {dtype}")
 
 
 def test_moe_experts_int32_ids_and_unused_experts(impl, tol, device):

@@ -129,6 +129,25 @@ def test_cache_views_with_a_block_stride(impl, device, pad):
     assert torch.equal(attend(b["q"], key_view, value_view, *args), expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pad", [0, 96], ids=["packed_pages", "padded_pages"])
+def test_interleaved_key_value_views(impl, device, dtype, pad):
+    """vLLM's attention page ``[block, token, head, K | V]``: key and value caches are views of one memory,
+    each token's keys and values in one row (optionally with a per-block padding); the outputs equal
+    those of contiguous copies."""
+    attend = impl("paged_attention", dtype)
+    b = build_batch(MIXED, 64, dtype, device, seed=5)
+    num_blocks = b["key_cache"].shape[0]
+    pages = torch.full((num_blocks, BLOCK * HKV * 128 + pad), float("nan"), device=device).to(dtype)
+    kv = pages[:, : BLOCK * HKV * 128].view(num_blocks, BLOCK, HKV, 128)
+    key_view, value_view = kv[..., :64], kv[..., 64:]
+    key_view.copy_(b["key_cache"])
+    value_view.copy_(b["value_cache"])
+    args = (b["block_tables"], b["seq_lens"], b["query_start_loc"], 64**-0.5)
+    expected = attend(b["q"], b["key_cache"], b["value_cache"], *args)
+    assert torch.equal(attend(b["q"], key_view, value_view, *args), expected)
+
+
 def test_kv_cache_write_skips_negative_slots_and_accepts_views(impl, device):
     write = impl("kv_cache_write", torch.float32)
     kv = torch.zeros(2, 4, BLOCK, HKV, 8, device=device)  # vLLM-style [2, B, block, H, D]; pass views

@@ -4,8 +4,11 @@ The reference runs each expert that received tokens on its own (five small ops p
 expert gets about as many (token, slot) pairs as the busiest one, the pairs are instead laid out
 ``[E, C, H]`` (``C`` = the busiest expert's count, rows past an expert's count zero) and the experts run
 as two batched matmuls over the unchanged ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``: no weight is copied.
-Otherwise (padding would exceed :data:`MAX_PADDING` times the real pairs: few tokens, many experts) the
-reference's per-expert loop runs.
+Where the padding would cost more rows than a loop's per-expert overhead (:data:`LOOP_ROWS` rows an
+expert; a shared expert in every token's row pads each routed expert up to ``T``: the prompt steps) the
+pairs are instead sorted by expert into one ``[T * K, H]`` block and each expert's rows run as two
+matmuls on their slice, with ``out=`` into the sorted buffers. Where the padding would exceed
+:data:`MAX_PADDING` times the real pairs (few tokens, many experts) the reference's per-expert loop runs.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from atom_kernels.ops.moe.checks import check_moe_experts
 MAX_PADDING = 4
 """The batched form runs when ``E * C <= MAX_PADDING * T * K`` (a shared expert, in every token's row, makes
 ``C = T``: the bundled model, E = 8 + 2 shared slices, K = 2 + 2, needs 2.5)."""
+
+LOOP_ROWS = 64
+"""Padded rows worth one expert's ops in the sorted loop (an op of a few microseconds of dispatch against
+a row's two small matmuls): the loop runs where ``E * C > T * K + E * LOOP_ROWS``."""
 
 
 def moe_experts(
@@ -46,6 +53,8 @@ def moe_experts(
         return reference.moe_experts(x, weights, ids, w13, w2)
     top_k = ids.shape[1]
     order = torch.argsort(held_ids, stable=True)
+    if num_experts * cap > pairs + num_experts * LOOP_ROWS:
+        return _sorted_loop(x, weights, held[order], counts.tolist(), top_k, w13, w2)
     sorted_ids = held_ids[order]
     first = torch.cumsum(counts, 0) - counts  # [E] index of each expert's first pair in `order`
     slot = torch.arange(pairs, device=x.device) - first[sorted_ids]  # rank of the pair within its expert
@@ -59,4 +68,35 @@ def moe_experts(
     y = y * weights.reshape(-1).float()[held[order], None]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, token_of, y)
+    return out.to(x.dtype)
+
+
+def _sorted_loop(x, weights, order, counts: list[int], top_k: int, w13, w2) -> torch.Tensor:
+    """The held pairs sorted by expert (``order``: flat ``(token, slot)`` indices), each expert's ``counts[e]``
+    rows as two matmuls on its slice; the reference's rounding points (matmuls in x.dtype, activation in
+    float32, float32 weighted sum)."""
+    token_of = order // top_k
+    xs = x[token_of]  # [pairs, H] in expert order
+    inter = w2.shape[2]
+    h = x.new_empty(xs.shape[0], 2 * inter)
+    y = x.new_empty(xs.shape)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        torch.mm(xs[rows], w13[e].t(), out=h[rows])
+        start += n
+    hf = h.float()
+    act = (F.silu(hf[:, :inter]) * hf[:, inter:]).to(x.dtype)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        torch.mm(act[rows], w2[e].t(), out=y[rows])
+        start += n
+    yw = y.float().mul_(weights.reshape(-1).float()[order, None])
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out.index_add_(0, token_of, yw)
     return out.to(x.dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from atom_kernels.ops._checks import FP8_DTYPES
 from atom_kernels.ops._fp8_math import scale_tensor
 from atom_kernels.ops.paged_attention.checks import check_paged_attention, check_paged_attention_values
 from atom_kernels.ops.paged_attention.reference import _load
@@ -62,6 +63,41 @@ def _gather_tokens(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Ten
     return cache[blocks, offsets].reshape(-1, width)
 
 
+def _shared_rows(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int] | None:
+    """``(row, value_offset)`` where each token's keys and values lie in one row of ``row`` elements of one
+    memory (vLLM's ``[block, token, head, K | V]`` page: the values ``value_offset`` elements after the
+    keys), so one row gather serves both; otherwise ``None``."""
+    if key_cache.dtype != value_cache.dtype or key_cache.stride() != value_cache.stride():
+        return None
+    if key_cache.untyped_storage().data_ptr() != value_cache.untyped_storage().data_ptr():
+        return None
+    num_blocks, _, heads, dim = key_cache.shape
+    s0, s1, s2, s3 = key_cache.stride()
+    offset = value_cache.storage_offset() - key_cache.storage_offset()
+    row = offset + (heads - 1) * s2 + dim  # from a token's first key element to its last value element
+    if num_blocks == 0 or s3 != 1 or offset < dim or row > s1 or s0 % s1 or s2 < dim:
+        return None
+    return row, offset
+
+
+def _gather_kv(key_cache, value_cache, blocks, offsets, ks, vs) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``(keys, values)`` of the tokens ``(blocks[m], offsets[m])``, each ``[M, Hkv, D]``: where
+    keys and values share rows (:func:`_shared_rows`), strided views of one gathered, converted buffer."""
+    shared = _shared_rows(key_cache, value_cache)
+    heads, dim = key_cache.shape[2], key_cache.shape[3]
+    if shared is None or key_cache.dtype in FP8_DTYPES:
+        keys = _load(_gather_tokens(key_cache, blocks, offsets), ks).view(-1, heads, dim)
+        return keys, _load(_gather_tokens(value_cache, blocks, offsets), vs).view(-1, heads, dim)
+    row, value_offset = shared
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    s0, s1, s2, _ = key_cache.stride()
+    per_block = s0 // s1
+    table = key_cache.as_strided(((num_blocks - 1) * per_block + block_size, row), (s1, 1))
+    rows = table.index_select(0, blocks * per_block + offsets).float()  # [M, row] contiguous
+    size, stride = (rows.shape[0], heads, dim), (row, s2, 1)
+    return rows.as_strided(size, stride, 0), rows.as_strided(size, stride, value_offset)
+
+
 def _attend_group(out, q, key_cache, value_cache, block_tables, seqs, starts, q_lens, lens, scale, ks, vs):
     """Sequences ``seqs`` (each with 1 <= q_len <= BATCHED_MAX_Q new queries) in one masked softmax."""
     block_size, num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
@@ -81,9 +117,11 @@ def _attend_group(out, q, key_cache, value_cache, block_tables, seqs, starts, q_
     pos = torch.minimum(k_pos[None, :], seq_len[:, None] - 1)  # [n, S]
     blocks = block_tables[idx].long().gather(1, pos // block_size).reshape(-1)  # [n * S]
     offsets = (pos % block_size).reshape(-1)
-    width = num_kv_heads * head_dim
-    keys = _load(_gather_tokens(key_cache, blocks, offsets), ks).view(n, max_len, width)
-    values = _load(_gather_tokens(value_cache, blocks, offsets), vs).view(n, max_len, width)
+    keys, values = _gather_kv(key_cache, value_cache, blocks, offsets, ks, vs)  # [n * S, Hkv, D] float32
+    keys, values = (
+        keys.view(n, max_len, num_kv_heads, head_dim),
+        values.view(n, max_len, num_kv_heads, head_dim),
+    )
     i = torch.arange(max_q, device=device)
     real = i[None, :] < q_len[:, None]  # [n, Qmax]
     rows = torch.where(real, start[:, None] + i[None, :], 0)
@@ -92,8 +130,7 @@ def _attend_group(out, q, key_cache, value_cache, block_tables, seqs, starts, q_
     hidden = k_pos[None, None, :] > q_pos[:, :, None]  # [n, Qmax, S] (also every position >= seq_len)
     o = torch.empty(n, max_q, num_q_heads, head_dim, dtype=torch.float32, device=device)
     for h in range(num_kv_heads):  # strided [n, S, D] views of this KV head: no copy for the matmuls
-        k_h = keys[:, :, h * head_dim : (h + 1) * head_dim]
-        v_h = values[:, :, h * head_dim : (h + 1) * head_dim]
+        k_h, v_h = keys[:, :, h], values[:, :, h]
         q_h = qf[:, :, h * group : (h + 1) * group].reshape(n, max_q * group, head_dim)  # rows (query, g)
         scores = torch.bmm(q_h, k_h.transpose(1, 2)).view(n, max_q, group, max_len) * scale
         probs = torch.softmax(scores.masked_fill_(hidden[:, :, None], float("-inf")), dim=-1)
