@@ -48,11 +48,10 @@ def moe_experts(
     token_of = order // top_k
     xs = x.new_zeros(num_experts, cap, x.shape[1])
     xs[sorted_ids, slot] = x[token_of]
-    # float32 products of x.dtype operands (the reference's rounding points: activation and result only)
-    h = torch.bmm(xs.float(), w13.float().transpose(1, 2))  # [E, C, 2I]
+    h = torch.bmm(xs, w13.transpose(1, 2)).float()  # [E, C, 2I]
     half = h.shape[-1] // 2
     act = (F.silu(h[..., :half]) * h[..., half:]).to(x.dtype)
-    y = torch.bmm(act.float(), w2.float().transpose(1, 2))[sorted_ids, slot]  # [pairs, H] in `order`
+    y = torch.bmm(act, w2.transpose(1, 2))[sorted_ids, slot].float()  # [pairs, H] in `order`
     y = y * weights.reshape(-1).float()[order, None]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, token_of, y)
