@@ -58,6 +58,34 @@ def _spec(model: Path, plugin: bool, k: int, prompts: list[list[int]], max_token
     }
 
 
+def same_text_off_argmax(model: Path, prompts: list[list[int]], outputs: list[list[int]]) -> int:
+    """Tokens of ``outputs`` (one implementation's emitted text) where atom_models' own bf16 forward (cpu
+    kernels, dense cores: the prefill path, teacher-forced on that text) picks a token off the float32
+    argmax. Both implementations' trajectories differ after their first near-tie, so their emitted counts
+    compare different positions; this count compares ATOM's bf16 rounding at the very positions stock
+    emitted (the decode path's GDN recurrence is not this path's chunked one)."""
+    import torch
+    from _reference import OFF_ARGMAX, _hf_model
+    from atom_core import Qwen3NextConfig
+    from atom_kernels import select_kernels
+    from atom_models import DenseContext, DenseCoreFactory, Qwen3NextForCausalLM, load_target
+
+    kern = select_kernels("cpu", torch.bfloat16)
+    ours = Qwen3NextForCausalLM(Qwen3NextConfig.from_hf(model), DenseCoreFactory(kern), kern, torch.bfloat16)
+    load_target(ours, model)
+    ours.eval()
+    ref_model, off = _hf_model(str(model)), 0
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outputs):
+            ids = torch.tensor(prompt + out)
+            rows = slice(len(prompt) - 1, len(prompt) - 1 + len(out))
+            ref = ref_model(ids[None]).logits[0, rows].float()
+            hidden = ours(ids, torch.arange(len(ids)), DenseContext((len(ids),)))
+            pick = ours.compute_logits(hidden)[rows].argmax(-1)
+            off += int((ref.max(-1).values - ref.gather(1, pick[:, None])[:, 0] > OFF_ARGMAX).sum())
+    return off
+
+
 def main() -> None:
     from _harness import run
     from _reference import consistency
@@ -67,6 +95,11 @@ def main() -> None:
     ap.add_argument("--ckpt", nargs="+", default=DEFAULT_CKPTS, help="make_tiny_checkpoint.py options")
     ap.add_argument("--impls", nargs="+", choices=["stock", "plugin"], default=["stock", "plugin"])
     ap.add_argument("--k", type=int, default=1)
+    ap.add_argument(
+        "--same-text",
+        action="store_true",
+        help="also count atom_models' bf16 off-argmax on stock's emitted text",
+    )
     ap.add_argument("--ckpt-root", type=Path, default=Path(tempfile.gettempdir()) / "atom-bf16-ckpts")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/vllm_bf16_fidelity.json")
     ap.add_argument("--workdir", default=None, help="engine logs (default: a temporary directory)")
@@ -106,6 +139,13 @@ def main() -> None:
                 "token_ids": job["token_ids"],
             }
             print(f"{ckpt} {impl}: {c}, acceptance {rate:.4f}")
+        if args.same_text and "token_ids" in row.get("stock", {}):
+            row["atom_bf16_on_stock_text_off_argmax"] = same_text_off_argmax(
+                model, prompts, row["stock"]["token_ids"]
+            )
+            print(
+                f"{ckpt}: atom_models bf16 on stock's text: {row['atom_bf16_on_stock_text_off_argmax']} off-argmax"
+            )
         result["checkpoints"][ckpt] = row
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result))
