@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from atom_core import Qwen3NextConfig
+from atom_kernels import select_kernels
 from atom_models import (
     CheckpointError,
     DenseCoreFactory,
@@ -407,3 +408,26 @@ def test_checkpoint_without_mtp(model_dir, tmp_path, kernels32):
     load_target(target, ckpt)
     with pytest.raises(CheckpointError, match="no mtp"):
         load_mtp(mtp, ckpt)
+
+
+def test_bf16_model_keeps_a_float32_a_log(model_dir, tmp_path):
+    """A bf16 model reads a float32 checkpoint's GDN ``A_log`` unrounded (stock vLLM keeps it float32 too:
+    exp(A_log) scales every decay); the other GDN parameters take the model dtype."""
+    gen = torch.Generator().manual_seed(0)
+
+    def edit(t):
+        for name in [n for n in t if n.endswith("linear_attn.A_log")]:
+            t[name] = torch.log(1 + 15 * torch.rand(t[name].shape, generator=gen))  # not bf16-representable
+
+    ckpt = _single_file_copy(model_dir, tmp_path / "ck", edit)
+    kernels = select_kernels("cpu", torch.bfloat16)
+    target, _ = _build(ckpt, kernels)
+    load_target(target, ckpt)
+    stored = load_file(str(ckpt / "model.safetensors"))
+    gdn = [
+        (i, layer.linear_attn) for i, layer in enumerate(target.model.layers) if hasattr(layer, "linear_attn")
+    ]
+    assert gdn
+    for i, attn in gdn:
+        assert attn.A_log.dtype == torch.float32 and attn.dt_bias.dtype == torch.bfloat16
+        assert torch.equal(attn.A_log, stored[f"model.layers.{i}.linear_attn.A_log"])

@@ -90,7 +90,9 @@ class GatedDeltaNet(nn.Module):
         )
         self.conv1d = DepthwiseConv1dWeights(self.conv_dim, self.conv_kernel_size, dtype=dtype)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=dtype), requires_grad=False)
-        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=dtype), requires_grad=False)
+        # float32 whatever the model dtype (as stock vLLM keeps it): exp(A_log) scales every decay, and a
+        # float32 checkpoint's A_log rounded to bf16 moves each head's decay rate by up to 0.4%
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32), requires_grad=False)
         self.norm = GatedRMSNormWeights(self.head_v_dim, config.rms_norm_eps, dtype=dtype)
         self.out_proj = row_parallel_linear(config.linear_value_dim, h, parallel, dtype=dtype)
         self.core = core
