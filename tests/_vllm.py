@@ -9,18 +9,37 @@ happen in fresh processes (:mod:`_harness`), because vLLM's ``LLM`` must be crea
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _runs import RUNS
+from _runs import RUNS, Lanes
+from _server import ServerError, VllmServer
 from atom_core import testing
 
 
 def model_dir() -> Path:
     return testing.model_dir()
+
+
+@contextmanager
+def plugin_server(
+    args: Sequence[str], log: Path, ranks: int = 1, timeout: float = 900.0
+) -> Iterator[VllmServer]:
+    """vLLM's OpenAI server of the bundled model with the plugin, on ``ranks`` CPU lanes of its own (held
+    beside the planned runs, ``_runs.py``; engine rank r on the r-th); a server that does not come up fails
+    the test with its error."""
+    with RUNS.lanes.hold(ranks) as cores:
+        try:
+            with VllmServer(
+                model_dir(), args, plugin=True, log=log, env=Lanes.bind_env(cores, ranks), timeout=timeout
+            ) as srv:
+                yield srv
+        except ServerError as e:
+            pytest.fail(str(e))
 
 
 @cache

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import pytest
 from _reference import consistency
-from _runs import RUNS, Lanes
-from _server import ServerError, VllmServer
-from _vllm import model_dir, requires_vllm
+from _vllm import model_dir, plugin_server, requires_vllm
 
 K = 2
 MAX_GAP = 0.01  # float32 vs transformers' float32: only near-ties may differ
@@ -77,14 +75,8 @@ def chat_server(tmp_path_factory):
         "--max-num-seqs", "8", "--speculative-config", f'{{"method": "mtp", "num_speculative_tokens": {K}}}',
     ]  # fmt: skip
     log = tmp_path_factory.mktemp("chat_server") / "server.log"
-    with RUNS.lanes.hold(1) as cores:  # a core of its own beside the engine runs started ahead (_runs.py)
-        try:
-            with VllmServer(
-                model_dir(), args, plugin=True, log=log, env=Lanes.bind_env(cores), timeout=600
-            ) as srv:
-                yield srv
-        except ServerError as e:
-            pytest.fail(str(e))
+    with plugin_server(args, log, timeout=600) as srv:
+        yield srv
 
 
 @requires_vllm

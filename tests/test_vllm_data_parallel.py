@@ -17,9 +17,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from _runs import RUNS, Lanes
-from _server import ServerError, VllmServer, per_label
-from _vllm import greedy_cases, model_dir, requires_vllm
+from _server import per_label
+from _vllm import greedy_cases, plugin_server, requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.slow]
 
@@ -32,12 +31,8 @@ def dp_server(tmp_path_factory):
         "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
     ]  # fmt: skip
     log = tmp_path_factory.mktemp("dp_server") / "server.log"
-    with RUNS.lanes.hold(2) as cores:  # an engine core per core (DP rank r on the r-th), beside the runs
-        try:
-            with VllmServer(model_dir(), args, plugin=True, log=log, env=Lanes.bind_env(cores, 2)) as srv:
-                yield srv
-        except ServerError as e:
-            pytest.fail(str(e))
+    with plugin_server(args, log, ranks=2) as srv:
+        yield srv
 
 
 def _greedy(base: str, prompt_ids: list[int]) -> list[int]:

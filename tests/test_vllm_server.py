@@ -18,9 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from _reference import consistency
-from _runs import RUNS, Lanes
-from _server import ServerError, VllmServer
-from _vllm import greedy_cases, model_dir, prompt_set, requires_vllm
+from _vllm import greedy_cases, model_dir, plugin_server, prompt_set, requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.slow]
 
@@ -38,14 +36,8 @@ def server(tmp_path_factory):
         "--speculative-config", f'{{"method": "mtp", "num_speculative_tokens": {K}}}',
     ]  # fmt: skip
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with RUNS.lanes.hold(1) as cores:  # a core of its own beside the engine runs started ahead (_runs.py)
-        try:
-            with VllmServer(
-                model_dir(), args, plugin=True, log=log, env=Lanes.bind_env(cores), timeout=600
-            ) as srv:
-                yield srv
-        except ServerError as e:
-            pytest.fail(str(e))
+    with plugin_server(args, log, timeout=600) as srv:
+        yield srv
 
 
 def _complete(

@@ -71,6 +71,15 @@ def moe_experts(
     return out.to(x.dtype)
 
 
+def _per_expert_mm(a: torch.Tensor, w: torch.Tensor, counts: list[int], out: torch.Tensor) -> None:
+    """``out[rows_e] = a[rows_e] @ w[e].T`` for each expert's slice of ``counts[e]`` consecutive rows."""
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            torch.mm(a[start : start + n], w[e].t(), out=out[start : start + n])
+            start += n
+
+
 def _sorted_loop(x, weights, order, counts: list[int], top_k: int, w13, w2) -> torch.Tensor:
     """The held pairs sorted by expert (``order``: flat ``(token, slot)`` indices), each expert's ``counts[e]``
     rows as two matmuls on its slice; the reference's rounding points (matmuls in x.dtype, activation in
@@ -80,22 +89,10 @@ def _sorted_loop(x, weights, order, counts: list[int], top_k: int, w13, w2) -> t
     inter = w2.shape[2]
     h = x.new_empty(xs.shape[0], 2 * inter)
     y = x.new_empty(xs.shape)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = slice(start, start + n)
-        torch.mm(xs[rows], w13[e].t(), out=h[rows])
-        start += n
+    _per_expert_mm(xs, w13, counts, h)
     hf = h.float()
     act = (F.silu(hf[:, :inter]) * hf[:, inter:]).to(x.dtype)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = slice(start, start + n)
-        torch.mm(act[rows], w2[e].t(), out=y[rows])
-        start += n
+    _per_expert_mm(act, w2, counts, y)
     yw = y.float().mul_(weights.reshape(-1).float()[order, None])
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, token_of, yw)
