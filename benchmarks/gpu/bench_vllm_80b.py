@@ -23,7 +23,8 @@ decode tokens/s at that step, and the projected single-stream tokens/s at the se
 acceptance length 1.91 (random weights accept almost no drafts; the step time is what the product costs,
 the acceptance is the model's). ``--profile-tokens N`` then profiles one stream of N tokens with vLLM's own
 worker profiler (``trace_steps.py`` reads the trace: GPU busy and idle per step, and what the host was doing
-while the GPU waited). JSON ``vllm_80b_<mode>_k<k>_<gpu>.json``.
+while the GPU waited); ``--host-profile-tokens N`` cProfiles the engine-core thread (scheduler and worker
+steps) over one stream of N tokens into ``<name>_host_profile.txt``. JSON ``vllm_80b_<mode>_k<k>_<gpu>.json``.
 
     python benchmarks/gpu/bench_vllm_80b.py --layers 32 --k 1 --profile-tokens 48 --out $OUT  # H100: 32 layers
 """
@@ -73,6 +74,47 @@ def _randomize_worker(worker: Any) -> dict[str, Any]:
         "model_runner": type(runner).__name__,
         "cudagraph_mode": str(worker.vllm_config.compilation_config.cudagraph_mode),
     }
+
+
+def _cprofile_start(worker: Any) -> bool:
+    """Runs in the engine-core process (collective_rpc): Python's deterministic profiler on the thread that
+    runs the scheduler and the worker's steps."""
+    import cProfile
+
+    worker.atom_cprofile = cProfile.Profile()
+    worker.atom_cprofile.enable()
+    return True
+
+
+def _cprofile_stop(worker: Any, rows: int = 60) -> str:
+    """Stops :func:`_cprofile_start`'s profiler; its functions by own time and by cumulative time, as text."""
+    import io
+    import pstats
+
+    prof = worker.atom_cprofile
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text).strip_dirs()
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    return text.getvalue()
+
+
+def host_profile_one_stream(llm: Any, args: argparse.Namespace, g: Any) -> dict[str, Any]:
+    """cProfile of the engine-core thread over one stream decoding ``--host-profile-tokens`` tokens: where
+    the host's time per step goes (function level; the profiler slows Python about 2x, so compare shares).
+    The text goes to ``<name>_host_profile.txt`` beside the JSON."""
+    import torch
+    from vllm import SamplingParams
+
+    prompt = [{"prompt_token_ids": torch.randint(10, 150000, (args.input_len,), generator=g).tolist()}]
+    n = args.host_profile_tokens
+    llm.collective_rpc(_cprofile_start)
+    t = time.perf_counter()
+    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    wall = time.perf_counter() - t
+    text = llm.collective_rpc(_cprofile_stop)[0]
+    return {"tokens": n, "wall_s": wall, "text": text}
 
 
 def measure(llm: Any, prompts: list[dict[str, Any]], n: int, k: int) -> dict[str, Any]:
@@ -151,6 +193,10 @@ def main() -> int:
         "--profile-tokens", type=int, default=0, help="also profile one stream of this many tokens"
     )
     ap.add_argument("--profile-stack", action="store_true", help="record Python stacks in the profile")
+    ap.add_argument(
+        "--host-profile-tokens", type=int, default=0,
+        help="also cProfile the engine-core thread over one stream of this many tokens",
+    )  # fmt: skip
     args = ap.parse_args()
     args.profile_dir = str((args.out or Path(tempfile.gettempdir())) / "vllm_profile")
     if args.profile_tokens:
@@ -208,6 +254,11 @@ def main() -> int:
     name = f"vllm_80b_{args.cudagraph_mode.lower()}_k{args.k}_{common.gpu_tag(torch.device('cuda'))}"
     if args.layers != bench_engine.FP8_LAYERS:
         name += f"_{args.layers}layers"
+    if args.host_profile_tokens:
+        host = host_profile_one_stream(llm, args, g)
+        (out / f"{name}_host_profile.txt").write_text(host.pop("text"))
+        result["host_profile"] = host
+        print(json.dumps(host), flush=True)
     common.write_json(out / f"{name}.json", result)
     return 0
 

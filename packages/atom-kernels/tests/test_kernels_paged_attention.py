@@ -194,6 +194,25 @@ def test_fp8_cache(impl, tol, device):
         assert_close(out[s:e], expected, tol("attn_fp8", torch.float32), f"fp8 paged vs dense seq {n}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_out_is_written_in_place_padding_rows_zeroed(impl, device, dtype):
+    """``out=`` (NaN-filled, with padding rows past ``query_start_loc[N]`` as a padded batch has) receives
+    exactly the returned attention, the padding rows as zeros, and is the tensor returned."""
+    write, attend = impl("kv_cache_write", dtype), impl("paged_attention", dtype)
+    b = build_batch(MIXED[:4], 64, dtype, device, seed=5)
+    write(torch.cat(b["keys"]), torch.cat(b["values"]), b["key_cache"], b["value_cache"], b["slot_mapping"])
+    args = (b["key_cache"], b["value_cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"], 0.125)
+    t = b["q"].shape[0]
+    q = torch.cat([b["q"], randn(5, HQ, 64, seed=9, dtype=dtype, device=device)])  # 5 padding rows
+    expected = attend(b["q"], *args)
+    out = torch.full_like(q, float("nan"))
+    got = attend(q, *args, out=out)
+    assert got is out
+    assert torch.equal(out[:t], expected) and bool((out[t:] == 0).all())
+    with pytest.raises(ValueError, match="out must have dtype"):
+        attend(q, *args, out=out.to(torch.float16))
+
+
 def test_bad_inputs(impl, device):
     write, attend = impl("kv_cache_write", torch.float32), impl("paged_attention", torch.float32)
     b = build_batch([(3, 2), (0, 4)], 32, torch.float32, device)

@@ -150,3 +150,17 @@ def test_every_check_takes_the_reference_parameters(op):
     reference = REFERENCE_OPS[op]
     check = getattr(inspect.getmodule(reference), f"check_{op}")
     assert list(inspect.signature(check).parameters) == [p.name for p in _spec(op)]
+
+
+def test_slow_fallback_warning_names_the_missing_dependency():
+    """A bf16 GPU whose chunked GDN prefill resolved to the reference (fla-core missing) gets one warning
+    naming the op and the install; a CPU, float32 (reference by design) or a fast backend gets none."""
+    from atom_kernels.kernels import slow_fallbacks
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    ref = {"gated_delta_rule_chunked": "reference"}
+    (msg,) = slow_fallbacks(cuda, torch.bfloat16, ref)
+    assert "gated_delta_rule_chunked" in msg and "fla-core" in msg and "atom-kernels[fla]" in msg
+    assert slow_fallbacks(cuda, torch.bfloat16, {"gated_delta_rule_chunked": "triton"}) == []
+    assert slow_fallbacks(cuda, torch.float32, ref) == []
+    assert slow_fallbacks(cpu, torch.bfloat16, ref) == []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import float32_engine
+from _helpers import MIN_ACCEPTANCE, float32_engine, greedy_mismatch
 from atom_models.engine import EngineConfig, SamplingParams
 from atom_models.engine.graphs import DecodeGraphs, bucket_sizes
 
@@ -187,3 +187,24 @@ def test_step_metadata_fill_matches_the_per_token_layout():
         ValueError, match=r"request 2: positions up to 5 need block 1, but it holds 1 blocks of 4"
     ):
         meta.fill((short,), 1, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [5, 6, 7, 8])
+def test_long_drafts_reproduce_greedy_graphed_on_cuda(model_dir, greedy_cases, k):
+    """On a GPU, k = 5..8 (up to ``MAX_SPECULATIVE_TOKENS``): every greedy.json case decoded with captured
+    verify/propose graphs equals the float32 reference; acceptance per draft position is printed, and the
+    first position (the k = 1 draft) stays above half of its measured rate."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: the graphed verify of 1 + k tokens is captured there")
+    cases = greedy_cases["cases"]
+    eng = float32_engine(model_dir, k, device="cuda")
+    params = SamplingParams(max_tokens=greedy_cases["max_new_tokens"], ignore_eos=True)
+    res = eng.generate([c["prompt_ids"] for c in cases], params)
+    bad = greedy_mismatch(res, cases)
+    assert bad is None, f"k={k}: {bad}"
+    assert eng.graphs.target_runs > 0 and eng.graphs.propose_runs == eng.graphs.target_runs
+    drafts = sum(r.stats.num_drafts for r in res)
+    per_pos = [sum(r.stats.accepted_per_position[i] for r in res) / drafts for i in range(k)]
+    print(f"k={k}: acceptance per draft position {[round(a, 3) for a in per_pos]}")
+    assert per_pos[0] >= MIN_ACCEPTANCE[1] / 2, f"k={k}: first-position acceptance {per_pos[0]:.3f}"

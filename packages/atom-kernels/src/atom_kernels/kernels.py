@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -12,6 +13,8 @@ import torch
 from atom_core.envs import forced_kernel_backend
 
 from atom_kernels import registry
+
+logger = logging.getLogger(__name__)
 
 Op = Callable[..., Any]
 """An op's callable. Its signature is the reference implementation's (``atom_kernels.ops.<family>.reference``,
@@ -88,9 +91,27 @@ def select_kernels(
             f"select_kernels: unknown backend {forced!r}; expected one of {list(registry.BACKEND_MODULES)}"
         )
     impls = {op: registry.resolve(op, device, dtype, forced) for op in registry.OPS}
+    if forced is None:
+        for message in slow_fallbacks(device, dtype, {op: impl.backend for op, impl in impls.items()}):
+            logger.warning(message)
     return Kernels(
         device=device,
         dtype=dtype,
         backends=MappingProxyType({op: impl.backend for op, impl in impls.items()}),
         **{op: impl.fn for op, impl in impls.items()},
     )
+
+
+def slow_fallbacks(device: torch.device, dtype: torch.dtype, backends: Mapping[str, str]) -> list[str]:
+    """Warnings for ops that fall back to the torch reference on a GPU where a fast backend exists but a
+    dependency is missing: the bf16/fp16 chunked GDN prefill needs fla-core (``atom-kernels[fla]``, part of
+    ``atom-vllm-plugin[cuda]``); without it every prompt's GDN layers run the reference's per-chunk torch ops."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return []
+    if backends.get("gated_delta_rule_chunked") != "reference":
+        return []
+    return [
+        f"gated_delta_rule_chunked (GDN prefill) runs on the torch reference backend on {device} ({dtype}): "
+        "fla-core is not installed, so prompts prefill far slower than decode would suggest; install it with "
+        "pip install 'atom-kernels[fla]' (included in 'atom-vllm-plugin[cuda]')"
+    ]

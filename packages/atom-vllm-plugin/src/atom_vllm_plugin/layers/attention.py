@@ -111,14 +111,15 @@ class AtomAttentionCore(nn.Module, AttentionLayerBase):
         if not isinstance(md, AtomAttentionMetadata):
             raise TypeError(f"{self.layer_name}: expected AtomAttentionMetadata, got {type(md).__name__}")
         n = md.num_actual_tokens
-        out[n:].zero_()
         if n == 0:
-            return out
+            return out.zero_()
         key_cache, value_cache = split_kv_cache(self.kv_cache, self.head_size)
         scales = (self._k_scale, self._v_scale) if key_cache.dtype == torch.float8_e4m3fn else (None, None)
         self.kernels.kv_cache_write(k[:n], v[:n], key_cache, value_cache, md.slot_mapping[:n], *scales)
-        out[:n] = self.kernels.paged_attention(
-            q[:n],
+        # every row of q: the op zeroes the rows past query_start_loc[N] (vLLM's token padding) itself,
+        # writing into ``out`` directly (no memset, no copy)
+        return self.kernels.paged_attention(
+            q,
             key_cache,
             value_cache,
             md.block_table,
@@ -126,8 +127,8 @@ class AtomAttentionCore(nn.Module, AttentionLayerBase):
             md.query_start_loc,
             self.scale,
             *scales,
+            out=out,
         )
-        return out
 
     def extra_repr(self) -> str:
         return f"{self.layer_name}, heads={self.num_heads}/{self.num_kv_heads}, head_size={self.head_size}"

@@ -60,6 +60,7 @@ def check_paged_attention(
     scale: float,
     k_scale: object,
     v_scale: object,
+    out: torch.Tensor | None = None,
 ) -> None:
     c = Checker("paged_attention")
     c.tensor("q", q, ("T", "Hq", "D"), FLOAT_DTYPES)
@@ -78,6 +79,8 @@ def check_paged_attention(
             key_cache.dtype == q.dtype,
             f"key_cache must have q's dtype {q.dtype} (or fp8), got {key_cache.dtype}",
         )
+    if c.optional("out", out, ("T", "Hq", "D"), (q.dtype,)) is not None:
+        c.require(out.stride(-1) == 1, f"out needs a unit last-dim stride, got strides {out.stride()}")
 
 
 def check_slot_mapping_values(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:

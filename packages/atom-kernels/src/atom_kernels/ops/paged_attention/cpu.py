@@ -150,17 +150,19 @@ def paged_attention(
     scale: float,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`atom_kernels.ops.paged_attention.reference.paged_attention` (same contract)."""
     check_paged_attention(
-        q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+        q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, out
     )
     block_size, num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
     check_paged_attention_values(block_tables, seq_lens, query_start_loc, block_size, q.shape[0])
     ks, vs = scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     q_lens = [starts[n + 1] - starts[n] for n in range(len(lens))]
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device) if out is None else out.zero_()
     kv_bytes_per_token = 2 * num_kv_heads * head_dim * 4
     score_bytes = q.shape[1] * 4  # per (query, key) pair: one float32 score per query head
     batch: list[int] = []

@@ -68,6 +68,8 @@ def paged_attention(
     scale: float,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole cached sequence.
 
@@ -81,6 +83,8 @@ def paged_attention(
         query_start_loc: ``[N+1]`` int32 offsets into T.
         scale: softmax scale (usually ``D ** -0.5``).
         k_scale, v_scale: per-tensor scales of fp8 caches (None: 1.0).
+        out: ``[T, Hq, D]`` in q.dtype, unit last-dim stride: written in place and returned (None: a new
+            tensor).
 
     Returns:
         ``o [T, Hq, D]`` in q.dtype; query i of sequence n sits at position ``seq_lens[n] - q_len_n + i``
@@ -88,14 +92,14 @@ def paged_attention(
         Rows past ``query_start_loc[N]`` are zero.
     """
     check_paged_attention(
-        q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+        q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, out
     )
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     check_paged_attention_values(block_tables, seq_lens, query_start_loc, block_size, q.shape[0])
     group = q.shape[1] // num_kv_heads
     ks, vs = scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device) if out is None else out.zero_()
     for n, seq_len in enumerate(lens):
         qs, qe = starts[n], starts[n + 1]
         q_len = qe - qs

@@ -297,6 +297,7 @@ def paged_attention(
     k_scale: torch.Tensor | float | None = None,
     v_scale: torch.Tensor | float | None = None,
     *,
+    out: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """Triton paged attention (see the module docstring; semantics in docs/kernel-api.md).
@@ -304,7 +305,7 @@ def paged_attention(
     ``config`` overrides the launch plan (keys of :func:`plan`); benchmarks use it to sweep tiles.
     """
     check_paged_attention(
-        q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+        q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, out
     )
     if q.device.type == "cpu":  # reads values: only under the interpreter (no device sync on a GPU)
         check_paged_attention_values(block_tables, seq_lens, query_start_loc, key_cache.shape[1], q.shape[0])
@@ -317,7 +318,8 @@ def paged_attention(
     if q.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("paged_attention (triton): q, key_cache and value_cache need a unit last-dim stride")
     # rows past query_start_loc[N] are zeroed by the kernel (no separate memset launch)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out.zero_()
     has_scales = key_cache.dtype != q.dtype or k_scale is not None or v_scale is not None
