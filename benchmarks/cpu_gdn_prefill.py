@@ -59,7 +59,7 @@ def run_stock(args, pool):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16"])
     ap.add_argument("--out", type=Path, default=None)
     opts = ap.parse_args()
 
