@@ -129,10 +129,16 @@ def varlen_batch(lens: list[int], seed: int, dtype, device, num_slots: int):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens", [[1], [63], [65], [257], [65, 1, 257, 63]])
-def test_chunked_matches_naive(impl, tol, device, dtype, lens):
+@pytest.mark.parametrize("slot_order", ["reversed", "consecutive"])
+def test_chunked_matches_naive(impl, tol, device, dtype, lens, slot_order):
+    """Against the float64 loop; slots in reversed order, or consecutive (the cpu backend then updates a
+    float32 pool's rows in place)."""
     fn = impl("gated_delta_rule_chunked", dtype)
     q, k, v, g, beta, cu, pool = varlen_batch(lens, 10, dtype, device, num_slots=len(lens) + 2)
-    slots = torch.arange(len(lens), 0, -1, dtype=torch.int32, device=device)  # scrambled slot order
+    if slot_order == "reversed":
+        slots = torch.arange(len(lens), 0, -1, dtype=torch.int32, device=device)
+    else:
+        slots = torch.arange(1, len(lens) + 1, dtype=torch.int32, device=device)
     has_init = torch.tensor([i % 2 == 0 for i in range(len(lens))], device=device)
     before = pool.clone()
     o = fn(q, k, v, g, beta, cu, pool, slots, has_init, SCALE)

@@ -10,14 +10,16 @@ which a CPU runs as one small LAPACK call per matrix. Here the unit lower-triang
     inv([[P, 0], [C, R]]) = [[P^-1, 0], [-R^-1 C P^-1, R^-1]]
 
 from 1 x 1 diagonal blocks (all ones) up to ``chunk_size`` (log2(chunk_size) levels of two batched
-matmuls each), then ``[u | w] = (I + A)^-1 [beta V | beta K e^cum]`` is one batched matmul. The tokens are
-laid out head-major once (``[N, H, chunks, C, D]`` contiguous; q and k per key head, since ``q k^T`` and
-``k k^T`` are the same for the value heads of a group), so the batched matmuls read contiguous operands,
-a chunk that starts from no state (a fresh prompt) skips the products with it, the state is kept in the
-pool's ``[Dv, Dk]`` layout and stored with one indexed copy, and the batch goes through in groups of
-consecutive sequences of about :data:`~atom_kernels.ops._groups.GROUP_TOKENS` tokens, whose temporaries
-stay in cache. Same float32 math as the reference up to the order of the sums (tolerances in the
-conformance tests); the final state is rounded to the pool dtype when stored.
+matmuls each, written in place into one buffer), then ``u`` and ``w`` are one batched matmul each.
+The tokens are laid out chunk-major once (``[chunks, N, H, C, D]`` contiguous; q and k per key head,
+since ``q k^T`` and ``k k^T`` are the same for the value heads of a group), so each chunk's operands of
+the recurrence are one contiguous ``[N * Hv, C, D]`` block. A chunk that starts from no state (a fresh
+prompt) skips the products with it, and a group of one-chunk fresh prompts computes neither ``w`` nor the
+decayed queries. The state is kept in the pool's ``[Dv, Dk]`` layout: in place in a float32 pool whose
+slots for the group are consecutive, otherwise gathered once and stored with one indexed copy. The batch
+goes through in groups of consecutive sequences of about :data:`~atom_kernels.ops._groups.GROUP_TOKENS`
+tokens, whose temporaries stay in cache. Same float32 math as the reference up to the order of the sums
+(tolerances in the conformance tests); the final state is rounded to the pool dtype when stored.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ from atom_kernels.ops.gated_delta_rule.reference import _read_states
 from atom_kernels.ops.l2norm.reference import l2norm_f32
 
 
+def _block(x: torch.Tensor, m: int, row: int, col: int) -> torch.Tensor:
+    """Block ``(row, col)`` (each 0 or 1) of every ``2m x 2m`` diagonal block of ``x [B, C, C]``: a
+    ``[B, C / 2m, m, m]`` view."""
+    batch, size, _ = x.shape
+    pairs = size // (2 * m)
+    view = x.view(batch, pairs, 2, m, pairs, 2, m).diagonal(dim1=1, dim2=4)  # [B, 2, m, 2, m, P]
+    return view[:, row, :, col].permute(0, 3, 1, 2)
+
+
 def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
     """``(I + strictly_lower(a))^-1`` for a batch ``a [B, C, C]`` float32.
 
@@ -42,23 +53,26 @@ def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
     if size & (size - 1):  # not a power of two: one triangular solve against the identity
         eye = torch.eye(size, dtype=a.dtype, device=a.device).expand(batch, size, size)
         return torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
-    inv = torch.ones(batch, size, 1, 1, dtype=a.dtype, device=a.device)  # [B, nb, m, m] diagonal blocks
+    inv = torch.zeros_like(a)
+    inv.diagonal(dim1=-2, dim2=-1).fill_(1.0)
     m = 1
     while m < size:
-        pairs = size // (2 * m)
-        # lower-left m x m block of each 2m x 2m diagonal block: rows (2p+1)m.., cols 2pm..
-        blocks = a.view(batch, pairs, 2, m, pairs, 2, m).diagonal(dim1=1, dim2=4)  # [B, 2, m, 2, m, P]
-        lower = blocks[:, 1, :, 0].permute(0, 3, 1, 2)  # [B, P, m, m]
-        top = inv[:, 0::2]  # [B, P, m, m]
-        bottom = inv[:, 1::2]
-        corner = -torch.matmul(bottom, torch.matmul(lower, top))
-        new = inv.new_zeros(batch, pairs, 2 * m, 2 * m)
-        new[:, :, :m, :m] = top
-        new[:, :, m:, m:] = bottom
-        new[:, :, m:, :m] = corner
-        inv = new
+        corner = -torch.matmul(_block(inv, m, 1, 1), torch.matmul(_block(a, m, 1, 0), _block(inv, m, 0, 0)))
+        _block(inv, m, 1, 0).copy_(corner)
         m *= 2
-    return inv.view(batch, size, size)
+    return inv
+
+
+def _consecutive_rows(ssm_state: torch.Tensor, state_indices: torch.Tensor) -> torch.Tensor | None:
+    """``ssm_state[lo : lo + N]`` where the ``N`` slots are ``lo, lo + 1, ...`` and the pool is float32 and
+    contiguous (the state can be updated in place there); otherwise None. One host read of the slots."""
+    if ssm_state.dtype != torch.float32 or not ssm_state.is_contiguous() or state_indices.shape[0] == 0:
+        return None
+    rows = state_indices.tolist()
+    lo = rows[0]
+    if lo < 0 or rows != list(range(lo, lo + len(rows))):
+        return None
+    return ssm_state[lo : lo + len(rows)]
 
 
 def gated_delta_rule_chunked(
@@ -167,75 +181,94 @@ def _chunked(
         seq_id = torch.repeat_interleave(torch.arange(num_seqs, device=device), lens)
         pos = torch.arange(total, device=device) - offsets[seq_id]
 
-    def head_major(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [N, H, nC, C, ...] contiguous
+    def chunk_major(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [T, H, ...] -> [nC, N, H, C, ...]
         if dense:
             out = x.reshape(num_seqs, padded, *x.shape[1:])
         else:
             out = x.new_zeros((num_seqs, padded, *x.shape[1:]))
             out[seq_id, pos] = x
-        out = out.movedim(1, 2).contiguous()
-        return out.view(num_seqs, x.shape[1], num_chunks, chunk, *x.shape[2:])
+        out = out.view(num_seqs, num_chunks, chunk, *x.shape[1:]).transpose(0, 1).transpose(2, 3)
+        return torch.empty(out.shape, dtype=dtype, device=device).copy_(out)  # contiguous, in dtype: one pass
 
-    def by_group(x: torch.Tensor) -> torch.Tensor:  # [N, Hv, ...] -> [N, Hk, G, ...] (a view)
-        return x.view(num_seqs, num_k_heads, group, *x.shape[2:])
+    def by_group(x: torch.Tensor) -> torch.Tensor:  # [nC, N, Hv, ...] -> [nC, N, Hk, G, ...] (a view)
+        return x.view(num_chunks, num_seqs, num_k_heads, group, *x.shape[3:])
 
-    qc, kc = head_major(q32), head_major(k32)  # [N, Hk, nC, C, Dk]
-    vc = by_group(head_major(v.float()))  # [N, Hk, G, nC, C, Dv]
-    gc, bc = by_group(head_major(g.float())), by_group(head_major(beta.float()))  # [N, Hk, G, nC, C]
+    qc, kc = chunk_major(q32, torch.float32), chunk_major(k32, torch.float32)  # [nC, N, Hk, C, Dk]
+    vc = by_group(chunk_major(v, torch.float32))  # [nC, N, Hk, G, C, Dv]
+    gc = by_group(chunk_major(g, torch.float32))  # [nC, N, Hk, G, C]
+    bc = by_group(chunk_major(beta, torch.float32))
 
     cum = gc.cumsum(dim=-1)
     ecum = cum.exp()
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill_(~causal, float("-inf")).exp_()  # [.., C, C]
     kt = kc.transpose(-1, -2)
-    kk = torch.matmul(kc, kt)[:, :, None]  # [N, Hk, 1, nC, C, C]: k_i . k_j
-    qk = torch.matmul(qc, kt)[:, :, None]  # q_i . k_j (q unscaled)
-    # UT transform: (I + strictly_lower(beta_i (k_i . k_j) decay_ij)) [u | w] = [beta V | beta K e^cum].
-    rows = num_seqs * num_v_heads * num_chunks
-    system = (bc[..., :, None] * decay).mul_(kk)
-    inverse = unit_lower_inverse(system.view(rows, chunk, chunk))
-    rhs = torch.empty(*vc.shape[:-1], dv + dk, dtype=torch.float32, device=device)
-    torch.mul(vc, bc[..., None], out=rhs[..., :dv])
-    torch.mul(kc[:, :, None], (bc * ecum)[..., None], out=rhs[..., dv:])
-    uw = torch.bmm(inverse, rhs.view(rows, chunk, dv + dk)).view(rhs.shape)
-    u, w = uw[..., :dv], uw[..., dv:]
-    attn = (decay * scale).mul_(qk)  # intra-chunk causal scores, diagonal included (q scaled)
-    q_decayed = qc[:, :, None] * (ecum * scale)[..., None]  # [N, Hk, G, nC, C, Dk]
-    k_to_end = kc[:, :, None] * (cum[..., -1:] - cum).exp_()[..., None]  # [N, Hk, G, nC, C, Dk]
-    chunk_decay = ecum[..., -1, None, None]  # [N, Hk, G, nC, 1, 1]
+    kk = torch.matmul(kc, kt)[:, :, :, None]  # [nC, N, Hk, 1, C, C]: k_i . k_j
+    qk = torch.matmul(qc, kt)[:, :, :, None]  # q_i . k_j (q unscaled)
 
-    # The state in the pool's layout [N, Hk, G, Dv, Dk] (S^T of the "kv" form the equations use).
-    # No initial state anywhere (a fresh prompt): the first chunk's products with it are zeros and skipped.
+    # The state in the pool's layout [N * Hv, Dv, Dk] (S^T of the "kv" form the equations use).
+    # No initial state anywhere (a fresh prompt): the first chunk's products with it are zeros and skipped,
+    # and a batch of such one-chunk sequences needs neither w nor the decayed queries.
     slots = state_indices.long()
     valid = slots >= 0
     use_init = has_initial_state & valid
+    batch = num_seqs * num_v_heads
+    # A float32 pool whose slots for the group are consecutive holds the state in place (not gathered,
+    # not stored): its rows are updated chunk by chunk, those without an initial state zeroed first.
+    in_pool = _consecutive_rows(ssm_state, state_indices)
     state = None
     if bool(use_init.any()):
-        state = by_group(_read_states(ssm_state, state_indices, use_init))
-    out = torch.empty(num_seqs, num_k_heads, group, num_chunks, chunk, dv, dtype=torch.float32, device=device)
-    for i in range(num_chunks):
-        o_i = out[..., i, :, :]
-        if state is None:
-            v_new = u[..., i, :, :]
-            torch.matmul(attn[..., i, :, :], v_new, out=o_i)
-            # a transposed first operand makes the batched matmul several times slower: copy it first
-            state = torch.matmul(v_new.transpose(-1, -2).contiguous(), k_to_end[..., i, :, :])
-            continue
-        st = state.transpose(-1, -2)  # [.., Dk, Dv]
-        v_new = u[..., i, :, :] - torch.matmul(w[..., i, :, :], st)
-        torch.matmul(q_decayed[..., i, :, :], st, out=o_i)
-        o_i += torch.matmul(attn[..., i, :, :], v_new)
-        state.mul_(chunk_decay[..., i, :, :])
-        state += torch.matmul(v_new.transpose(-1, -2).contiguous(), k_to_end[..., i, :, :])
+        if in_pool is None:
+            state = _read_states(ssm_state, state_indices, use_init).view(batch, dv, dk)
+        else:
+            if not bool(use_init.all()):
+                in_pool.index_fill_(0, (~use_init).nonzero().squeeze(1), 0.0)
+            state = in_pool.view(batch, dv, dk)
+    with_state = state is not None or num_chunks > 1
 
-    state = state.view(num_seqs, num_v_heads, dv, dk).to(ssm_state.dtype)
-    if bool(valid.all()):
-        ssm_state.index_copy_(0, slots, state)
-    else:
-        keep = valid.nonzero().squeeze(1)
-        ssm_state.index_copy_(0, slots[keep], state[keep])
-    out = out.view(num_seqs, num_v_heads, padded, dv).movedim(2, 1)  # [N, padded, Hv, Dv]
+    # UT transform: (I + strictly_lower(beta_i (k_i . k_j) decay_ij)) [u | w] = [beta V | beta K e^cum].
+    rows = num_chunks * batch
+    system = (bc[..., :, None] * decay).mul_(kk)
+    inverse = unit_lower_inverse(system.view(rows, chunk, chunk))
+    beta_v = torch.mul(vc, bc[..., None])
+    u = torch.bmm(inverse, beta_v.view(rows, chunk, dv)).view(num_chunks, batch, chunk, dv)
+    attn = (decay * scale).mul_(qk).view(num_chunks, batch, chunk, chunk)  # causal, diagonal in
+    k_to_end = torch.mul(kc[:, :, :, None], (cum[..., -1:] - cum).exp_()[..., None])
+    k_to_end = k_to_end.view(num_chunks, batch, chunk, dk)
+    if with_state:
+        beta_k = torch.mul(kc[:, :, :, None], (bc * ecum)[..., None])
+        w = torch.bmm(inverse, beta_k.view(rows, chunk, dk)).view(num_chunks, batch, chunk, dk)
+        q_decayed = torch.mul(qc[:, :, :, None], (ecum * scale)[..., None])
+        q_decayed = q_decayed.view(num_chunks, batch, chunk, dk)
+    chunk_decay = ecum[..., -1].reshape(num_chunks, batch, 1, 1)
+
+    out = torch.empty(num_chunks, batch, chunk, dv, dtype=torch.float32, device=device)
+    for i in range(num_chunks):
+        if state is None:
+            torch.bmm(attn[i], u[i], out=out[i])
+            # a transposed first operand makes the batched matmul several times slower: copy it first
+            ut = u[i].transpose(1, 2).contiguous()
+            if in_pool is None:
+                state = torch.bmm(ut, k_to_end[i])
+            else:
+                state = torch.bmm(ut, k_to_end[i], out=in_pool.view(batch, dv, dk))
+            continue
+        st = state.transpose(1, 2)  # [B, Dk, Dv]
+        v_new = u[i] - torch.bmm(w[i], st)
+        torch.bmm(q_decayed[i], st, out=out[i])
+        out[i] += torch.bmm(attn[i], v_new)
+        state.mul_(chunk_decay[i])
+        state += torch.bmm(v_new.transpose(1, 2).contiguous(), k_to_end[i])
+
+    if in_pool is None:
+        state = state.view(num_seqs, num_v_heads, dv, dk).to(ssm_state.dtype)
+        if bool(valid.all()):
+            ssm_state.index_copy_(0, slots, state)
+        else:
+            keep = valid.nonzero().squeeze(1)
+            ssm_state.index_copy_(0, slots[keep], state[keep])
+    out = out.view(num_chunks, num_seqs, num_v_heads, chunk, dv).permute(1, 0, 3, 2, 4)  # [N, nC, C, Hv, Dv]
     if dense:  # one pass: transpose and round
-        result = torch.empty(num_seqs, padded, num_v_heads, dv, dtype=q.dtype, device=device)
+        result = torch.empty(num_seqs, num_chunks, chunk, num_v_heads, dv, dtype=q.dtype, device=device)
         return result.copy_(out).view(total, num_v_heads, dv)
-    return out[seq_id, pos].to(q.dtype)
+    return out.reshape(num_seqs, padded, num_v_heads, dv)[seq_id, pos].to(q.dtype)
