@@ -247,6 +247,34 @@ def test_profiling_run_returns_zeros(setup):
     assert out.shape == (3, layer.num_v_heads, layer.head_v_dim) and not out.any()
 
 
+def test_first_profiling_run_warms_the_prefill_path_on_scratch_state(setup, monkeypatch):
+    """The first run without metadata (vLLM's profiling run) runs every prefill warm-up batch on scratch
+    state in the layer's storage layout (conv ``[S, W, C]`` viewed ``[S, C, W]``); vLLM's cache is left as
+    it was, and later runs without metadata do not warm up again."""
+    from atom_models import gdn_warmup
+
+    cfg, kern, layer, _ = setup
+    state = GDNStateSpec.from_config(cfg, K_SPEC, torch.float32, torch.float32)
+    core = AtomGDNCore("model.layers.0.linear_attn", state, kern)
+    _bind(core, 3)
+    for t in core.kv_cache:
+        t.fill_(5)
+    before = [t.clone() for t in core.kv_cache]
+    seen = []
+    real = gdn_warmup.gdn_prefill
+
+    def spy(kernels, geometry, weights, st, x, b, a, meta):
+        seen.append(st.conv.stride(1) == 1 and st.conv.shape[1] == layer.conv_dim)
+        return real(kernels, geometry, weights, st, x, b, a, meta)
+
+    monkeypatch.setattr(gdn_warmup, "gdn_prefill", spy)
+    args = (torch.randn(120, layer.conv_dim), torch.randn(120, 4), torch.randn(120, 4), layer.gdn_weights())
+    assert not core.run(None, *args).any()
+    assert len(seen) == 2 * len(gdn_warmup.WARMUP_BATCHES) and all(seen)
+    assert not core.run(None, *args).any() and len(seen) == 2 * len(gdn_warmup.WARMUP_BATCHES)
+    assert all(torch.equal(t, t0) for t, t0 in zip(core.kv_cache, before))
+
+
 @pytest.mark.parametrize("mode", ["none", "align"])
 def test_kv_cache_spec_asks_for_one_state_block_per_request(setup, mode):
     """Deferred commit needs no per-token state blocks: vLLM's default ``num_speculative_blocks = k`` is

@@ -29,6 +29,7 @@ import torch
 from atom_models.gdn_meta import GDNWeights
 from atom_models.gdn_pipeline import gdn_forward
 from atom_models.gdn_state import GDNLayerState
+from atom_models.gdn_warmup import warm_up_prefill
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.mamba.abstract import MambaBase
@@ -56,6 +57,8 @@ class AtomGDNCore(nn.Module, MambaBase):
         # the model's schedule of whole-slot copies (prefix caching), shared by its GDN layers
         self.snapshot_schedule = snapshot_schedule if snapshot_schedule is not None else SnapshotSchedule()
         self.kv_cache = tuple(torch.tensor([]) for _ in state.shapes())  # replaced by bind_kv_cache
+        # set by the first profiling run: Triton compiles, fla-core autotunes the prefill kernels there
+        self.prefill_warmed_up = False
 
     # ---- vLLM's MambaBase ----------------------------------------------------------------------
     @property
@@ -89,13 +92,22 @@ class AtomGDNCore(nn.Module, MambaBase):
     # ---- state views -----------------------------------------------------------------------------
     def layer_state(self) -> GDNLayerState:
         """The bound tensors as the pipeline's state (conv as the ``[S, C, W]`` view)."""
-        conv = self.kv_cache[0]
-        conv = conv if self.state.conv_dim_first else conv.transpose(1, 2)
-        if not self.state.has_pending:
-            return GDNLayerState(conv=conv, ssm=self.kv_cache[1])
-        return GDNLayerState(
-            conv=conv, ssm=self.kv_cache[1], pending=self.kv_cache[2], pending_pos=self.kv_cache[3]
+        return self._as_layer_state(self.kv_cache)
+
+    def scratch_state(self, num_slots: int, device: torch.device) -> GDNLayerState:
+        """Zeroed state of ``num_slots`` slots in this layer's storage layout and dtypes (not vLLM's cache)."""
+        return self._as_layer_state(
+            tuple(
+                torch.zeros(num_slots, *shape, dtype=dtype, device=device)
+                for shape, dtype in zip(self.state.shapes(), self.state.dtypes, strict=True)
+            )
         )
+
+    def _as_layer_state(self, tensors: tuple[torch.Tensor, ...]) -> GDNLayerState:
+        conv = tensors[0] if self.state.conv_dim_first else tensors[0].transpose(1, 2)
+        if not self.state.has_pending:
+            return GDNLayerState(conv=conv, ssm=tensors[1])
+        return GDNLayerState(conv=conv, ssm=tensors[1], pending=tensors[2], pending_pos=tensors[3])
 
     # ---- the core ----------------------------------------------------------------------------------
     def forward(
@@ -130,9 +142,14 @@ class AtomGDNCore(nn.Module, MambaBase):
         a: torch.Tensor,
         weights: GDNWeights,
     ) -> torch.Tensor:
-        """The core for explicit metadata (``None``: profiling run, zeros out)."""
+        """The core for explicit metadata (``None``: vLLM's profiling or dummy run, zeros out; the first one
+        warms the prefill kernels up on scratch state, see :mod:`atom_models.gdn_warmup`)."""
         geo = self.state.geometry
         if md is None:
+            if not self.prefill_warmed_up:
+                make_state = lambda n: self.scratch_state(n, mixed_qkv.device)  # noqa: E731
+                warm_up_prefill(self.kernels, geo, weights, mixed_qkv, b, a, make_state)
+                self.prefill_warmed_up = True
             return mixed_qkv.new_zeros(mixed_qkv.shape[0], geo.num_v_heads, geo.head_v_dim)
         if not isinstance(md, AtomGDNAttentionMetadata) or md.step is None:
             raise TypeError(
