@@ -9,8 +9,10 @@ is a GDN layer's (layers are listed by index), and its rows cover only the GDN s
 the attention page they are padded to. The attention block's tail is not copied: for the bundled model
 (float32, MTP) positions 140..255 of a 256-token attention block stayed zero in the copy, so a request
 resuming 448 tokens in read a zeroed key/value for tokens 396..447 and emitted wrong tokens a few steps
-later (prefix caching on != off). The replacement copies every distinct view (data pointer, shape, strides,
-dtype), so overlapping views of one tensor are all copied in full; the copied pairs are a scheduler's CoW
+later (prefix caching on != off). vLLM's fast path (whole rows of the allocation) hides this where the
+allocation holds a single KV-cache tensor; the bundled model with MTP (3 GDN and 2 attention layers) has two
+(without MTP its hits inside a block were exact). The replacement copies every distinct view (data pointer, shape, strides, dtype), so
+overlapping views of one tensor are all copied in full; the copied pairs are a scheduler's CoW
 pairs (fresh destinations, never a source), so the order of the copies does not matter.
 
 Extension point: none; vLLM's V1 and V2 model runners call the name imported into their modules, which is
