@@ -26,7 +26,8 @@ TURN3_NEW = 230
 TURN4_NEW = 40
 
 
-def _pool() -> list[int]:
+def token_pool() -> list[int]:
+    """The bundled model's prompt ids (prompts.json, then greedy.json), four times over."""
     prompts, _ = prompt_set()
     ids = [t for p in prompts for t in p] + [t for c in greedy_cases() for t in c["prompt_ids"]]
     return ids * 4
@@ -34,7 +35,7 @@ def _pool() -> list[int]:
 
 def conversation_turns() -> list[list[list[int]]]:
     """``turns[t][j]``: the new ids of conversation ``j`` in turn ``t`` (empty: not in that turn)."""
-    pool = _pool()
+    pool = token_pool()
     cursor = SYSTEM_LEN
 
     def take(n: int) -> list[int]:

@@ -11,13 +11,15 @@ concurrent requests resuming from the same shared blocks). Checks:
   benchmark ``benchmarks/vllm_prefix_cache.py`` compares on and off token for token);
 - vLLM's prefix-cache counters show the hits the workload implies: later turns resume from cached
   blocks, the counter equals the requests' cached tokens, each a whole number of blocks;
-- with a KV pool too small for the turn's requests (k = 3), vLLM preempts, and the outputs stay exact.
+- with a KV pool too small for the turn's requests (k = 3), vLLM preempts, and the outputs stay exact;
+- with vLLM's ``prefix_match_unit`` finer than the block (k = 1), a repeated prompt resumes from a state
+  inside a block (vLLM copies the shared attention and GDN blocks for the request) and repeats its tokens.
 """
 
 from __future__ import annotations
 
 import pytest
-from _multiturn import conversation_job
+from _multiturn import conversation_job, token_pool
 from _reference import consistency
 from _vllm import engine_run, greedy_differences, greedy_job, model_dir, plan, requires_vllm, spec, vllm_runs
 
@@ -28,6 +30,8 @@ MAX_GAP = 0.01  # float32: every token is the reference argmax (gaps are roundin
 
 
 POOL = 24  # KV blocks of the preemption run
+MATCH_UNIT = 16  # prefix_match_unit of the fine-grained run
+REPEAT_LENS = (470, 749)  # hits at 448 and 720: 192 and 208 tokens into a block, 22 and 29 recomputed
 
 
 def _spec(k: int, **llm_kwargs) -> dict:
@@ -43,6 +47,24 @@ def _spec(k: int, **llm_kwargs) -> dict:
 for _k in (0, 1, 3):
     plan(f"f32_prefix_k{_k}", lambda k=_k: _spec(k))
 plan("f32_prefix_k3_preempt", lambda: _spec(3, num_gpu_blocks_override=POOL))
+
+
+def _repeat_job() -> dict:
+    pool = token_pool()
+    prompts = [pool[1000 * i : 1000 * i + n] for i, n in enumerate(REPEAT_LENS)]
+    return {"name": "repeat", "prompt_token_ids": prompts, "max_tokens": 32, "repeat": 2}
+
+
+plan(
+    "f32_prefix_k1_unit16",
+    lambda: spec(
+        plugin=True,
+        dtype="float32",
+        k=1,
+        jobs=[_repeat_job()],
+        llm_kwargs={"enable_prefix_caching": True, "max_model_len": 1024, "prefix_match_unit": MATCH_UNIT},
+    ),
+)
 
 
 def _check_conversation(r) -> list[dict]:
@@ -90,3 +112,18 @@ def test_prefix_caching_with_preemption_float32() -> None:
         "the small KV pool did not force a preemption"
     )
     assert sum(t["spec"]["prefix_cache_hits"] for t in turns) > 0
+
+
+@vllm_runs("f32_prefix_k1_unit16")
+def test_prefix_hit_inside_a_block_float32() -> None:
+    """The second run of each prompt resumes at the prompt's last ``MATCH_UNIT`` boundary that vLLM keeps
+    with MTP (one unit before the last full unit), inside a 256-token block, and emits the first run's tokens,
+    each the float32 argmax."""
+    r = engine_run("f32_prefix_k1_unit16")
+    first, again = r["jobs"]["repeat"]["runs"]
+    prompts = _repeat_job()["prompt_token_ids"]
+    hits = [n // MATCH_UNIT * MATCH_UNIT - MATCH_UNIT for n in REPEAT_LENS]
+    assert again["num_cached_tokens"] == hits and all(h % BLOCK for h in hits), again["num_cached_tokens"]
+    assert again["token_ids"] == first["token_ids"], "a prefix hit inside a block changed the tokens"
+    c = consistency(str(model_dir()), prompts * 2, first["token_ids"] + again["token_ids"])
+    assert c.max_gap <= MAX_GAP, f"a token is not the float32 argmax: {c}"

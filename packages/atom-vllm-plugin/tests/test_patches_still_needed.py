@@ -67,3 +67,20 @@ def test_vllm_still_rewinds_discarded_samples_by_a_cuda_generator_offset() -> No
     )
     with pytest.raises(RuntimeError, match="CPU Generator does not use offset"):
         torch.Generator().get_offset()
+
+
+def test_vllm_block_copy_still_copies_only_the_first_view_of_a_shared_page() -> None:
+    """patches/kv_block_copy.py (fix proposed in vllm-project/vllm#55112): the copy-on-write of a partial prefix hit
+    copies one view per data pointer, so an attention page that a shorter GDN state view shares keeps its
+    tail uncopied."""
+    from test_patches import shared_page_views
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+    utils = _fresh("vllm.v1.worker.utils")
+    pages, views = shared_page_views()
+    before = pages.clone()
+    utils.copy_kv_cache_blocks_inplace(views, 6, [KVCacheBlockCopy(src_block_id=1, dst_block_id=4)])
+    assert torch.equal(pages[4, :20], before[1, :20])
+    assert not torch.equal(pages[4], before[1]), (
+        "vLLM now copies whole pages of every view: remove patches/kv_block_copy.py and this test"
+    )

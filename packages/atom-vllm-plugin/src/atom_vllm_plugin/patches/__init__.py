@@ -16,6 +16,10 @@ once vLLM no longer has the bug):
   discards a sample (partly prefilled prompts); CPU generators have no offset, so on vLLM-CPU one seeded
   request arriving under load killed the engine. The CPU rewind restores the generator's saved state. (The
   offset rewind came with vllm-project/vllm#10097; no upstream issue for CPU generators found.)
+- :mod:`.kv_block_copy`: vLLM's copy-on-write of a block that a prefix hit ends inside copies one view per
+  shared KV-cache tensor; in a hybrid model that is a GDN layer's view, which covers only the state bytes
+  of the page, so the attention block's tail is lost (wrong tokens with ``prefix_match_unit`` below the
+  block size). The replacement copies every view in full (vllm-project/vllm#55112, open, not in 0.32).
 - :mod:`.mamba_align`: with prefix caching (vLLM's default) vLLM's runner copies Mamba states between
   "align" blocks with per-token-state assumptions and Triton kernels (absent on vLLM-CPU); for ATOM's GDN
   cores it only records each request's state block and publishes the whole-slot copies that the GDN
@@ -27,7 +31,13 @@ from __future__ import annotations
 import logging
 
 from atom_vllm_plugin._version_check import SUPPORTED_VLLM, installed_vllm_version
-from atom_vllm_plugin.patches import cpu_expand_kernel, cpu_seeded_rewind, mamba_align, top_k_empty_batch
+from atom_vllm_plugin.patches import (
+    cpu_expand_kernel,
+    cpu_seeded_rewind,
+    kv_block_copy,
+    mamba_align,
+    top_k_empty_batch,
+)
 
 logger = logging.getLogger("vllm.atom_vllm_plugin")
 
@@ -39,6 +49,7 @@ _PATCHES = {
     "top_k_empty_batch": top_k_empty_batch.apply,
     "cpu_seeded_rewind": cpu_seeded_rewind.apply,
     "mamba_align": mamba_align.apply,
+    "kv_block_copy": kv_block_copy.apply,
 }
 
 
