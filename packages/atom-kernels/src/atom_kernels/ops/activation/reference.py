@@ -15,9 +15,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x: ``[T, 2I]`` (any leading dims), the fused ``[gate | up]`` projection.
 
     Returns:
-        ``[T, I]`` in x.dtype (math in float32).
+        ``[T, I]`` in x.dtype: ``silu`` (computed in float32) rounded to x.dtype, then the product rounded
+        again (stock vLLM's ``SiluAndMul``, which rounds at the same two points on CPU and GPU).
     """
     check_silu_and_mul(x)
     half = x.shape[-1] // 2
-    x32 = x.float()
-    return (F.silu(x32[..., :half]) * x32[..., half:]).to(x.dtype)
+    act = F.silu(x[..., :half].float()).to(x.dtype)
+    return (act.float() * x[..., half:].float()).to(x.dtype)

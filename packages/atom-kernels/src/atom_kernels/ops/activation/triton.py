@@ -1,4 +1,5 @@
-"""Triton SwiGLU: ``silu(x[..., :I]) * x[..., I:]`` in one pass (float32 math, x.dtype out)."""
+"""Triton SwiGLU: ``silu(x[..., :I]) * x[..., I:]`` in one pass (float32 math; ``silu`` rounded to x.dtype
+before the product, and the product rounded, as the reference)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def _silu_and_mul_kernel(
     base = x_ptr + rows[:, None] * stride_x + cols[None, :]
     g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(base + inter, mask=mask, other=0.0).to(tl.float32)
-    y = g * tl.sigmoid(g) * u
+    y = (g * tl.sigmoid(g)).to(y_ptr.dtype.element_ty).to(tl.float32) * u
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

@@ -3,7 +3,8 @@
 The reference runs each expert that received tokens on its own (five small ops per expert). When every
 expert gets about as many (token, slot) pairs as the busiest one, the pairs are instead laid out
 ``[E, C, H]`` (``C`` = the busiest expert's count, rows past an expert's count zero) and the experts run
-as two batched matmuls over the unchanged ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``: no weight is copied.
+as two batched float32 matmuls over ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` (float32 copies, made per
+call: the products stay float32 as in the reference).
 Where the padding would cost more rows than a loop's per-expert overhead (:data:`LOOP_ROWS` rows an
 expert; a shared expert in every token's row pads each routed expert up to ``T``: the prompt steps) the
 pairs are instead sorted by expert into one ``[T * K, H]`` block and each expert's rows run as two
@@ -61,10 +62,11 @@ def moe_experts(
     token_of = held[order] // top_k
     xs = x.new_zeros(num_experts, cap, x.shape[1])
     xs[sorted_ids, slot] = x[token_of]
-    h = torch.bmm(xs, w13.transpose(1, 2)).float()  # [E, C, 2I]
+    # float32 products of x.dtype operands (the reference's rounding points: activation and result only)
+    h = torch.bmm(xs.float(), w13.float().transpose(1, 2))  # [E, C, 2I]
     half = h.shape[-1] // 2
     act = (F.silu(h[..., :half]) * h[..., half:]).to(x.dtype)
-    y = torch.bmm(act, w2.transpose(1, 2))[sorted_ids, slot].float()  # [pairs, H] in `order`
+    y = torch.bmm(act.float(), w2.float().transpose(1, 2))[sorted_ids, slot]  # [pairs, H] in `order`
     y = y * weights.reshape(-1).float()[held[order], None]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, token_of, y)
@@ -76,24 +78,23 @@ def _per_expert_mm(a: torch.Tensor, w: torch.Tensor, counts: list[int], out: tor
     start = 0
     for e, n in enumerate(counts):
         if n:
-            torch.mm(a[start : start + n], w[e].t(), out=out[start : start + n])
+            torch.mm(a[start : start + n], w[e].t().to(a.dtype), out=out[start : start + n])
             start += n
 
 
 def _sorted_loop(x, weights, order, counts: list[int], top_k: int, w13, w2) -> torch.Tensor:
     """The held pairs sorted by expert (``order``: flat ``(token, slot)`` indices), each expert's ``counts[e]``
-    rows as two matmuls on its slice; the reference's rounding points (matmuls in x.dtype, activation in
-    float32, float32 weighted sum)."""
+    rows as two float32 matmuls of x.dtype operands on its slice; the reference's rounding points (the
+    activation and the float32 weighted sum only)."""
     token_of = order // top_k
-    xs = x[token_of]  # [pairs, H] in expert order
+    xs = x[token_of].float()  # [pairs, H] in expert order
     inter = w2.shape[2]
-    h = x.new_empty(xs.shape[0], 2 * inter)
-    y = x.new_empty(xs.shape)
+    h = xs.new_empty(xs.shape[0], 2 * inter)
+    y = xs.new_empty(xs.shape)
     _per_expert_mm(xs, w13, counts, h)
-    hf = h.float()
-    act = (F.silu(hf[:, :inter]) * hf[:, inter:]).to(x.dtype)
+    act = (F.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype).float()
     _per_expert_mm(act, w2, counts, y)
-    yw = y.float().mul_(weights.reshape(-1).float()[order, None])
+    yw = y.mul_(weights.reshape(-1).float()[order, None])
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, token_of, yw)
     return out.to(x.dtype)

@@ -16,10 +16,11 @@ Three steps, four launches, no host synchronisation (CUDA-graph safe):
    ``silu(gate) * up`` in the epilogue (SiLU-and-mul fused: the ``[rows, 2I]`` activation never reaches
    memory). Row blocks vary fastest in the grid, so blocks of one expert run together and share its
    weight tiles through L2.
-3. ``_moe_gemm2_kernel``: ``act @ w2[e].T`` written per pair (x.dtype); then ``_moe_sum_kernel`` adds
+3. ``_moe_gemm2_kernel``: ``act @ w2[e].T`` written per pair (float32); then ``_moe_sum_kernel`` adds
    each token's ``K`` pair rows times their routing weights in float32, in order.
 
-Like the reference, the GEMM outputs are rounded to x.dtype before the activation and before weighting.
+Like the reference, only the activation (x.dtype, the second GEMM's input) and the result are rounded; the
+GEMM outputs stay float32.
 Weights stay in the checkpoint layout (``w13 [E, 2I, H]``, ``w2 [E, H, I]``, reduction dim contiguous);
 ``BLOCK_K`` divides 128 and ``BLOCK_N`` divides 128, so FP8 block-scaled weights (128 x 128 scale
 blocks) can later load one scale per tile without changing the layout.
@@ -73,6 +74,7 @@ def _moe_router_kernel(
         free = free & (offs != i)
     if RENORM:
         top_w = top_w / tl.sum(tl.where(slots < TOP_K, top_w, 0.0), 0)
+    top_w = top_w.to(logits_ptr.dtype.element_ty).to(tl.float32)  # rounded to the logits' dtype
     row = TOP_K + NUM_SHARED  # output columns per token: routed, then shared
     tl.store(w_ptr + t * row + slots, top_w, mask=slots < TOP_K)
     tl.store(ids_ptr + t * row + slots, top_i, mask=slots < TOP_K)
@@ -212,8 +214,7 @@ def _moe_gemm1_kernel(
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     dt = act_ptr.dtype.element_ty
-    g = acc_g.to(dt).to(tl.float32)
-    u = acc_u.to(dt).to(tl.float32)
+    g, u = acc_g, acc_u  # float32, not rounded: only the activation is (the reference's rounding points)
     h = g * tl.sigmoid(g) * u
     out = act_ptr + rows[:, None].to(tl.int64) * stride_at + offs_n[None, :]
     tl.store(out, h.to(dt), mask=valid[:, None] & n_ok[None, :])
@@ -416,7 +417,7 @@ def moe_experts(
         TOP_K=top_k, BLOCK_M=bm, BLOCK_N=cfg["N1"], BLOCK_K=cfg["K1"], PREC=prec,
         num_warps=cfg["W1"], num_stages=cfg["S1"], **launch_options(dev),
     )  # fmt: skip
-    y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=dev)
+    y = torch.empty((num_pairs, hidden), dtype=torch.float32, device=dev)  # summed unrounded
     _moe_gemm2_kernel[(max_blocks, triton.cdiv(hidden, cfg["N2"]))](
         act, w2, y, sorted_ids, block_expert, num_pairs, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),

@@ -125,6 +125,7 @@ def _gate_router_kernel(
         top_w = tl.where(top_key >= 0, top_key.to(tl.float32, bitcast=True), float("nan"))
         if RENORM:
             top_w = top_w / tl.sum(tl.where(slots[None, :] < TOP_K, top_w, 0.0), 1)[:, None]
+        top_w = top_w.to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded to the logits' dtype
         out = offs_t[:, None] * row + slots[None, :]
         keep = t_ok[:, None] & (slots < TOP_K)[None, :]
         tl.store(weights_ptr + out, top_w, mask=keep)

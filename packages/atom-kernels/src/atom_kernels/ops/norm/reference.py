@@ -24,15 +24,14 @@ def rms_norm(
         residual: optional ``[..., H]`` like ``x``.
 
     Returns:
-        ``y [..., H]`` in x.dtype; with ``residual``: ``(y, h)`` where ``h = x + residual`` (x.dtype)
-        and ``y = rms_norm(h)``.
+        ``y [..., H]`` in x.dtype; with ``residual``: ``(y, h)`` where ``h = x + residual`` rounded to
+        x.dtype and ``y`` the norm of the float32 sum, before that rounding (as stock vLLM's
+        ``fused_add_rms_norm``: the normalised input is rounded once less).
     """
     check_rms_norm(x, weight, eps, residual)
-    h = x
-    if residual is not None:
-        h = (x.float() + residual.float()).to(x.dtype)
-    y = (_normalize(h.float(), eps) * (1.0 + weight.float())).to(x.dtype)
-    return y if residual is None else (y, h)
+    h32 = x.float() if residual is None else x.float() + residual.float()
+    y = (_normalize(h32, eps) * (1.0 + weight.float())).to(x.dtype)
+    return y if residual is None else (y, h32.to(x.dtype))
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

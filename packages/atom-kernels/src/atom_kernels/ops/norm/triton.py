@@ -3,7 +3,7 @@
 Both are one pass over rows: each program normalises ``ROWS`` rows of width ``H`` held in registers
 (statistics in float32, output in x.dtype). The residual variant reads ``x`` and ``residual`` once and
 writes ``h = x + residual`` and ``y = rms_norm(h)`` in the same pass (the unfused pair reads ``h`` back);
-like the reference, ``y`` is computed from ``h`` rounded to x.dtype. Only ``tl`` primitives: also
+like the reference, ``y`` is computed from the float32 sum, ``h`` is stored rounded to x.dtype. Only ``tl`` primitives: also
 compiles for ROCm.
 """
 
@@ -47,12 +47,11 @@ def _rms_norm_kernel(
     mask = (rows < num_rows)[:, None] & (cols < H)[None, :]
     p_x = x_ptr + (rows64 // inner * s_xa + rows64 % inner * s_xb)[:, None] + cols[None, :]
     x = tl.load(p_x, mask=mask, other=0.0)
-    if HAS_RES:
-        r = tl.load(res_ptr + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-        h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(h_ptr + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
-        x = h
     xf = x.to(tl.float32)
+    if HAS_RES:  # the float32 sum is normalised; h is stored rounded
+        r = tl.load(res_ptr + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        xf = xf + r.to(tl.float32)
+        tl.store(h_ptr + rows64[:, None] * stride_h + cols[None, :], xf.to(x.dtype), mask=mask)
     inv = tl.rsqrt(tl.sum(xf * xf, 1) / H + eps)
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     y = xf * inv[:, None] * (1.0 + w)[None, :]

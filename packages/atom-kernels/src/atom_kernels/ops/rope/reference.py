@@ -46,8 +46,10 @@ def rope(
         theta: the RoPE base; frequencies ``theta ** (-2i / rotary_dim)``.
 
     Returns:
-        new ``(q, k)`` of the input shapes and dtypes (rotation computed in float32).
+        new ``(q, k)`` of the input shapes and dtypes (rotation computed in float32 with ``cos`` / ``sin``
+        rounded to q.dtype first).
     """
     check_rope(q, k, positions, rotary_dim, theta)
-    cos, sin = rope_cos_sin(positions, rotary_dim, theta)
+    # cos / sin rounded to the activations' dtype, as stock vLLM's cos_sin_cache (float32: unchanged)
+    cos, sin = (c.to(q.dtype).float() for c in rope_cos_sin(positions, rotary_dim, theta))
     return _apply(q, cos, sin, rotary_dim), _apply(k, cos, sin, rotary_dim)

@@ -88,8 +88,9 @@ def _rope_heads(
     powed = _pow(tl.zeros([HALF_P2], tl.float64) + theta, expo.to(tl.float64), INTERPRET).to(tl.float32)
     inv_freq = tl.div_rn(tl.full([HALF_P2], 1.0, tl.float32), powed)
     freq = pos_f * inv_freq
-    c = _cos(freq, INTERPRET)[None, :]
-    s = _sin(freq, INTERPRET)[None, :]
+    # cos / sin rounded to the activations' dtype first, as the reference
+    c = _cos(freq, INTERPRET).to(dst_ptr.dtype.element_ty).to(tl.float32)[None, :]
+    s = _sin(freq, INTERPRET).to(dst_ptr.dtype.element_ty).to(tl.float32)[None, :]
     tl.store(out + hc[None, :], (x1f * c - x2f * s).to(dst_ptr.dtype.element_ty), mask=m1)
     tl.store(out + HALF + hc[None, :], (x2f * c + x1f * s).to(dst_ptr.dtype.element_ty), mask=m1)
     if ROT < D:
