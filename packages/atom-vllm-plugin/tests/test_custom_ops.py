@@ -8,12 +8,14 @@ and the same numbers through the op as through the direct call.
    ``torch.compile(fullgraph=True)`` the op stays one opaque call, and with this step's metadata (the op
    finds it, as in vLLM, through the forward context) it writes what ``run(md, ...)`` returns, with zeros in
    the padding rows after the real tokens.
-3. ``linear``, ``fp8_linear``, ``gated_norm_fp8_linear``, ``moe_gate_router`` and ``moe_experts_fp8`` (launch
-   plans chosen on the host from the token count) go through ``vllm::atom_linear`` / ``vllm::atom_fp8_linear`` /
-   ``vllm::atom_gated_norm_fp8_linear`` / ``vllm::atom_moe_gate_router`` / ``vllm::atom_moe_experts_fp8``: the
-   same numbers as the kernels called directly, fake impls with the real outputs' shapes and dtypes
-   (``torch.library.opcheck``), and one opaque call in a ``fullgraph`` Dynamo graph (GDN's ``in_proj_ba``, an
-   ``Fp8Linear``, the gated norm + FP8 ``out_proj``), so that the plan is not frozen at the traced token count.
+3. ``fp8_linear``, ``gated_norm_fp8_linear`` and ``moe_experts_fp8``, and where Triton binds them ``linear`` and
+   ``moe_gate_router`` (launch plans chosen on the host from the token count) go through ``vllm::atom_fp8_linear``
+   / ``vllm::atom_gated_norm_fp8_linear`` / ``vllm::atom_moe_experts_fp8`` / ``vllm::atom_linear`` /
+   ``vllm::atom_moe_gate_router``: the same numbers as the kernels called directly, fake impls with the real
+   outputs' shapes and dtypes (``torch.library.opcheck``), and one opaque call in a ``fullgraph`` Dynamo graph
+   (GDN's ``in_proj_ba``, an ``Fp8Linear``, the gated norm + FP8 ``out_proj``), so that the plan is not frozen
+   at the traced token count. On other backends ``linear`` and ``moe_gate_router`` are traced as plain torch
+   (no opaque call).
 4. ``rms_norm``, ``gated_rms_norm``, ``rope`` and ``silu_and_mul`` go through their ops only where Triton
    implements them (inductor cannot rewrite their traced Triton launches), and stay plain torch otherwise.
 """
@@ -37,6 +39,14 @@ from atom_vllm_plugin.layers import attention as attention_mod  # noqa: E402
 from atom_vllm_plugin.layers import custom_ops  # noqa: E402
 from atom_vllm_plugin.layers.attention import AtomAttentionCore  # noqa: E402
 from atom_vllm_plugin.layers.attention_backend import AtomAttentionMetadata  # noqa: E402
+
+
+def _as_triton(kernels, *names: str):
+    """``kernels`` with ``names`` reported as bound to Triton (same callables): what routes them through
+    their ops."""
+    import dataclasses
+
+    return dataclasses.replace(kernels, backends={**kernels.backends, **dict.fromkeys(names, "triton")})
 
 
 def _moe_config() -> Qwen3NextConfig:
@@ -88,11 +98,13 @@ def _moe_block(kernels, fp8: bool) -> SparseMoeBlock:
     return block
 
 
+@pytest.mark.parametrize("triton_router", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_moe_block_compiles_in_one_graph_and_matches_eager(fp8):
+def test_moe_block_compiles_in_one_graph_and_matches_eager(fp8, triton_router):
     torch.manual_seed(0)
     kern = select_kernels("cpu", torch.float32, backend="reference")
-    block = _moe_block(custom_ops.compilable_kernels(kern), fp8)
+    bound = _as_triton(kern, "moe_gate_router") if triton_router else kern
+    block = _moe_block(custom_ops.compilable_kernels(bound), fp8)
     normal_parameters_(block.gate if fp8 else block, 0.3)  # _fp8_experts drew the FP8 experts
     x = torch.randn(5, 32)
     direct = _moe_block(kern, fp8)
@@ -106,10 +118,13 @@ def test_moe_block_compiles_in_one_graph_and_matches_eager(fp8):
         got7 = compiled(torch.randn(7, 32))  # another token count: the same dynamic graph
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert got7.shape == (7, 32)
-    # the fused router (a bias-free Linear gate) and the experts are one opaque call each
+    # the fused router (a bias-free Linear gate) is one opaque call where Triton binds it, else traced; the
+    # experts are one opaque call
     (gm,) = graphs
     calls = _calls(gm)
-    assert calls.count(torch.ops.vllm.atom_moe_gate_router) == 1, calls
+    assert calls.count(torch.ops.vllm.atom_moe_gate_router) == (1 if triton_router else 0), calls
+    if not triton_router:
+        assert torch.ops.aten.topk.default in calls or torch.topk in calls, calls
     experts_op = torch.ops.vllm.atom_moe_experts_fp8 if fp8 else torch.ops.vllm.atom_moe_experts
     assert calls.count(experts_op) == 1, calls
     assert (
@@ -164,7 +179,8 @@ def test_fp8_linear_op_equals_the_kernel(m):
 @pytest.mark.parametrize("m", [1, 2, 5])
 def test_linear_op_equals_the_kernel(m):
     kern = select_kernels("cpu", torch.float32, backend="reference")
-    ops = custom_ops.compilable_kernels(kern)
+    ops = custom_ops.compilable_kernels(_as_triton(kern, "linear"))
+    assert ops.linear is not kern.linear and custom_ops.compilable_kernels(kern).linear is kern.linear
     g = torch.Generator().manual_seed(m)
     x, w, bias = (
         torch.randn(m, 64, generator=g),
@@ -202,7 +218,9 @@ def test_gated_norm_fp8_linear_op_equals_the_kernel(m):
 @pytest.mark.parametrize(("t", "renormalize", "num_shared"), [(1, True, 1), (2, False, 0), (9, True, 2)])
 def test_gate_router_op_equals_the_kernel(t, renormalize, num_shared):
     kern = select_kernels("cpu", torch.float32, backend="reference")
-    ops = custom_ops.compilable_kernels(kern)
+    ops = custom_ops.compilable_kernels(_as_triton(kern, "moe_gate_router"))
+    assert ops.moe_gate_router is not kern.moe_gate_router
+    assert custom_ops.compilable_kernels(kern).moe_gate_router is kern.moe_gate_router
     g = torch.Generator().manual_seed(t)
     x, gate = torch.randn(t, 32, generator=g), torch.randn(12, 32, generator=g)  # 8 experts + gate + padding
     tickets = torch.zeros(1, dtype=torch.int32)
@@ -331,13 +349,16 @@ def test_fp8_linear_is_one_opaque_call_in_the_compiled_graph():
 
 
 def test_gdn_in_proj_ba_is_one_opaque_call_in_the_compiled_graph():
-    """GDN's ``in_proj_ba`` (built with the plugin's kernels) compiles to one ``vllm::atom_linear`` call, one
+    """GDN's ``in_proj_ba`` (built with the plugin's kernels, Triton's linear) compiles to one
+    ``vllm::atom_linear`` call, one
     dynamic graph for every token count, with the values of the layer on the plain kernels; ``in_proj_qkvz``
     stays a traced matmul."""
     torch.manual_seed(0)
     cfg = tiny_config()
     kern = select_kernels("cpu", torch.float32, backend="reference")
-    layer = normal_parameters_(GatedDeltaNet(cfg, 0, None, custom_ops.compilable_kernels(kern)), 0.5)
+    layer = normal_parameters_(
+        GatedDeltaNet(cfg, 0, None, custom_ops.compilable_kernels(_as_triton(kern, "linear"))), 0.5
+    )
     direct = GatedDeltaNet(cfg, 0, None, kern)
     direct.load_state_dict(layer.state_dict())
     torch._dynamo.reset()

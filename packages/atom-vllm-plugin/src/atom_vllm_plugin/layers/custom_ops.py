@@ -39,7 +39,12 @@ Where the bound backend of an elementwise op is Triton (CUDA / ROCm), it goes th
   reference (plain torch) implementations stay traced, for inductor to fuse.
 
 These call the backend kernels bound by :func:`compilable_kernels` (``atom_kernels.Kernels``, per device
-type and dtype) and return new tensors; they stay inside the compiled pieces.
+type and dtype) and return new tensors; they stay inside the compiled pieces. ``linear`` and
+``moe_gate_router`` take their ops only where their bound backend is Triton (:data:`_PLANNED_OPS`):
+the other backends' forms are plain torch with no plan (``F.linear``; the router's Linear, softmax and
+top-k), which vLLM's compile traces and inductor fuses like stock vLLM's router, instead of an opaque call
+whose body runs op by op in eager torch on every step. The FP8 linears and the routed experts keep their
+ops on every backend (the reference and cpu experts group tokens on the host).
 
 The two layer ops write into an ``output`` allocated by the compiled graph (the "with output" convention of
 vLLM's attention op), so with piecewise CUDA graphs the next piece reads a buffer of the graph's memory pool.
@@ -270,22 +275,27 @@ def _experts_fp8_op(x, weights, ids, w13, w13_scale_inv, w2, w2_scale_inv, block
     )
 
 
+_PLANNED_OPS = {"linear": _linear_op, "moe_gate_router": _gate_router_op}
+"""Kernels routed through their op only where the bound backend is Triton (it picks a launch plan on the
+host from the token count); on other backends plain torch that the compiled graph traces."""
+
+
 def compilable_kernels(kernels):
-    """``kernels`` with ``linear``, ``fp8_linear``, ``gated_norm_fp8_linear``, ``moe_gate_router``, the
-    routed experts and, where Triton implements them, the elementwise ops going through the opaque ops above
-    (same backend underneath)."""
+    """``kernels`` with ``fp8_linear``, ``gated_norm_fp8_linear``, the routed experts and, where Triton
+    implements them, the elementwise ops, ``linear`` and ``moe_gate_router`` going through the opaque ops
+    above (same backend underneath)."""
     import dataclasses
 
     register_ops()
     _KERNELS[(kernels.device.type, kernels.dtype)] = kernels
     triton_ops = {name: op for name, op in _ELEMENTWISE_OPS.items() if kernels.backends.get(name) == "triton"}
+    planned = {name: op for name, op in _PLANNED_OPS.items() if kernels.backends.get(name) == "triton"}
     return dataclasses.replace(
         kernels,
         **triton_ops,
-        linear=_linear_op,
+        **planned,
         fp8_linear=_fp8_linear_op,
         gated_norm_fp8_linear=_gated_norm_fp8_linear_op,
-        moe_gate_router=_gate_router_op,
         moe_experts=_experts_op,
         moe_experts_fp8=_experts_fp8_op,
     )

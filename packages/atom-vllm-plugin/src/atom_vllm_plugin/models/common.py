@@ -65,8 +65,8 @@ def log_compilation(what: str, vllm_config: Any) -> None:
 
 
 def kernels_for(vllm_config: Any, dtype: torch.dtype):
-    """The kernels for vLLM's device, ``linear``, ``fp8_linear``, ``gated_norm_fp8_linear``, ``moe_gate_router``
-    and the routed experts behind opaque ops that vLLM's torch.compile leaves uncompiled (see
+    """The kernels for vLLM's device, the FP8 linears, the routed experts and (where Triton binds them)
+    ``linear`` and ``moe_gate_router`` behind opaque ops that vLLM's torch.compile leaves uncompiled (see
     :mod:`atom_vllm_plugin.layers.custom_ops`)."""
     kernels = select_kernels(device=torch.device(vllm_config.device_config.device), dtype=dtype)
     return compilable_kernels(kernels)
