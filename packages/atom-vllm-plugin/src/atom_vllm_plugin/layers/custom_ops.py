@@ -288,12 +288,11 @@ def compilable_kernels(kernels):
 
     register_ops()
     _KERNELS[(kernels.device.type, kernels.dtype)] = kernels
-    triton_ops = {name: op for name, op in _ELEMENTWISE_OPS.items() if kernels.backends.get(name) == "triton"}
-    planned = {name: op for name, op in _PLANNED_OPS.items() if kernels.backends.get(name) == "triton"}
+    triton_bound = {**_ELEMENTWISE_OPS, **_PLANNED_OPS}
+    triton_ops = {name: op for name, op in triton_bound.items() if kernels.backends.get(name) == "triton"}
     return dataclasses.replace(
         kernels,
         **triton_ops,
-        **planned,
         fp8_linear=_fp8_linear_op,
         gated_norm_fp8_linear=_gated_norm_fp8_linear_op,
         moe_experts=_experts_op,
