@@ -33,6 +33,8 @@ from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionMetadataBuilder,
 )
 
+from atom_vllm_plugin.layers.host_copy import to_device
+
 
 @dataclass
 class AtomGDNAttentionMetadata(GDNAttentionMetadata):
@@ -124,8 +126,8 @@ def _verify_meta(
     col = np.arange(q_len)[None, :]
     gather = starts[:, None] + np.minimum(col, np.maximum(lens - 1, 0)[:, None])
     scatter = np.where(col < lens[:, None], starts[:, None] + col, -1)
-    gather_t = torch.from_numpy(gather.reshape(-1)).to(dev)
-    scatter_t = torch.from_numpy(scatter.reshape(-1)).to(dev)
+    gather_t = to_device(gather.reshape(-1), dev)
+    scatter_t = to_device(scatter.reshape(-1), dev)
     if bufs is not None:
         gather_t, scatter_t = _put(bufs.gather, gather_t), _put(bufs.scatter, scatter_t)
     return GDNVerifyMeta(n, q_len, slots, accepted, gather_index=gather_t, scatter_index=scatter_t)
@@ -179,7 +181,7 @@ def gdn_step_from_vllm(
             has_initial_state=md.prefill_has_initial_state[:n],
             token_start=md.num_decode_tokens,
             token_index=token_index,
-            context_lens=torch.from_numpy(context).to(md.prefill_query_start_loc.device),
+            context_lens=to_device(context, md.prefill_query_start_loc.device),
             resume_pending=bool((context > 0).any()),
         )
     decodes: tuple[GDNDecodeMeta, ...] = ()

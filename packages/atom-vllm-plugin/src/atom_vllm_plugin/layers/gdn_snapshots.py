@@ -23,9 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from atom_models.gdn_snapshot import copy_slots, plan_block_snapshots
 from atom_models.gdn_state import GDNLayerState
+
+from atom_vllm_plugin.layers.host_copy import to_device
 
 NULL_BLOCK = 0  # vLLM's null block id (vllm.v1.attention.backends.utils.NULL_BLOCK_ID): never a state
 
@@ -123,8 +124,8 @@ def run_copies(states: Sequence[GDNLayerState], src: np.ndarray, dst: np.ndarray
     if src.size == 0 or not states:
         return
     device = states[0].ssm.device
-    s = torch.from_numpy(src).to(device, non_blocking=True)
-    d = torch.from_numpy(dst).to(device, non_blocking=True)
+    s = to_device(src, device)
+    d = to_device(dst, device)
     for state in states:
         copy_slots(state, s, d)
 

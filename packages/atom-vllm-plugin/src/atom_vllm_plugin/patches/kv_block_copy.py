@@ -29,6 +29,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from atom_vllm_plugin.layers.host_copy import to_device
+
 RUNNER_MODULES = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner")
 FUNCTION = "copy_kv_cache_blocks_inplace"
 
@@ -53,7 +55,7 @@ def copy_blocks_every_view(kv_caches: Iterable[torch.Tensor], num_blocks: int, c
                 f"{num_blocks} scheduler blocks"
             )
         if cache.device not in index:
-            t = torch.from_numpy(pairs).to(cache.device)
+            t = to_device(pairs, cache.device)
             index[cache.device] = (t[:, 0], t[:, 1])
         src, dst = index[cache.device]
         blocks = cache.unflatten(0, (num_blocks, cache.shape[0] // num_blocks))
