@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-
 from atom_vllm_plugin.layers.host_copy import to_device
 
 
