@@ -125,6 +125,39 @@ for _name in PLACEHOLDER_OPS:
 if not hasattr(torch.ops._C, "weak_ref_tensor"):
     _lib.define("weak_ref_tensor(Tensor(a) t) -> Tensor(a)")
     _lib.impl("weak_ref_tensor", lambda t: t.view(t.shape), "CompositeExplicitAutograd")
+
+# Model Runner V2 keeps its per-step host buffers in pinned memory and reads them from kernels through a CUDA
+# view of the same memory (``get_accelerator_view_from_cpu_tensor``, unified virtual addressing: pinned host
+# memory is mapped into the device's address space at the same address). Stand-in: the same view through
+# ``__cuda_array_interface__`` (the view holds a reference to the host tensor, as vLLM's op does).
+_TYPESTR = {{
+    torch.float64: "<f8", torch.float32: "<f4", torch.float16: "<f2", torch.int64: "<i8", torch.int32: "<i4",
+    torch.int16: "<i2", torch.int8: "|i1", torch.uint8: "|u1", torch.bool: "|b1",
+}}
+
+
+class _MappedHostMemory:
+    def __init__(self, t):
+        self.host = t
+        self.__cuda_array_interface__ = {{
+            "shape": tuple(t.shape), "strides": tuple(s * t.element_size() for s in t.stride()),
+            "typestr": _TYPESTR[t.dtype], "data": (t.data_ptr(), False), "version": 3,
+        }}
+
+
+def _cuda_view_from_cpu_tensor(cpu_tensor):
+    if not cpu_tensor.is_pinned():
+        raise ValueError("get_cuda_view_from_cpu_tensor needs a pinned host tensor")
+    if cpu_tensor.dtype == torch.bfloat16:
+        return _cuda_view_from_cpu_tensor(cpu_tensor.view(torch.int16)).view(torch.bfloat16)
+    if cpu_tensor.numel() == 0:
+        return torch.empty(cpu_tensor.shape, dtype=cpu_tensor.dtype, device="cuda")
+    return torch.as_tensor(_MappedHostMemory(cpu_tensor), device="cuda")
+
+
+if not hasattr(torch.ops._C, "get_cuda_view_from_cpu_tensor"):
+    _lib.define("get_cuda_view_from_cpu_tensor(Tensor cpu_tensor) -> Tensor")
+    _lib.impl("get_cuda_view_from_cpu_tensor", _cuda_view_from_cpu_tensor, "CompositeExplicitAutograd")
 '''
 
 FA2_STANDIN = '''"""Stand-in for vLLM's compiled FlashAttention-2 extension, written by scripts/gpu_vllm_run.py of atom-vllm.
