@@ -9,13 +9,20 @@ Engines (each a fresh child process through tests/_harness.py, the bundled model
   acceptance, the multi-turn wall time.
 - time to first token, k = --ttft-k: a ~1500-token prompt sent --repeats times one after the other with
   max_tokens = 1 (the first run fills the cache), caching on vs off, in the float32 engines of that k and
-  in the bf16 ones; with --match-unit also on with vLLM's ``prefix_match_unit`` (finer prefix hits, vLLM's
-  option, not its default: the prompt's state is kept at its last ``prefix_match_unit`` boundary, so a
-  repeated prompt recomputes about one unit instead of up to two align-mode blocks), checked on == off
-  token for token on the float32 workload as well.
-- bf16, k = --ttft-k: the multi-turn workload's acceptance and total time with caching on vs off, and
-  stock vLLM (ATOM_DISABLE_VLLM_PLUGIN=1; stock vLLM-CPU runs GDN in bf16 only) with caching off: with it
-  on, stock vLLM-CPU fails at its first request (its Mamba state copy is a Triton kernel; see soak.py).
+  in the bf16 ones. "Caching on" is vLLM's defaults with the plugin: nothing but ``enable_prefix_caching``
+  is passed, so the plugin's default ``prefix_match_unit`` (16 tokens, ``atom_vllm_plugin.config_hook``)
+  applies and the prompt's state is kept at its last 16-token boundary. With --match-unit N one more
+  float32 engine runs with an explicit ``prefix_match_unit=N`` (default: 256, the float32 block size, the
+  block-granular hits vLLM gives a hybrid model without the plugin's default), checked on == off token
+  for token on the float32 workload as well.
+- bf16, k = --ttft-k: the multi-turn workload's acceptance, its tokens' fidelity to the float32 model
+  (teacher-forced: tokens that are not the float32 argmax, largest gap) and total time with caching on vs
+  off, and stock vLLM (ATOM_DISABLE_VLLM_PLUGIN=1; stock vLLM-CPU runs GDN in bf16 only) with caching off:
+  with it on, stock vLLM-CPU fails at its first request (its Mamba state copy is a Triton kernel; see soak.py).
+
+- host cost of the finer unit (in this process, no engine): vLLM's request block hasher (its default
+  ``sha256``) on a --hash-len-token prompt at 16-token units vs block-sized ones (256: the float32 fixture;
+  1088 / 2176: the 80B's blocks on a GPU with a bf16 / fp8 KV cache, k = 1), median of 15, units interleaved.
 
 Results: benchmarks/results/vllm_prefix_cache.json, rewritten after every engine, and a PNG beside it.
 
@@ -102,6 +109,44 @@ def _acceptance(turns: list[dict[str, Any]]) -> float | None:
     return sum(t["spec"]["num_accepted_tokens"] for t in turns) / drafted if drafted else None
 
 
+def hash_cost(n: int, units: tuple[int, ...] = (16, 256, 1088, 2176), repeats: int = 15) -> dict[str, Any]:
+    """Engine-core host time of building a request of ``n`` prompt tokens with vLLM's block hasher at each
+    unit (sha256, vLLM's default ``prefix_caching_hash_algo``)."""
+    import random
+    import statistics
+
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    fn = get_hash_fn_by_name("sha256")
+    init_none_hash(fn)
+    rng = random.Random(0)
+    ids = [rng.randrange(150_000) for _ in range(n)]
+    out: dict[str, Any] = {"prompt_tokens": n, "hash_algo": "sha256"}
+    hashers = {u: get_request_block_hasher(u, fn) if u else None for u in (None, *units)}
+    times: dict[int | None, list[float]] = {u: [] for u in hashers}
+    for i in range(repeats):  # the units interleaved, so that a burst of load hits all of them alike
+        for unit, hasher in hashers.items():
+            t0 = time.perf_counter()
+            Request(f"r{i}", ids, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+            times[unit].append(time.perf_counter() - t0)
+    for unit, ts in times.items():
+        out[f"unit_{unit}_ms" if unit else "no_hashing_ms"] = statistics.median(ts) * 1e3
+    return out
+
+
+def _fidelity(r: dict[str, Any]) -> dict[str, Any]:
+    from _reference import consistency
+
+    turns = _turns(r)
+    prompts = [p for t in turns for p in t["prompt_token_ids"]]
+    outputs = [o for t in turns for o in t["token_ids"]]
+    c = consistency(str(model_dir()), prompts, outputs)
+    return {"tokens": c.tokens, "not_float32_argmax": c.off_argmax, "max_gap": c.max_gap}
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     try:
         import matplotlib
@@ -136,8 +181,12 @@ def main() -> None:
     ap.add_argument("--ttft-len", type=int, default=1500)
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument(
-        "--match-unit", type=int, default=16, help="prefix_match_unit of the extra TTFT run (0: none)"
+        "--match-unit",
+        type=int,
+        default=256,
+        help="explicit prefix_match_unit of an extra float32 engine (0: none; 256 = the float32 block size)",
     )
+    ap.add_argument("--hash-len", type=int, default=32768, help="prompt tokens of the hashing cost (0: skip)")
     ap.add_argument("--skip-stock", action="store_true")
     ap.add_argument("--skip-bf16", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "vllm_prefix_cache.json"))
@@ -151,6 +200,7 @@ def main() -> None:
         "command": " ".join(["python"] + sys.argv),
         "ttft_k": args.ttft_k,
         "ttft_prompt_len": args.ttft_len,
+        "caching_on": "enable_prefix_caching=True, nothing else: the plugin's default prefix_match_unit (16)",
         "correctness": {},
         "ttft": {},
         "multiturn_time": {},
@@ -178,6 +228,11 @@ def main() -> None:
             "tokens_equal_first": all(x["token_ids"] == runs[0]["token_ids"] for x in runs),
         }
 
+    if args.hash_len:
+        results["hash_cost"] = hash_cost(args.hash_len)
+        print("[hash cost]", results["hash_cost"], flush=True)
+        save()
+
     # 1. correctness, float32, caching on vs off per k (the k = --ttft-k pair also times the repeated prompt)
     pair_off: dict[int, dict[str, Any]] = {}
     for k in args.ks:
@@ -199,7 +254,8 @@ def main() -> None:
                 ]
         save()
 
-    # 2. finer prefix hits (vLLM's prefix_match_unit): TTFT, and on == off against the k = --ttft-k pair
+    # 2. an explicit prefix_match_unit (the user's value, kept by the plugin): TTFT, and on == off against
+    # the k = --ttft-k pair
     if args.match_unit:
         label = f"plugin, caching on, prefix_match_unit={args.match_unit}"
         off = pair_off.get(args.ttft_k)
@@ -235,6 +291,12 @@ def main() -> None:
             results["bf16_acceptance"] = {
                 "on": _acceptance(_turns(on)),
                 "off": _acceptance(_turns(off)),
+                "drafted_on_off": [sum(t["spec"]["num_draft_tokens"] for t in _turns(r)) for r in (on, off)],
+                # each emitted token teacher-forced through the float32 transformers model: how many are not
+                # its argmax, and the largest logit gap (bf16 rounding lets on and off diverge; this says
+                # whether either is worse)
+                "float32_fidelity_on": _fidelity(on),
+                "float32_fidelity_off": _fidelity(off),
                 "prefix_cache_hits_on": [t["spec"]["prefix_cache_hits"] for t in _turns(on)],
                 "conversation_equal_on_off": [
                     a["token_ids"] == b["token_ids"] for a, b in zip(_turns(on), _turns(off))

@@ -77,6 +77,10 @@ def test_default_prefix_caching_stays_on(server) -> None:
     log = server.log_text()
     assert "Mamba cache mode is set to 'align'" in log, "vLLM's default prefix caching is not in align mode"
     assert "prefix caching is turned off" not in log
+    # the plugin's default prefix_match_unit (atom_vllm_plugin.config_hook), named in one line
+    assert len(re.findall(r"ATOM vLLM plugin: prefix caching on, prefix_match_unit=16 ", log)) == 1, (
+        "no line naming the plugin's default prefix_match_unit"
+    )
 
 
 def test_greedy_exact_under_mixed_greedy_sampled_streamed_load(server) -> None:

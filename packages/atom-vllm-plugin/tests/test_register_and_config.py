@@ -62,21 +62,26 @@ def test_version_check_names_the_supported_version():
 
 def test_register_is_idempotent_and_can_be_disabled(monkeypatch):
     from atom_vllm_plugin import register as reg
+    from atom_vllm_plugin.config_hook import AtomQwen3NextConfig
     from atom_vllm_plugin.models.draft import AtomQwen3NextMTP
     from atom_vllm_plugin.models.target import AtomQwen3NextForCausalLM
     from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "1")
     monkeypatch.setattr(reg, "_registered", False)
+    monkeypatch.delitem(MODELS_CONFIG_MAP, TARGET_ARCH, raising=False)
     before = dict(ModelRegistry.models)
     assert reg.register() is False
     assert ModelRegistry.models == before, "the disabled plugin must not touch vLLM's registry"
+    assert TARGET_ARCH not in MODELS_CONFIG_MAP, "the disabled plugin must not add a config hook"
 
     monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "0")
     assert reg.register() is True
     assert reg.register() is True  # second call: no error, same result
     for arch, cls in ((TARGET_ARCH, AtomQwen3NextForCausalLM), (DRAFT_ARCH, AtomQwen3NextMTP)):
         assert ModelRegistry.models[arch].model_cls is cls or ModelRegistry._try_load_model_cls(arch) is cls
+    assert MODELS_CONFIG_MAP[TARGET_ARCH] is AtomQwen3NextConfig
     monkeypatch.setitem(ModelRegistry.models, TARGET_ARCH, before[TARGET_ARCH])
     monkeypatch.setitem(ModelRegistry.models, DRAFT_ARCH, before[DRAFT_ARCH])
 
