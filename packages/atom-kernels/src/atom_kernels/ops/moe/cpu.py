@@ -12,8 +12,9 @@ Three forms, chosen from the shapes alone where they can be (``T`` tokens, ``K``
 - dense (:func:`_dense`, where ``E * T <= T * K + E * LOOP_ROWS``: few tokens): every expert on every token,
   one ``[T, H] x [H, E * 2I]`` matmul and one batched ``[E, T, I] x [E, I, H]`` matmul, then each token's
   ``K`` slots gathered from the ``[E, T, H]`` outputs and summed in ascending expert order (the order the
-  sorted forms sum them in: bit-equal to them). No host synchronisation and no sort of the pairs: at decode
-  and verify sizes the op is its dispatch, and this form has the fewest ops.
+  sorted forms sum them in: bit-equal to the padded batch, in float32 too, at T = 1..106 of the bundled
+  model's shapes). No host synchronisation and no sort of the pairs: at decode and verify sizes the op is
+  its dispatch, and this form has the fewest ops.
 - padded batch: the pairs laid out ``[E, C, H]`` (``C`` = the busiest expert's count, rows past an
   expert's count zero) and the experts as two batched matmuls.
 - sorted loop: where the padding would cost more rows than a loop's per-expert overhead (:data:`LOOP_ROWS`
