@@ -405,3 +405,22 @@ def test_moe_experts_cpu_forms_bit_equal(tokens):
     expected = reference.moe_experts(x, weights, ids, w13, w2)
     assert torch.equal(cpu.moe_experts(x, weights, ids, w13, w2), expected)
     assert torch.equal(cpu.moe_experts(x, weights, ids, w13.float(), w2.float()), expected)
+
+
+def test_moe_experts_cpu_dense_form_only_for_few_experts_a_slot(monkeypatch):
+    """The cpu backend runs every expert on every token only where that is within ``MAX_PADDING`` times the
+    routed work: 64 experts top-2 at T = 4 take another form (same result as the reference)."""
+    from atom_kernels.ops.moe import cpu, reference
+
+    cpu_dev = torch.device("cpu")
+    x = randn(4, 32, seed=50, dtype=torch.float32, device=cpu_dev)
+    ids = torch.tensor([[0, 63], [5, 9], [9, 5], [17, 40]])
+    weights = torch.rand(4, 2, generator=gen(51))
+    calls = []
+    monkeypatch.setattr(cpu, "_dense", lambda *a: calls.append(1) or reference.moe_experts(*a))
+    for num_experts in (64, 4 * 2):  # 64 > MAX_PADDING * K = 8: not dense; 8 experts: dense
+        w13 = randn(num_experts, 16, 32, seed=52, dtype=torch.float32, device=cpu_dev)
+        w2 = randn(num_experts, 32, 8, seed=53, dtype=torch.float32, device=cpu_dev)
+        got = cpu.moe_experts(x, weights, ids % num_experts, w13, w2)
+        torch.testing.assert_close(got, reference.moe_experts(x, weights, ids % num_experts, w13, w2))
+    assert calls == [1]

@@ -9,7 +9,9 @@ call (a memory-bound copy of every expert's weights: 0.09 ms for the bundled mod
 
 Three forms, chosen from the shapes alone where they can be (``T`` tokens, ``K`` slots, ``E`` experts):
 
-- dense (:func:`_dense`, where ``E * T <= T * K + E * LOOP_ROWS``: few tokens): every expert on every token,
+- dense (:func:`_dense`, where ``E * T <= T * K + E * LOOP_ROWS`` (few tokens) and ``E <= MAX_PADDING * K``
+  (few experts a slot: not the 80B model's 512 experts top-10, where every expert on every token would
+  be ~50x the routed work)): every expert on every token,
   one ``[T, H] x [H, E * 2I]`` matmul and one batched ``[E, T, I] x [E, I, H]`` matmul, then each token's
   ``K`` slots gathered from the ``[E, T, H]`` outputs and summed in ascending expert order (the order the
   sorted forms sum them in: bit-equal to the padded batch, in float32 too, at T = 1..106 of the bundled
@@ -59,7 +61,14 @@ def moe_experts(
                 f"moe_experts: ids must lie in [-1, E={num_experts}), got values in [{lo}, {hi}]"
             )
     tokens, top_k = ids.shape
-    if tokens and num_experts * tokens <= tokens * top_k + num_experts * LOOP_ROWS:
+    # the dense form's E * T rows, against the real pairs (at most T * K): within MAX_PADDING of them, and
+    # fewer than the sorted loop's pairs plus its per-expert overhead
+    dense_rows = num_experts * tokens
+    if (
+        tokens
+        and dense_rows <= MAX_PADDING * tokens * top_k
+        and dense_rows <= tokens * top_k + num_experts * LOOP_ROWS
+    ):
         return _dense(x, weights, ids, w13, w2)
     held = torch.nonzero(flat_ids >= 0).squeeze(1)  # the (token, slot) pairs of experts held here
     pairs = held.numel()
