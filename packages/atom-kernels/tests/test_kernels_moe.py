@@ -374,9 +374,53 @@ def test_bad_inputs(impl, device):
     with pytest.raises(ValueError, match="ids must have dtype int64 or int32"):
         experts(x, weights, ids.float(), w13, w2)
     with pytest.raises(ValueError, match="w13 must have dtype bfloat16"):
-        experts(x.bfloat16(), weights, ids, w13, w2)
+        experts(x.bfloat16(), weights, ids, w13.half(), w2.half())
+    with pytest.raises(ValueError, match="w2 must have dtype float32"):
+        experts(x, weights, ids, w13, w2.bfloat16())
     if device.type == "cpu":
         with pytest.raises(ValueError, match=r"ids must lie in \[-1, E=4\)"):
             experts(x, weights, ids + 4, w13, w2)
         with pytest.raises(ValueError, match=r"ids must lie in \[-1, E=4\)"):
             experts(x, weights, ids - 2, w13, w2)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 32, 96, 512])
+def test_moe_experts_cpu_forms_bit_equal(tokens):
+    """The cpu backend's forms (dense at T = 1..96 here, the sorted loop at 512) at the bundled model's
+    shapes (8 routed experts top-2 + 2 shared pseudo-experts, H = 256, I = 64), bf16: bit-equal to the
+    reference's per-expert loop, with the weights as bf16 or as float32 copies held by the caller. (In
+    float32 the dense form's one ``[T, H] x [H, E * 2I]`` matmul sums some outputs in another order than
+    the per-expert matmuls at T = 2 and 32: last-bit differences that the activation's bf16 rounding hides
+    here.)"""
+    from atom_kernels.ops.moe import cpu, reference
+
+    num_experts, m, hidden, inter, top_k = 8, 2, 256, 64, 2
+    dt, cpu_dev = torch.bfloat16, torch.device("cpu")
+    x = randn(tokens, hidden, seed=42, dtype=dt, device=cpu_dev)
+    w13 = randn(num_experts + m, 2 * inter, hidden, seed=43, dtype=dt, device=cpu_dev, scale=hidden**-0.5)
+    w2 = randn(num_experts + m, hidden, inter, seed=44, dtype=dt, device=cpu_dev, scale=inter**-0.5)
+    logits = randn(tokens, num_experts + 1, seed=45, dtype=dt, device=cpu_dev)
+    weights, ids = reference.moe_router(logits, top_k, True, num_shared=m)
+    ids[::3, 1] = -1  # slots held elsewhere contribute zero in every form
+    expected = reference.moe_experts(x, weights, ids, w13, w2)
+    assert torch.equal(cpu.moe_experts(x, weights, ids, w13, w2), expected)
+    assert torch.equal(cpu.moe_experts(x, weights, ids, w13.float(), w2.float()), expected)
+
+
+def test_moe_experts_cpu_dense_form_only_for_few_experts_a_slot(monkeypatch):
+    """The cpu backend runs every expert on every token only where that is within ``MAX_PADDING`` times the
+    routed work: 64 experts top-2 at T = 4 take another form (same result as the reference)."""
+    from atom_kernels.ops.moe import cpu, reference
+
+    cpu_dev = torch.device("cpu")
+    x = randn(4, 32, seed=50, dtype=torch.float32, device=cpu_dev)
+    ids = torch.tensor([[0, 63], [5, 9], [9, 5], [17, 40]])
+    weights = torch.rand(4, 2, generator=gen(51))
+    calls = []
+    monkeypatch.setattr(cpu, "_dense", lambda *a: calls.append(1) or reference.moe_experts(*a))
+    for num_experts in (64, 4 * 2):  # 64 > MAX_PADDING * K = 8: not dense; 8 experts: dense
+        w13 = randn(num_experts, 16, 32, seed=52, dtype=torch.float32, device=cpu_dev)
+        w2 = randn(num_experts, 32, 8, seed=53, dtype=torch.float32, device=cpu_dev)
+        got = cpu.moe_experts(x, weights, ids % num_experts, w13, w2)
+        torch.testing.assert_close(got, reference.moe_experts(x, weights, ids % num_experts, w13, w2))
+    assert calls == [1]

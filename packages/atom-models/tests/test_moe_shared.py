@@ -147,3 +147,28 @@ def test_fp8_folded_shared_expert_equals_the_unfused_one(kernels):
         shared = kernels.fp8_linear(act, down, down_s, (128, 128), None)
         want = routed + torch.sigmoid(logits[:, e : e + 1]) * shared
     torch.testing.assert_close(got, want, atol=TOL["fp8"][0], rtol=TOL["fp8"][1])
+
+
+@pytest.mark.parametrize("tokens", [3, 200])
+def test_hold_float32_experts_bit_equal(tokens):
+    """bf16 block on the cpu kernels: float32 copies of the experts' weights made once
+    (``hold_float32_experts``) give the bit-identical output, add 2 bytes a weight, and are held only where
+    the bound ``moe_experts`` backend takes float32 weights (a second call adds nothing)."""
+    from atom_models import hold_float32_experts
+
+    cfg = _config(hidden=64, inter=16, shared=32, experts=8, top_k=2)
+    cpu = select_kernels("cpu", torch.bfloat16)
+    block = SparseMoeBlock(cfg, cpu, dtype=torch.bfloat16)
+    _randomize(block, 5)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
+    with torch.no_grad():
+        before = block(x)
+        n = block.experts.w13.numel() + block.experts.w2.numel()
+        assert hold_float32_experts(block, cpu) == 2 * n
+        assert block.experts.w13.dtype == block.experts.w2.dtype == torch.float32
+        assert hold_float32_experts(block, cpu) == 0
+        assert torch.equal(block(x), before)
+    other = dict(cpu.backends, moe_experts="triton")  # a backend without float32 weights: left as they are
+    fresh = SparseMoeBlock(cfg, cpu, dtype=torch.bfloat16)
+    assert hold_float32_experts(fresh, type("K", (), {"backends": other})()) == 0
+    assert fresh.experts.w13.dtype == torch.bfloat16

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from atom_core import Qwen3NextConfig
-from atom_kernels.ops.moe import experts_fp8_tickets, local_expert_ids
+from atom_kernels.ops.moe import FLOAT32_WEIGHT_BACKENDS, experts_fp8_tickets, local_expert_ids
 from torch import nn
 
 from atom_models.modules import GatedMLP, Linear
@@ -65,6 +65,27 @@ class Experts(nn.Module):
 
     def forward(self, kernels, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return kernels.moe_experts(x, weights, _local_ids(self, ids), self.w13, self.w2)
+
+    def hold_float32(self) -> int:
+        """Replace ``w13`` and ``w2`` by float32 copies of their (loaded) values, for a ``moe_experts``
+        backend in :data:`~atom_kernels.ops.moe.FLOAT32_WEIGHT_BACKENDS`: the products are the same, and
+        the per-call conversion is gone. Returns the bytes this adds (already float32: 0)."""
+        added = 0
+        for name in ("w13", "w2"):
+            w = getattr(self, name)
+            if w.dtype != torch.float32:
+                added += w.numel() * (4 - w.element_size())
+                setattr(self, name, nn.Parameter(w.detach().float(), requires_grad=False))
+        return added
+
+
+def hold_float32_experts(model: nn.Module, kernels) -> int:
+    """:meth:`Experts.hold_float32` on every :class:`Experts` of ``model`` where ``kernels`` binds
+    ``moe_experts`` to a backend that takes float32 weights; call once, after the weights are loaded.
+    Returns the bytes added (0 where the backend does not take them)."""
+    if kernels.backends.get("moe_experts") not in FLOAT32_WEIGHT_BACKENDS:
+        return 0
+    return sum(m.hold_float32() for m in model.modules() if isinstance(m, Experts))
 
 
 def _check_expert_start(expert_start: int | None, num_shared: int) -> int | None:

@@ -68,16 +68,24 @@ def check_moe_gate_router(
 
 
 def check_moe_experts(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    float32_weights: bool = False,
 ) -> None:
+    """``float32_weights``: the backend also takes ``w13`` / ``w2`` in float32 for a lower-precision ``x``
+    (float32 copies of x.dtype weights, made once by their owner; see ``moe.cpu``)."""
     c = Checker("moe_experts")
     c.tensor("x", x, ("T", "H"), FLOAT_DTYPES)
     c.tensor("weights", weights, ("T", "K"), FLOAT_DTYPES)
     c.tensor("ids", ids, ("T", "K"), (torch.int64, torch.int32))
-    c.tensor("w13", w13, ("E", "2I", "H"), (x.dtype,))
+    w_dtypes = (x.dtype, torch.float32) if float32_weights else (x.dtype,)
+    c.tensor("w13", w13, ("E", "2I", "H"), w_dtypes)
     c.require(c.dim("2I") % 2 == 0, f"w13 must have shape [E, 2I, H] with an even 2I, got {tuple(w13.shape)}")
     c.dims["I"] = c.dim("2I") // 2
-    c.tensor("w2", w2, ("E", "H", "I"), (x.dtype,))
+    c.tensor("w2", w2, ("E", "H", "I"), (w13.dtype,))
 
 
 def check_moe_experts_fp8(

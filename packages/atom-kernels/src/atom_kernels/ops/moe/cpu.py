@@ -1,15 +1,31 @@
 """Routed experts for CPUs: the reference's contract and rounding points, experts batched.
 
-The reference runs each expert that received tokens on its own (five small ops per expert). When every
-expert gets about as many (token, slot) pairs as the busiest one, the pairs are instead laid out
-``[E, C, H]`` (``C`` = the busiest expert's count, rows past an expert's count zero) and the experts run
-as two batched float32 matmuls over ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` (float32 copies, made per
-call: the products stay float32 as in the reference).
-Where the padding would cost more rows than a loop's per-expert overhead (:data:`LOOP_ROWS` rows an
-expert; a shared expert in every token's row pads each routed expert up to ``T``: the prompt steps) the
-pairs are instead sorted by expert into one ``[T * K, H]`` block and each expert's rows run as two
-matmuls on their slice, with ``out=`` into the sorted buffers. Where the padding would exceed
-:data:`MAX_PADDING` times the real pairs (few tokens, many experts) the reference's per-expert loop runs.
+The products are float32 sums of x.dtype operands (the reference's, and stock vLLM's CPU kernel's, rounding
+points: the activation and the result only). CPU torch has no x.dtype x x.dtype -> float32 matmul, so the
+weights enter the float32 matmuls as float32: where ``w13`` / ``w2`` are x.dtype they are converted on every
+call (a memory-bound copy of every expert's weights: 0.09 ms for the bundled model's 10 experts of
+``[128, 256]`` + ``[256, 64]``, one core); their owner may instead pass float32 copies made once at load
+(``float32_weights``, same products; atom_models' ``Experts.hold_float32``).
+
+Three forms, chosen from the shapes alone where they can be (``T`` tokens, ``K`` slots, ``E`` experts):
+
+- dense (:func:`_dense`, where ``E * T <= T * K + E * LOOP_ROWS`` (few tokens) and ``E <= MAX_PADDING * K``
+  (few experts a slot: not the 80B model's 512 experts top-10, where every expert on every token would
+  be ~50x the routed work)): every expert on every token,
+  one ``[T, H] x [H, E * 2I]`` matmul and one batched ``[E, T, I] x [E, I, H]`` matmul, then each token's
+  ``K`` slots gathered from the ``[E, T, H]`` outputs and summed in ascending expert order (the order the
+  sorted forms sum them in: bit-equal to the padded batch, in float32 too, at T = 1..106 of the bundled
+  model's shapes). No host synchronisation and no sort of the pairs: at decode and verify sizes the op is
+  its dispatch, and this form has the fewest ops.
+- padded batch: the pairs laid out ``[E, C, H]`` (``C`` = the busiest expert's count, rows past an
+  expert's count zero) and the experts as two batched matmuls.
+- sorted loop: where the padding would cost more rows than a loop's per-expert overhead (:data:`LOOP_ROWS`
+  rows an expert; a shared expert in every token's row pads each routed expert up to ``T``: the prompt
+  steps) the pairs are sorted by expert into one ``[T * K, H]`` block and each expert's rows run as two
+  matmuls on their slice, with ``out=`` into the sorted buffers.
+
+Where the padding would exceed :data:`MAX_PADDING` times the real pairs (few tokens, many experts) the
+reference's per-expert loop runs.
 """
 
 from __future__ import annotations
@@ -33,8 +49,9 @@ a row's two small matmuls): the loop runs where ``E * C > T * K + E * LOOP_ROWS`
 def moe_experts(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
-    """:func:`atom_kernels.ops.moe.reference.moe_experts` (same contract; -1 ids contribute zero)."""
-    check_moe_experts(x, weights, ids, w13, w2)
+    """:func:`atom_kernels.ops.moe.reference.moe_experts` (same contract; -1 ids contribute zero), and
+    ``w13`` / ``w2`` may be float32 copies of x.dtype weights (module docstring)."""
+    check_moe_experts(x, weights, ids, w13, w2, float32_weights=True)
     num_experts = w13.shape[0]
     flat_ids = ids.reshape(-1).long()
     if flat_ids.numel() and values_checkable(flat_ids):
@@ -43,6 +60,16 @@ def moe_experts(
             raise ValueError(
                 f"moe_experts: ids must lie in [-1, E={num_experts}), got values in [{lo}, {hi}]"
             )
+    tokens, top_k = ids.shape
+    # the dense form's E * T rows, against the real pairs (at most T * K): within MAX_PADDING of them, and
+    # fewer than the sorted loop's pairs plus its per-expert overhead
+    dense_rows = num_experts * tokens
+    if (
+        tokens
+        and dense_rows <= MAX_PADDING * tokens * top_k
+        and dense_rows <= tokens * top_k + num_experts * LOOP_ROWS
+    ):
+        return _dense(x, weights, ids, w13, w2)
     held = torch.nonzero(flat_ids >= 0).squeeze(1)  # the (token, slot) pairs of experts held here
     pairs = held.numel()
     if pairs == 0:
@@ -52,7 +79,6 @@ def moe_experts(
     cap = int(counts.max())
     if num_experts * cap > MAX_PADDING * pairs:
         return reference.moe_experts(x, weights, ids, w13, w2)
-    top_k = ids.shape[1]
     order = torch.argsort(held_ids, stable=True)
     if num_experts * cap > pairs + num_experts * LOOP_ROWS:
         return _sorted_loop(x, weights, held[order], counts.tolist(), top_k, w13, w2)
@@ -97,4 +123,28 @@ def _sorted_loop(x, weights, order, counts: list[int], top_k: int, w13, w2) -> t
     yw = y.mul_(weights.reshape(-1).float()[order, None])
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, token_of, yw)
+    return out.to(x.dtype)
+
+
+def _dense(x, weights, ids, w13, w2) -> torch.Tensor:
+    """Every expert on every token (``[T, E, 2I]`` then ``[E, T, H]`` float32), each token's slots gathered
+    and weighted, and summed over the slots in ascending expert order (stable: a repeated id keeps its slot
+    order), as the sorted forms' ``index_add_`` sums them; a -1 slot's term is zero."""
+    tokens, top_k = ids.shape
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    sorted_ids, perm = torch.sort(ids.long(), dim=1, stable=True)
+    held = sorted_ids >= 0
+    h = torch.mm(x.float(), w13.float().reshape(num_experts * two_i, hidden).t()).view(
+        tokens, num_experts, two_i
+    )
+    act = (F.silu(h[..., :inter]) * h[..., inter:]).to(x.dtype).float()  # [T, E, I]
+    y = torch.bmm(act.transpose(0, 1), w2.float().transpose(1, 2))  # [E, T, H]
+    rows = torch.arange(tokens, device=x.device)[:, None]
+    terms = y[sorted_ids.clamp(min=0), rows]  # [T, K, H]: the slots' expert outputs
+    terms.mul_(weights.float().gather(1, perm)[..., None])
+    terms.masked_fill_(~held[..., None], 0.0)
+    out = terms[:, 0].clone()
+    for j in range(1, top_k):
+        out += terms[:, j]
     return out.to(x.dtype)

