@@ -57,6 +57,20 @@ def test_rms_norm_residual(impl, tol, device, dtype):
     assert_close(y, rms_oracle(h, 1e-6) * (1 + w.double().cpu()), tol("rms_norm", dtype), "rms_norm residual")
 
 
+def test_rms_norm_float32_residual(impl, tol, device):
+    """A bf16 x with a float32 residual stream: ``h`` is the float32 sum (not rounded to bf16), ``y`` the
+    norm of that sum in bf16."""
+    fn = impl("rms_norm", torch.bfloat16)
+    x = randn(65, 4, 32, seed=3, dtype=torch.bfloat16, device=device)
+    r = randn(65, 4, 32, seed=4, dtype=torch.float32, device=device)
+    w = randn(32, seed=5, dtype=torch.float32, device=device, scale=0.1)
+    y, h = fn(x, w, 1e-6, residual=r)
+    assert h.dtype == torch.float32 and y.dtype == torch.bfloat16
+    assert_close(h, x.double() + r.double(), tol("rms_norm", torch.float32), "float32 residual sum")
+    expected = rms_oracle(x.double() + r.double(), 1e-6) * (1 + w.double().cpu())
+    assert_close(y, expected, tol("rms_norm", torch.bfloat16), "rms_norm of the float32 sum")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_strided_heads(impl, device, dtype):
     """``[T, H, D]`` views as the attention layer passes them (the query half of ``[T, Hq, 2D]`` and ``k`` of

@@ -348,7 +348,7 @@ _OPS = (
         "atom_add_rms_norm",
         atom_add_rms_norm,
         None,
-        lambda x, **_: (x.new_empty(x.shape), x.new_empty(x.shape)),
+        lambda x, residual, *_, **__: (x.new_empty(x.shape), residual.new_empty(x.shape)),
     ),
     ("atom_gated_rms_norm", atom_gated_rms_norm, None, lambda x, **_: x.new_empty(x.shape)),
     ("atom_rope", atom_rope, None, lambda q, k, **_: (q.new_empty(q.shape), k.new_empty(k.shape))),

@@ -12,7 +12,10 @@ def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
     c.positive_float("eps", eps)
     if residual is not None:
         c.tensor("residual", residual, tuple(x.shape), FLOAT_DTYPES)
-        c.require(residual.dtype == x.dtype, f"residual must have x's dtype {x.dtype}, got {residual.dtype}")
+        c.require(
+            residual.dtype in (x.dtype, torch.float32),
+            f"residual must have x's dtype {x.dtype} or float32, got {residual.dtype}",
+        )
 
 
 def check_gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

@@ -21,17 +21,17 @@ def rms_norm(
         x: ``[..., H]`` float32/bf16/fp16.
         weight: ``[H]`` (the checkpoint's zero-centred weight).
         eps: variance epsilon.
-        residual: optional ``[..., H]`` like ``x``.
+        residual: optional ``[..., H]`` in x.dtype or float32 (a float32 residual stream).
 
     Returns:
         ``y [..., H]`` in x.dtype; with ``residual``: ``(y, h)`` where ``h = x + residual`` rounded to
-        x.dtype and ``y`` the norm of the float32 sum, before that rounding (as stock vLLM's
+        residual.dtype and ``y`` the norm of the float32 sum, before that rounding (as stock vLLM's
         ``fused_add_rms_norm``: the normalised input is rounded once less).
     """
     check_rms_norm(x, weight, eps, residual)
     h32 = x.float() if residual is None else x.float() + residual.float()
     y = (_normalize(h32, eps) * (1.0 + weight.float())).to(x.dtype)
-    return y if residual is None else (y, h32.to(x.dtype))
+    return y if residual is None else (y, h32.to(residual.dtype))
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

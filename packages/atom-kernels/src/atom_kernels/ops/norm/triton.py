@@ -51,7 +51,7 @@ def _rms_norm_kernel(
     if HAS_RES:  # the float32 sum is normalised; h is stored rounded
         r = tl.load(res_ptr + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
         xf = xf + r.to(tl.float32)
-        tl.store(h_ptr + rows64[:, None] * stride_h + cols[None, :], xf.to(x.dtype), mask=mask)
+        tl.store(h_ptr + rows64[:, None] * stride_h + cols[None, :], xf.to(h_ptr.dtype.element_ty), mask=mask)
     inv = tl.rsqrt(tl.sum(xf * xf, 1) / H + eps)
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     y = xf * inv[:, None] * (1.0 + w)[None, :]
@@ -120,7 +120,8 @@ def _launch_shape(num_rows: int, width: int) -> tuple[int, int, int, int]:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Zero-centred RMS norm ``x_hat * (1 + weight)``; with ``residual`` returns ``(y, x + residual)``.
+    """Zero-centred RMS norm ``x_hat * (1 + weight)``; with ``residual`` returns ``(y, x + residual)``
+    (``h`` in residual's dtype: x's or float32).
     ``x`` may have any strides in its last two leading dims (e.g. ``k[T, Hkv, D]`` a view of a fused
     projection's output, or the query half of ``[T, Hq, 2D]``) without a copy; the last dim needs stride 1
     (otherwise a copy); ``y`` (and ``h``) are contiguous."""
@@ -132,7 +133,7 @@ def rms_norm(
     num_rows = y2.shape[0]
     if residual is not None:
         r2 = _rows_2d(residual)
-        h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        h = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
         h2 = h.view(-1, hidden)
     else:
         r2 = h2 = y2
