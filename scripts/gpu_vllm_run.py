@@ -171,8 +171,9 @@ STANDINS = {
 }
 """Path in the installed ``vllm`` package -> source of the stand-in module."""
 
-# What an engine start on CUDA imports beyond ``from vllm import LLM`` (the V1 GPU worker, runner, MTP
-# proposer, GDN metadata, compilation and CUDA-graph code, executors); --check-imports imports each.
+# What an engine start on CUDA imports beyond ``from vllm import LLM`` (the GPU worker, both model runners
+# and their MTP drafters, GDN metadata, compilation and CUDA-graph code, executors); --check-imports imports
+# each.
 ENGINE_MODULES = (
     "vllm.platforms.cuda",
     "vllm.engine.arg_utils",
@@ -183,6 +184,9 @@ ENGINE_MODULES = (
     "vllm.v1.executor.uniproc_executor",
     "vllm.v1.worker.gpu_worker",
     "vllm.v1.worker.gpu_model_runner",
+    "vllm.v1.worker.gpu.model_runner",
+    "vllm.v1.worker.gpu.model_states.mamba_hybrid",
+    "vllm.v1.worker.gpu.spec_decode.mtp.speculator",
     "vllm.v1.worker.gpu_input_batch",
     "vllm.v1.worker.mamba_utils",
     "vllm.v1.spec_decode.eagle",
@@ -252,8 +256,9 @@ def check_bundle(pkg: Path) -> dict[str, Any]:
 
 
 def check_imports(assume_cuda: bool, modules: tuple[str, ...] = ENGINE_MODULES) -> int:
-    """Import vLLM's entry points and ``modules``, then build the run's ``VllmConfig`` for both modes (the
-    plugin must have selected the V1 runner); print each failure. Returns the failure count.
+    """Import vLLM's entry points and ``modules``, then build the run's ``VllmConfig`` for both modes, and
+    for graphs with prefix caching on (the plugin must have chosen the model runner it documents: Model
+    Runner V2 without prefix caching, V1 with it); print each failure. Returns the failure count.
 
     ``assume_cuda``: make vLLM's current platform its CUDA platform first (no NVML, no GPU needed), so that
     a machine without a GPU takes the CUDA platform's import-time branches."""
@@ -295,15 +300,22 @@ def check_imports(assume_cuda: bool, modules: tuple[str, ...] = ENGINE_MODULES) 
             print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
             traceback.print_exc(limit=-3)
     print(f"{failures} of {len(modules)} modules failed to import", flush=True)
-    for mode in ("eager", "graphs"):
+    import vllm.config.vllm as vllm_config_module
+
+    user = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    for mode, caching in (("eager", False), ("graphs", False), ("graphs", True)):
+        # The plugin's choice: vLLM's (V2 where Triton imports) without prefix caching, V1 with it; a user's
+        # VLLM_USE_V2_MODEL_RUNNER decides where set.
+        expected = bool(int(user)) if user is not None else vllm_config_module.HAS_TRITON and not caching
         try:
-            facts = check_config(mode)
-            if facts["use_v2_model_runner"]:
+            facts = check_config(mode, caching)
+            if facts["use_v2_model_runner"] is not expected:
                 failures += 1
-                print(f"FAIL config {mode}: VllmConfig.use_v2_model_runner is set", flush=True)
+                print(f"FAIL config {mode} (prefix caching {caching}): use_v2_model_runner is "
+                      f"{facts['use_v2_model_runner']}, expected {expected}", flush=True)  # fmt: skip
         except BaseException as e:  # noqa: BLE001
             failures += 1
-            print(f"FAIL config {mode}: {type(e).__name__}: {e}", flush=True)
+            print(f"FAIL config {mode} (prefix caching {caching}): {type(e).__name__}: {e}", flush=True)
             traceback.print_exc(limit=-6)
     return failures
 
@@ -329,12 +341,13 @@ def llm_kwargs(mode: str, k: int = 1) -> dict[str, Any]:
     }
 
 
-def check_config(mode: str) -> dict[str, Any]:
-    """Build the run's ``VllmConfig`` (no engine, no GPU memory) and report the choices the run depends on."""
+def check_config(mode: str, prefix_caching: bool = False) -> dict[str, Any]:
+    """Build the run's ``VllmConfig`` (no engine, no GPU memory; ``prefix_caching``: with prefix caching
+    on instead of the run's off) and report the choices the run depends on."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
-    cfg = EngineArgs(**llm_kwargs(mode)).create_engine_config()
+    cfg = EngineArgs(**{**llm_kwargs(mode), "enable_prefix_caching": prefix_caching}).create_engine_config()
     facts = {
         "mode": mode,
         "platform": type(current_platform).__name__,

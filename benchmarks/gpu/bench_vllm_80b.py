@@ -58,8 +58,10 @@ def _randomize_worker(worker: Any) -> dict[str, Any]:
     import bench_engine
 
     runner = worker.model_runner
+    # The MTP draft: V1's runner holds it as ``drafter.model``, Model Runner V2's as ``speculator.model``.
+    draft_owner = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
     mods = []
-    for m in (runner.model, getattr(getattr(runner, "drafter", None), "model", None)):
+    for m in (runner.model, getattr(draft_owner, "model", None)):
         if m is None:
             continue
         m = m.unwrap() if hasattr(m, "unwrap") else m
@@ -71,7 +73,7 @@ def _randomize_worker(worker: Any) -> dict[str, Any]:
     return {
         "randomized": [type(m).__name__ for m in mods],
         "params_gb": sum(p.numel() * p.element_size() for m in mods for p in m.parameters()) / 1e9,
-        "model_runner": type(runner).__name__,
+        "model_runner": f"{type(runner).__module__}.{type(runner).__name__}",
         "cudagraph_mode": str(worker.vllm_config.compilation_config.cudagraph_mode),
     }
 

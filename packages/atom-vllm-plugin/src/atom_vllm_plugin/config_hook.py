@@ -1,4 +1,5 @@
-"""vLLM's per-architecture config hook for the target: a finer ``prefix_match_unit`` by default.
+"""vLLM's per-architecture config hook for the target: a finer ``prefix_match_unit`` by default, and the
+GPU model runner (:mod:`atom_vllm_plugin.model_runner`: Model Runner V2 unless prefix caching is on).
 
 With prefix caching (vLLM's default) a hybrid model's KV-cache blocks are as large as one GDN state page
 needs (256 tokens for the bundled float32 model, hundreds to thousands for Qwen3-Next): vLLM's default
@@ -32,6 +33,7 @@ from typing import Any
 from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
 
 from atom_vllm_plugin.config import TARGET_ARCH
+from atom_vllm_plugin.model_runner import select_model_runner
 
 logger = logging.getLogger("vllm.atom_vllm_plugin")
 
@@ -67,11 +69,13 @@ def apply_prefix_match_unit(cache_config: Any) -> int | None:
 
 
 class AtomQwen3NextConfig(VerifyAndUpdateConfig):
-    """The plugin's defaults for vLLM's config of ``Qwen3NextForCausalLM``."""
+    """The plugin's defaults for vLLM's config of ``Qwen3NextForCausalLM``: the prefix-match unit, then
+    the model runner (which reads whether prefix caching is on)."""
 
     @staticmethod
     def verify_and_update_config(vllm_config: Any) -> None:
         apply_prefix_match_unit(vllm_config.cache_config)
+        select_model_runner(bool(vllm_config.cache_config.enable_prefix_caching))
 
 
 def install() -> None:

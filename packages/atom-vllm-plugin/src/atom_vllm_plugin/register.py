@@ -1,10 +1,10 @@
 """The ``vllm.general_plugins`` entry point: put ATOM's Qwen3-Next and its MTP draft into vLLM's registry.
 
 vLLM calls :func:`register` once per process (engine core, every worker, the API server), possibly more
-than once; it is idempotent. On CUDA and ROCm it also selects vLLM's V1 GPU model runner unless the user
-set ``VLLM_USE_V2_MODEL_RUNNER`` (:mod:`atom_vllm_plugin.model_runner`). On every platform it adds the target's entry to
-vLLM's per-architecture config hooks (:mod:`atom_vllm_plugin.config_hook`: a finer ``prefix_match_unit`` by
-default). With ``ATOM_DISABLE_VLLM_PLUGIN=1`` it does none of this and stock vLLM models run.
+than once; it is idempotent. It also adds the target's entry to vLLM's per-architecture config hooks
+(:mod:`atom_vllm_plugin.config_hook`: a finer ``prefix_match_unit`` by default, and on CUDA and ROCm the GPU
+model runner, :mod:`atom_vllm_plugin.model_runner`). With ``ATOM_DISABLE_VLLM_PLUGIN=1`` it does none of this
+and stock vLLM models run.
 """
 
 from __future__ import annotations
@@ -45,10 +45,8 @@ def register() -> bool:
         from vllm import ModelRegistry
 
         from atom_vllm_plugin import config_hook
-        from atom_vllm_plugin.model_runner import pin_v1_model_runner
         from atom_vllm_plugin.patches import apply_patches
 
-        pin_v1_model_runner()
         apply_patches()
         config_hook.install()
         for arch, cls in _model_classes().items():
