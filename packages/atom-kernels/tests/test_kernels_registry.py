@@ -146,10 +146,17 @@ def test_every_backend_has_the_reference_signature(op):
 
 @pytest.mark.parametrize("op", registry.OPS)
 def test_every_check_takes_the_reference_parameters(op):
-    """``check_<op>`` (which every backend's op calls) takes the reference's parameters by name, in order."""
+    """``check_<op>`` (which every backend's op calls) takes the reference's parameters by name, in order;
+    extra ones (a backend's wider contract) only keyword-only, with defaults."""
     reference = REFERENCE_OPS[op]
     check = getattr(inspect.getmodule(reference), f"check_{op}")
-    assert list(inspect.signature(check).parameters) == [p.name for p in _spec(op)]
+    names = [p.name for p in _spec(op)]
+    params = list(inspect.signature(check).parameters.values())
+    assert [p.name for p in params[: len(names)]] == names
+    for extra in params[len(names) :]:
+        assert (
+            extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default is not inspect.Parameter.empty
+        ), f"check_{op}'s extra parameter {extra.name!r} must be keyword-only with a default"
 
 
 def test_slow_fallback_warning_names_the_missing_dependency():

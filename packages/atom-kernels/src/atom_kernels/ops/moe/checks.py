@@ -73,6 +73,7 @@ def check_moe_experts(
     ids: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    *,
     float32_weights: bool = False,
 ) -> None:
     """``float32_weights``: the backend also takes ``w13`` / ``w2`` in float32 for a lower-precision ``x``
