@@ -120,15 +120,16 @@ def select_model_runner(
     counts as unset."""
     environ = os.environ if environ is None else environ
     platform = _current_platform() if platform is None else platform
-    user_value = None if environ.get(MARK) == "1" else environ.get(ENV)
+    plugin_written = environ.get(MARK) == "1"
+    user_value = None if plugin_written else environ.get(ENV)
     choice = choose_model_runner(gpu_platform_name(platform), user_value, prefix_caching)
-    if user_value is None and environ.get(MARK) == "1":
+    if plugin_written:
         environ.pop(ENV, None)
         environ.pop(MARK, None)
     if choice.set_env is not None:
         environ[ENV] = choice.set_env
         environ[MARK] = "1"
-    if environ is os.environ and user_value is None:
+    if environ is os.environ and (plugin_written or choice.set_env is not None):
         _check_vllm_sees(environ.get(ENV))
     logger.log(choice.level, "%s", choice.message)
     return choice
