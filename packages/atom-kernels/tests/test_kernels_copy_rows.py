@@ -16,7 +16,8 @@ SLOTS = 6
 
 def page_pool(specs, device, slots: int = SLOTS, pad: int = 24, seed: int = 0):
     """One random byte pool of ``slots + 1`` pages and a view per ``(shape, dtype, offset)`` of ``specs``
-    (row ``r`` in page ``r + 1``; ``offset`` in bytes within the page; a 2-D shape ``(W, C)`` with ``"T"`` is returned transposed)."""
+    (row ``r`` in page ``r + 1``; ``offset`` in bytes within the page; a 2-D shape ``(W, C)`` with ``"T"``
+    is returned transposed)."""
     ends = [
         off + torch.Size(shape).numel() * torch.empty(0, dtype=dt).element_size()
         for shape, dt, off, _ in specs
