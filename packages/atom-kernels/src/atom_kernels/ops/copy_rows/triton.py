@@ -1,8 +1,9 @@
 """Triton ``copy_rows``: one launch copies every chunk of every tensor of a :class:`RowTable` for every pair.
 
 The grid is ``(chunks of the table, groups of PAIRS pairs)``. A program reads its chunk entry (address in
-row 0, row stride, bytes, unit) once, then for each pair of its group loads ``src`` / ``dst``, skips the pair
-on the device when an index is negative or both are equal, and copies the chunk of that row. Each copy moves
+row 0, row stride, bytes, unit) and its group's pairs (one vector load; a group with no copying pair ends
+there), then for each pair loads ``src`` / ``dst``, skips the pair on the device when an index is negative
+or both are equal, and copies the chunk of that row. Each copy moves
 the chunk in its tensor's unit (:data:`~atom_kernels.ops.copy_rows.table.UNITS`): 16-, 8- and 4-byte units as
 ``int32`` elements with alignment hints of 16 / 8 / 4 bytes (16-byte vector loads and stores on the GPU where
 the table allows), 2- and 1-byte units as ``int16`` / ``int8``. Indices stay on the device, the grid depends
@@ -52,22 +53,28 @@ def _copy_rows_kernel(chunks_ptr, src_ptr, dst_ptr, n_pairs, PAIRS: tl.constexpr
     nbytes = tl.load(entry + 2)
     unit = tl.load(entry + 3)
     first = tl.program_id(1) * PAIRS
-    for i in range(PAIRS):
-        p = first + i
-        if p < n_pairs:
-            s = tl.load(src_ptr + p)
-            d = tl.load(dst_ptr + p)
-            if (s >= 0) & (d >= 0) & (s != d):
-                if unit == 16:
-                    _copy_chunk(addr, stride, s, d, nbytes, tl.int32, 16, BLOCK_BYTES // 4)
-                elif unit == 8:
-                    _copy_chunk(addr, stride, s, d, nbytes, tl.int32, 8, BLOCK_BYTES // 4)
-                elif unit == 4:
-                    _copy_chunk(addr, stride, s, d, nbytes, tl.int32, 4, BLOCK_BYTES // 4)
-                elif unit == 2:
-                    _copy_chunk(addr, stride, s, d, nbytes, tl.int16, 2, BLOCK_BYTES // 2)
-                else:
-                    _copy_chunk(addr, stride, s, d, nbytes, tl.int8, 1, BLOCK_BYTES)
+    # one vector load of the group's pairs: a group of padding only (most of a padded batch) ends here
+    o = first + tl.arange(0, PAIRS)
+    sv = tl.load(src_ptr + o, mask=o < n_pairs, other=-1)
+    dv = tl.load(dst_ptr + o, mask=o < n_pairs, other=-1)
+    live = (sv >= 0) & (dv >= 0) & (sv != dv)
+    if tl.sum(live.to(tl.int32), axis=0) > 0:
+        for i in range(PAIRS):
+            p = first + i
+            if p < n_pairs:
+                s = tl.load(src_ptr + p)
+                d = tl.load(dst_ptr + p)
+                if (s >= 0) & (d >= 0) & (s != d):
+                    if unit == 16:
+                        _copy_chunk(addr, stride, s, d, nbytes, tl.int32, 16, BLOCK_BYTES // 4)
+                    elif unit == 8:
+                        _copy_chunk(addr, stride, s, d, nbytes, tl.int32, 8, BLOCK_BYTES // 4)
+                    elif unit == 4:
+                        _copy_chunk(addr, stride, s, d, nbytes, tl.int32, 4, BLOCK_BYTES // 4)
+                    elif unit == 2:
+                        _copy_chunk(addr, stride, s, d, nbytes, tl.int16, 2, BLOCK_BYTES // 2)
+                    else:
+                        _copy_chunk(addr, stride, s, d, nbytes, tl.int8, 1, BLOCK_BYTES)
 
 
 def pairs_per_program(num_pairs: int, num_chunks: int) -> int:
