@@ -14,9 +14,9 @@ The copies run at step level, where vLLM's runner copies Mamba states (``patches
 postprocess after sampling), each as one upload of the step's pairs and one ``copy_rows`` call for all GDN
 layers of a group (:func:`run_copies` with the group's :class:`~atom_models.gdn_snapshot.SlotCopier`, built
 once per group by the model's :class:`SnapshotSchedule`): no host work per pair or per layer and none inside
-the forward. The forward of a decode or verify batch therefore has no
-snapshot work at all, and vLLM may capture it in a full CUDA graph as without prefix caching. Between the
-two points the "after" copies wait on the model's :class:`SnapshotSchedule`.
+the forward. The forward of a decode or verify batch therefore has no snapshot work at all, and vLLM may
+capture it in a full CUDA graph as without prefix caching. Between the two points the "after" copies wait
+on the model's :class:`SnapshotSchedule`.
 """
 
 from __future__ import annotations
