@@ -145,8 +145,8 @@ class AtomQwen3NextForCausalLM(nn.Module):
         whatever the accepted count (the next verify commits the pending tokens). vLLM takes copy functions
         for a prefix of the state tensors (2 here: this classmethod does not know whether MTP adds
         ``pending`` and ``pending_pos``); the plugin runs the copies itself, of every tensor of the slot, from
-        vLLM's runner functions it wraps (``patches.mamba_align``, ``atom_models.gdn_snapshot.copy_slots``), so
-        vLLM's copy kernels never run on these functions."""
+        vLLM's runner functions it wraps (``patches.mamba_align``, ``atom_models.gdn_snapshot.SlotCopier``),
+        so vLLM's copy kernels never run on these functions."""
         return (whole_block_copy, whole_block_copy)
 
     @classmethod
