@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from atom_kernels.ops._checks import check_num_accepted_values, check_slot_values
+from atom_kernels.ops.gated_delta_rule import cpu_native
 from atom_kernels.ops.gated_delta_rule.checks import (
     check_gated_delta_rule_recurrent,
     check_gated_delta_rule_verify,
@@ -94,6 +95,11 @@ def _in_place(ssm_state: torch.Tensor) -> bool:
     """Whether the per-slot in-place path applies: a float32 pool (no rounding point between the commit
     and the verify) whose slot states are contiguous."""
     return ssm_state.dtype == torch.float32 and ssm_state[0].is_contiguous() if ssm_state.shape[0] else False
+
+
+def _token_rows(q32: torch.Tensor, k32: torch.Tensor) -> torch.Tensor:
+    """``[k_0 .. k_{Q-1} | q_0 .. q_{Q-1}]`` as rows, ``[N, Hv, 2Q, Dk]`` (contiguous)."""
+    return torch.cat([k32, q32], dim=1).transpose(1, 2).contiguous()
 
 
 def _token_matrix(q32: torch.Tensor, k32: torch.Tensor) -> torch.Tensor:
@@ -203,6 +209,11 @@ def gated_delta_rule_recurrent(
     num_v_heads = v.shape[2]
     slots, valid, all_valid = _slots(state_indices)
     q32, k32, v32, g32, b32 = _float_tokens(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias)
+    if cpu_native.usable(ssm_state, 2 * q.shape[1]):
+        sx = cpu_native.state_pass(ssm_state, slots, x=_token_rows(q32, k32))
+        out, u = _apply_tokens(sx, q32, k32, v32, g32, b32)
+        cpu_native.state_pass(ssm_state, slots, *_update_factors(k32, u, g32))
+        return out.to(q.dtype)
     if _in_place(ssm_state):
         rows = slots.tolist()
         x = _token_matrix(q32, k32)
@@ -266,7 +277,10 @@ def gated_delta_rule_verify(
     pu = torch.where(take[..., None], old[..., kd : kd + vd], 0.0).view(num_seqs, r, num_v_heads, dv)
     pg = torch.where(take[..., None], old[..., kd + vd :], 0.0)
     q32, k32, v32, g32, b32 = _float_tokens(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias)
-    if _in_place(ssm_state):
+    if cpu_native.usable(ssm_state, 2 * q_len):
+        # 1 + 2 in one pass over each slot's state: commit in place, then the products the verify needs.
+        sx = cpu_native.state_pass(ssm_state, slots, *_update_factors(pk32, pu, pg), x=_token_rows(q32, k32))
+    elif _in_place(ssm_state):
         # 1 + 2 on each slot's state in place: commit, then the products the verify needs.
         rows = slots.tolist()
         x = _token_matrix(q32, k32)
