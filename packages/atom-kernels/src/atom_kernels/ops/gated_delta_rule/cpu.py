@@ -14,11 +14,17 @@ commit of the pending tokens is the last line with the stashed ``u`` (tokens pas
 ``g = 0``, ``u = 0``, ``k = 0``). Same float32 math as the reference up to the order of the sums
 (tolerances in the conformance tests); rounding points as the reference.
 
-Two ways through the state pool:
+Three ways through the state pool:
 
-- float32 pool (vLLM's CPU default, no rounding point between the commit and the verify): per slot, in
-  place, ``S *= e^C``, ``S += U K``, ``S [k | q]`` (three ops on a few hundred KiB that stay in cache;
-  nothing gathered or scattered: measured 2.5-3x faster than the grouped way on 2 cores);
+- float32 pool (vLLM's CPU default, no rounding point between the commit and the verify) and at most
+  :data:`.cpu_native.MAX_TOKENS` tokens, where a C compiler builds :mod:`.cpu_native`: the whole step in
+  one C pass over each state row (commit, the products with ``[k | q]``, the tokens' outputs and ``u``,
+  decode's advance); only the per-head coefficients are torch ops here (:func:`_token_coefs`). Measured
+  2-3.5x faster than the per-slot torch form at N = 256, 1.6-2.3x at N = 16 (one thread,
+  ``benchmarks/cpu_gdn_verify.py``);
+- float32 pool otherwise: per slot, in place, ``S *= e^C``, ``S += U K``, ``S [k | q]`` (three ops on a
+  few hundred KiB that stay in cache; nothing gathered or scattered: measured 2.5-3x faster than the
+  grouped way on 2 cores);
 - any other pool: float32 copies of groups of about :data:`STATE_BLOCK_BYTES` of state (gathered,
   updated, rounded and stored, then the verify continues from the rounded value, as the reference).
   Groups keep the copies cache-sized and their buffers reusable from the heap (a fresh multi-MiB
