@@ -19,9 +19,9 @@ Three ways through the state pool:
 - float32 pool (vLLM's CPU default, no rounding point between the commit and the verify) and at most
   :data:`.cpu_native.MAX_TOKENS` tokens, where a C compiler builds :mod:`.cpu_native`: the whole step in
   one C pass over each state row (commit, the products with ``[k | q]``, the tokens' outputs and ``u``,
-  decode's advance); only the per-head coefficients are torch ops here (:func:`_token_coefs`). Measured
-  2-3.5x faster than the per-slot torch form at N = 256, 1.6-2.3x at N = 16 (one thread,
-  ``benchmarks/cpu_gdn_verify.py``);
+  decode's advance, the verify's stash of ``u``); the per-head coefficients (:func:`_token_coefs`), the
+  pending gathers and the rest of the stash are torch ops here. Measured 2.3-3.7x the per-slot torch
+  form's speed at N = 256, 1.6-2.4x at N = 16 (one thread, ``benchmarks/cpu_gdn_verify.py``);
 - float32 pool otherwise: per slot, in place, ``S *= e^C``, ``S += U K``, ``S [k | q]`` (three ops on a
   few hundred KiB that stay in cache; nothing gathered or scattered: measured 2.5-3x faster than the
   grouped way on 2 cores);
@@ -215,7 +215,7 @@ def gated_delta_rule_recurrent(
         q32, k32, v32, g32, b32 = _float_tokens(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias, False)
         cum = g32.cumsum(1)  # [N, Q, Hv]
         advance = cum[:, -1].exp(), (cum[:, -1:] - cum).exp()  # e^C, e^{C - cum_j}: S = e^C S + sum U K
-        out, _ = cpu_native.gdn_pass(ssm_state, slots, q32, k32, v32, b32, *_token_coefs(q32, k32, cum),
+        out = cpu_native.gdn_pass(ssm_state, slots, q32, k32, v32, b32, *_token_coefs(q32, k32, cum),
                                      advance=advance)  # fmt: skip
         return out.to(q.dtype)
     slots, valid, all_valid = _slots(state_indices)
@@ -370,18 +370,13 @@ def _verify_native(
     commit = (n_commit, pcum[:, -1].exp(), (pcum[:, -1:] - pcum).exp(), pk32, pending)
     q32, k32, v32, g32, b32 = _float_tokens(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias, False)
     cum = g32.cumsum(1)
-    out, us = cpu_native.gdn_pass(
-        ssm_state, slots, q32, k32, v32, b32, *_token_coefs(q32, k32, cum), commit=commit
-    )
-    # the stash: this step's tokens for the next step's commit
-    new = torch.cat([k.float().flatten(2), us.flatten(2), g32], dim=-1)  # [N, Q, P]
-    if bool(valid.all()):
-        pending[slots, :q_len] = new
-        if pending_pos is not None:
-            pending_pos[slots, 0] += num_commit.to(pending_pos.dtype)
-    else:
-        keep = valid.nonzero().squeeze(1)
-        pending[slots[keep], :q_len] = new[keep]
-        if pending_pos is not None:
-            pending_pos[slots[keep], 0] += num_commit[keep].to(pending_pos.dtype)
+    coefs = _token_coefs(q32, k32, cum)
+    # the stash (this step's tokens for the next step's commit): u written by the pass itself
+    out = cpu_native.gdn_pass(ssm_state, slots, q32, k32, v32, b32, *coefs, commit=commit, stash=pending)
+    real = slice(None) if bool(valid.all()) else valid.nonzero().squeeze(1)
+    rows = slots[real]
+    pending[rows, :q_len, :kd] = k[real].flatten(2).float()
+    pending[rows, :q_len, kd + vd :] = g32[real]
+    if pending_pos is not None:
+        pending_pos[rows, 0] += num_commit[real].to(pending_pos.dtype)
     return out.to(q.dtype)

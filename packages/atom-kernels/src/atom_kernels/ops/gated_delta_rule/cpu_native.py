@@ -9,6 +9,7 @@ channel's outputs and update coefficients. So for each sequence ``n``, value hea
     u_j = beta_j (v_{j,i} - ecum_j sk_j - sum_{l<j} A_{jl} u_l)
     o_j = ecum_j sq_j + sum_{l<=j} B_{jl} u_l
     S_i = ad S_i + sum_j ac_j u_j k_j                                (decode: advance past the tokens; store)
+    pending u_{j,i} = u_j                                            (verify: the stash, after the commit's read)
 
 with the per-head scalars (``dc``, ``cc``, ``ecum``, ``A``, ``B``, ``ad``, ``ac``: exponentials of the gate
 cumsums and the tokens' ``k . k`` / ``k . q`` products) computed by the caller in torch. Each row is read
@@ -82,7 +83,9 @@ typedef struct {
     /* advance (decode): NULL a_decay: none */
     const float *a_decay;    /* [N, Hv] */
     const float *a_coef;     /* [N, Q, Hv] */
-    float *out, *u;          /* [N, Q, Hv, Dv] */
+    float *out;              /* [N, Q, Hv, Dv] */
+    float *stash;            /* NULL, or u of slot s, token j, head h written at stash + s*ss + j*st + h*dv */
+    int64_t stash_slot, stash_tok;
     int nthreads;
 } gdn_args;
 
@@ -154,7 +157,7 @@ static void NAME(const gdn_args *p, int64_t job) {                              
             for (int64_t l = 0; l < j; ++l) { acc_u += A[j][l] * uj[l]; acc_o += B[j][l] * uj[l]; }      \
             const int64_t o = ((n * Q + j) * hv + h) * dv + i;                                           \
             uj[j] = beta[j] * (p->v[o] - acc_u);                                                         \
-            p->u[o] = uj[j];                                                                             \
+            if (p->stash && row) p->stash[slot * p->stash_slot + j * p->stash_tok + h * dv + i] = uj[j];  \
             p->out[o] = acc_o + B[j][j] * uj[j];                                                         \
         }                                                                                                \
         if (row && p->a_decay) {                                                                         \
@@ -204,7 +207,8 @@ class _Args(ctypes.Structure):
         ("qs", ctypes.c_void_p), ("ks", ctypes.c_void_p), ("v", ctypes.c_void_p),
         ("beta", ctypes.c_void_p), ("ecum", ctypes.c_void_p), ("a", ctypes.c_void_p), ("b", ctypes.c_void_p),
         ("a_decay", ctypes.c_void_p), ("a_coef", ctypes.c_void_p),
-        ("out", ctypes.c_void_p), ("u", ctypes.c_void_p), ("nthreads", ctypes.c_int),
+        ("out", ctypes.c_void_p), ("stash", ctypes.c_void_p), ("stash_slot", ctypes.c_int64),
+        ("stash_tok", ctypes.c_int64), ("nthreads", ctypes.c_int),
     ]  # fmt: skip
 
 
@@ -288,7 +292,8 @@ def gdn_pass(
     coef_b: torch.Tensor,
     commit: tuple[torch.Tensor, ...] | None = None,
     advance: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    stash: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The pass of the module docstring on the float32 pool ``ssm_state [S, Hv, Dv, Dk]`` (:func:`usable`).
 
     Args:
@@ -301,23 +306,25 @@ def gdn_pass(
             ``u`` read from ``pending`` at offset ``Hk*Dk`` of each token), store.
         advance: ``(decay [N, Hv], coef [N, Q, Hv])``: after the tokens, ``S = decay S + sum coef u k``;
             store.
+        stash: the pending pool ``[S, R, P]`` (float32, last dim contiguous) or None: each real row's
+            tokens' ``u`` written to its slot's first Q tokens at offset ``Hk*Dk`` (after the commit read
+            the same row's pending ``u``).
 
     Returns:
-        ``(o, u)``, each ``[N, Q, Hv, Dv]`` float32.
+        ``o [N, Q, Hv, Dv]`` float32.
     """
     num_seqs, q_len, num_k_heads, dk = k32.shape
     _, num_v_heads, dv, _ = ssm_state.shape
     out = torch.empty(num_seqs, q_len, num_v_heads, dv, dtype=torch.float32, device=ssm_state.device)
-    u = torch.empty_like(out)
     if num_seqs == 0:
-        return out, u
+        return out
     keep = [slots := slots.contiguous(), q32 := _f32(q32), k32 := _f32(k32), v32 := _f32(v32)]
     keep += [b32 := _f32(b32), ecum := _f32(ecum), coef_a := _f32(coef_a), coef_b := _f32(coef_b)]
     args = _Args(
         pool=ssm_state.data_ptr(), pool_stride=ssm_state.stride(0), slots=slots.data_ptr(),
         n=num_seqs, hv=num_v_heads, dv=dv, dk=dk, group=num_v_heads // num_k_heads, q=q_len,
         qs=q32.data_ptr(), ks=k32.data_ptr(), v=v32.data_ptr(), beta=b32.data_ptr(), ecum=ecum.data_ptr(),
-        a=coef_a.data_ptr(), b=coef_b.data_ptr(), out=out.data_ptr(), u=u.data_ptr(),
+        a=coef_a.data_ptr(), b=coef_b.data_ptr(), out=out.data_ptr(),
         nthreads=torch.get_num_threads(),
     )  # fmt: skip
     if commit is not None:
@@ -328,9 +335,12 @@ def gdn_pass(
         args.c_coef, args.c_k = c_coef.data_ptr(), c_k.data_ptr()
         args.pend = pending.data_ptr() + num_k_heads * dk * pending.element_size()
         args.pend_slot, args.pend_tok = pending.stride(0), pending.stride(1)
+    if stash is not None:
+        args.stash = stash.data_ptr() + num_k_heads * dk * stash.element_size()
+        args.stash_slot, args.stash_tok = stash.stride(0), stash.stride(1)
     if advance is not None:
         keep += [a_decay := _f32(advance[0]), a_coef := _f32(advance[1])]
         args.a_decay, args.a_coef = a_decay.data_ptr(), a_coef.data_ptr()
     load()(ctypes.byref(args))
     del keep  # the contiguous copies lived through the call
-    return out, u
+    return out
