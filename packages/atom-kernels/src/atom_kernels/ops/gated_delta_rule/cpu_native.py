@@ -276,10 +276,6 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32).contiguous()
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def gdn_pass(
     ssm_state: torch.Tensor,
     slots: torch.Tensor,
@@ -318,7 +314,7 @@ def gdn_pass(
     out = torch.empty(num_seqs, q_len, num_v_heads, dv, dtype=torch.float32, device=ssm_state.device)
     if num_seqs == 0:
         return out
-    keep = [slots := slots.contiguous(), q32 := _f32(q32), k32 := _f32(k32), v32 := _f32(v32)]
+    keep = [slots := slots.long().contiguous(), q32 := _f32(q32), k32 := _f32(k32), v32 := _f32(v32)]
     keep += [b32 := _f32(b32), ecum := _f32(ecum), coef_a := _f32(coef_a), coef_b := _f32(coef_b)]
     args = _Args(
         pool=ssm_state.data_ptr(), pool_stride=ssm_state.stride(0), slots=slots.data_ptr(),
