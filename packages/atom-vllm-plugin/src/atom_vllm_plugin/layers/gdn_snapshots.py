@@ -9,7 +9,8 @@ of its last verify and their position, which is valid for a range of prefix leng
 block-table columns) onto the request's block ids: move the state into the step's block, and keep the block
 that vLLM is about to share valid at its boundary.
 
-The copies run at step level, where vLLM's runner copies Mamba states (``patches.mamba_align``): the
+The copies run at step level, where vLLM's V1 runner copies Mamba states (``patches.mamba_align``; Model
+Runner V2 plans the same copies on the device, ``layers.gdn_align_state``): the
 "before" copies of a step before its forward, the "after" copies once the forward has run (vLLM's
 postprocess after sampling), each as one set of device index copies per GDN layer (:func:`run_copies`), no
 host work per pair and none inside the forward. The forward of a decode or verify batch therefore has no
