@@ -388,7 +388,7 @@ def _worker_probe(worker: Any) -> dict[str, Any]:
 
     cfg = worker.vllm_config
     return {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "worker": type(worker).__name__,
         "model_runner": type(worker.model_runner).__module__ + "." + type(worker.model_runner).__name__,
         "use_v2_model_runner": bool(cfg.use_v2_model_runner),

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
-from vllm.v1.worker.mamba_utils import get_mamba_group_ids, get_mamba_groups
+from vllm.v1.worker.mamba_utils import get_mamba_groups
 
 from atom_vllm_plugin.layers.gdn_align_state import AlignSnapshots, MaskedSlotCopier
 from atom_vllm_plugin.layers.host_copy import to_device
@@ -69,12 +69,9 @@ class AtomHybridModelState(MambaHybridModelState):
             raise TypeError(
                 "AtomHybridModelState serves models whose Mamba layers are ATOM GDN cores; this model has none"
             )
-        specs = list(get_mamba_groups(kv_cache_config))
-        sizes = {spec.block_size for spec in specs}
+        sizes = {spec.block_size for spec in get_mamba_groups(kv_cache_config)}
         if len(sizes) != 1:
             raise ValueError(f"Mamba groups of different block sizes {sorted(sizes)}: align mode needs one")
-        if get_mamba_group_ids(get_mamba_groups(kv_cache_config)) != [gid for gid, _, _ in groups]:
-            raise ValueError("the Mamba groups of the KV-cache config and of the forward context differ")
         self.snapshots = AlignSnapshots(
             self.max_num_reqs,
             sizes.pop(),
