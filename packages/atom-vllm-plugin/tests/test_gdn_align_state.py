@@ -40,6 +40,11 @@ def test_block_pairs_mask_null_degenerate_and_short_rows():
 
 def _states(num_slots: int, seed: int):
     """Two Mamba groups of two GDN layers each (MTP k = 2: conv, ssm, pending, pending_pos)."""
+    return [[c.layer_state() for c in cores] for cores in _cores(num_slots, seed)]
+
+
+def _cores(num_slots: int, seed: int):
+    """The GDN cores of :func:`_states`, per group, named ``g<group>.l<layer>``."""
     from atom_models.testing import tiny_config
     from atom_vllm_plugin.layers.gdn import AtomGDNCore
     from atom_vllm_plugin.layers.gdn_state import GDNStateSpec
@@ -56,7 +61,7 @@ def _states(num_slots: int, seed: int):
                 for shape, dtype in zip(spec.shapes(), spec.dtypes)
             )
             cores.append(core)
-        groups.append([c.layer_state() for c in cores])
+        groups.append(cores)
     return groups
 
 
@@ -203,3 +208,80 @@ def test_model_state_class_for_model_runner_v2():
     ms.preprocess_state(batch, (), None, torch.tensor([0, 3], dtype=torch.int32))
     assert ms.snapshots.state_col.tolist() == [-1, 1]
     assert ms.snapshots.groups[0].after_src[:1].tolist() == [2], "a verify row must stage its boundary copy"
+
+
+def test_model_state_under_a_real_config_runs_the_plugins_copies(monkeypatch):
+    """``AtomHybridModelState`` built over vLLM's own config of the bundled model with prefix caching (align
+    mode) and a KV-cache config whose Mamba groups are groups 1 and 2: vLLM's copy context is never built;
+    a request added after 3 tokens verifying 1 + 1 tokens (block size 4) has its state moved into its
+    second block before the forward in both groups, and the step's snapshot copied into its first block by
+    ``postprocess_state``, after vLLM's own postprocess (accepted counts)."""
+    from atom_core.paths import default_model_dir
+    from atom_vllm_plugin.layers.gdn_state import GDNStateSpec
+    from atom_vllm_plugin.model_state import AtomHybridModelState
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
+
+    args = EngineArgs(
+        model=str(default_model_dir()),
+        dtype="float32",
+        enable_prefix_caching=True,
+        max_model_len=512,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    )
+    cfg = args.create_engine_config()
+    assert cfg.cache_config.mamba_cache_mode == "align"
+    groups = _cores(16, 4)
+    cfg.compilation_config.static_forward_context = {c.layer_name: c for cores in groups for c in cores}
+    state = groups[0][0].state
+    assert isinstance(state, GDNStateSpec)
+    spec = MambaSpec(
+        block_size=4,
+        shapes=state.shapes(),
+        dtypes=state.dtypes,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode="align",
+    )
+    kv = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["attn"], SimpleNamespace())]
+        + [KVCacheGroupSpec([c.layer_name for c in cores], spec) for cores in groups],
+    )
+    ms = AtomHybridModelState(cfg, torch.nn.Module(), None, torch.device("cpu"))
+    rows = ms.max_num_reqs
+    tables = [torch.zeros(rows, 8, dtype=torch.int32) for _ in range(3)]
+    tables[1][3, :3] = torch.tensor([5, 6, 7])
+    tables[2][3, :3] = torch.tensor([9, 10, 11])
+    ms.initialize_kv_cache(kv, SimpleNamespace(block_tables=[SimpleNamespace(gpu=t) for t in tables]))
+    assert ms._mamba_ctx is None, "vLLM's align-mode copy context must not be built"
+    ms.add_request(3, SimpleNamespace(num_computed_tokens=3, prefill_token_ids=[1, 2, 3, 4], mm_features=[]))
+    old = {
+        b: [t[b].clone() for core in cores for t in core.kv_cache]
+        for b, cores in ((5, groups[0]), (9, groups[1]))
+    }
+    batch = SimpleNamespace(
+        num_reqs=1,
+        idx_mapping=torch.tensor([3], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 2], dtype=torch.int32),
+        is_prefilling_np=np.array([False]),
+        prefill_runs_as_decode_np=None,
+    )
+    computed = torch.zeros(rows, dtype=torch.int32)
+    computed[3] = 3
+    ms.preprocess_state(batch, (), kv, computed)
+    for (src, dst), cores in zip(((5, 6), (9, 10)), groups):
+        now = [t[dst] for core in cores for t in core.kv_cache]
+        assert all(torch.equal(a, b) for a, b in zip(now, old[src])), "state not moved into the step's block"
+        for core in cores:  # the step's forward
+            for t in core.kv_cache:
+                t[dst] += 1
+    calls = []
+    monkeypatch.setattr(MambaHybridModelState, "postprocess_state", lambda self, *a: calls.append(a))
+    ms.postprocess_state(batch.idx_mapping, torch.tensor([2]), computed)
+    assert len(calls) == 1
+    for (src, dst), cores in zip(((6, 5), (10, 9)), groups):
+        for core in cores:
+            assert all(torch.equal(t[dst], t[src]) for t in core.kv_cache), "boundary snapshot not copied"
