@@ -18,8 +18,8 @@ into the block that vLLM shares. vLLM's ``prepare_attn`` hands precomputed align
 builders that ask for them; the plugin's GDN builder does not, and reads the block of each request's last
 token itself, which is the column the plan computes in.
 
-This module imports Model Runner V2 and is imported only from
-:meth:`AtomQwen3NextForCausalLM.get_model_state_cls <atom_vllm_plugin.models.target.AtomQwen3NextForCausalLM.get_model_state_cls>`.
+This module imports Model Runner V2 and is imported only from the target's ``get_model_state_cls``
+(``models.target``), which Model Runner V2 alone calls.
 """
 
 from __future__ import annotations
