@@ -5,7 +5,8 @@ vLLM's worker writes such a trace when ``LLM(profiler_config={"profiler": "torch
 its phases as user annotations (``gpu_model_runner: preprocess``, ``forward``, ``sample``, ``draft``,
 ``bookkeep``, ...). This reads:
 
-- the step: one per ``gpu_model_runner: preprocess`` annotation; per step the wall time to the next one, the
+- the step: one per ``gpu_model_runner: preprocess`` annotation (V1's runner; under Model Runner V2, one per
+  ``execute_context_...`` scope); per step the wall time to the next one, the
   GPU's busy time inside it (the union of kernel, memcpy and memset intervals) and its kernel count;
 - each annotation's count and mean host time;
 - the GPU's idle gaps longer than ``--gap-us``, summed by the innermost annotation (and the outermost host op)
@@ -30,6 +31,8 @@ from typing import Any
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP_MARK = "gpu_model_runner: preprocess"
+# Model Runner V2 marks each step with one ``execute_context_<n>(<tokens>)_generation_...`` scope
+STEP_MARK_V2 = "execute_context_"
 
 
 def load_events(path: Path) -> list[dict[str, Any]]:
@@ -65,7 +68,10 @@ def analyse(events: list[dict[str, Any]], skip: int = 0, gap_us: float = 20.0) -
     gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATS]
     notes = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "user_annotation"]
     ops = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "cpu_op"]
-    marks = sorted(s for s, _, n in notes if n == STEP_MARK)[skip:]
+    marks = sorted(s for s, _, n in notes if n == STEP_MARK)
+    if not marks:  # Model Runner V2 has no V1 phase scopes; its step scope starts with STEP_MARK_V2
+        marks = sorted(s for s, _, n in notes if n.startswith(STEP_MARK_V2))
+    marks = marks[skip:]
     busy = _union(gpu)
     starts = [s for s, _ in busy]
     steps = []

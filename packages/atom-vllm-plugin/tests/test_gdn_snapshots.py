@@ -65,6 +65,7 @@ def test_full_graphs_with_and_without_prefix_caching(mode):
 
 
 def _cores(num_slots: int):
+    from atom_kernels import select_kernels
     from atom_models.testing import tiny_config
     from atom_vllm_plugin.layers.gdn import AtomGDNCore
     from atom_vllm_plugin.layers.gdn_state import GDNStateSpec
@@ -74,7 +75,7 @@ def _cores(num_slots: int):
     gen = torch.Generator().manual_seed(0)
     cores = []
     for name in ("l0", "l1"):
-        core = AtomGDNCore(name, state, None, schedule)
+        core = AtomGDNCore(name, state, select_kernels("cpu", torch.float32), schedule)
         core.kv_cache = tuple(
             (torch.randn((num_slots, *shape), generator=gen) * 100).to(dtype)
             for shape, dtype in zip(state.shapes(), state.dtypes)
@@ -119,3 +120,42 @@ def test_runner_copies_run_before_and_after_the_step():
     mamba_align.run_deferred(groups)
     for c, after in zip(cores, stepped):
         assert all(torch.equal(a, b) for a, b in zip(_slot(c, 11), after)), "a deferred copy ran twice"
+
+
+def test_one_copy_call_per_group_and_step_from_one_copier():
+    """Two requests moving their state in one step: one ``copy_rows`` call for both layers and both pairs,
+    through the group's copier, which the schedule builds once and again only after vLLM rebinds a core's
+    state tensors."""
+    import dataclasses
+
+    from atom_vllm_plugin.patches import mamba_align
+
+    cores = _cores(16)
+    calls = []
+    real = cores[0].kernels.copy_rows
+
+    def counting(rows, src, dst):
+        calls.append((rows, src.tolist(), dst.tolist()))
+        real(rows, src, dst)
+
+    for c in cores:
+        c.kernels = dataclasses.replace(c.kernels, copy_rows=counting)
+    groups = [(0, ["l0", "l1"], cores)]
+    sched = SimpleNamespace(scheduled_spec_decode_tokens={}, num_scheduled_tokens={"a": 1, "b": 1})
+    requests = {
+        "a": SimpleNamespace(num_computed_tokens=16, block_ids=([3, 4],)),
+        "b": SimpleNamespace(num_computed_tokens=16, block_ids=([5, 6],)),
+    }
+    old = {i: [_slot(c, i) for c in cores] for i in (3, 5)}
+    state_idx = {"a": 0, "b": 0}
+    mamba_align.plan_and_publish(groups, 16, sched, state_idx, SimpleNamespace(req_ids=["a", "b"]), requests)
+    assert [(s, d) for _, s, d in calls] == [([3, 5], [4, 6])]
+    for src, dst in ((3, 4), (5, 6)):
+        for c, before in zip(cores, old[src]):
+            assert all(torch.equal(a, b) for a, b in zip(_slot(c, dst), before))
+    schedule = cores[0].snapshot_schedule
+    copier = schedule.copier(["l0", "l1"], cores)
+    assert calls[0][0] is copier.rows and copier.num_states == 2
+    assert schedule.copier(["l0", "l1"], cores) is copier, "built once per group"
+    cores[1].kv_cache = tuple(t.clone() for t in cores[1].kv_cache)  # vLLM binds new state tensors
+    assert schedule.copier(["l0", "l1"], cores) is not copier

@@ -53,6 +53,7 @@ class Kernels:
     gated_norm_fp8_linear: Op
     fp8_kv_quant: Op
     fp8_kv_dequant: Op
+    copy_rows: Op
     backends: Mapping[str, str] = field(repr=False, compare=False, default_factory=dict)
 
     def backend_of(self, op: str) -> str:

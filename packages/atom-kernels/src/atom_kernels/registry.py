@@ -54,6 +54,7 @@ OPS: tuple[str, ...] = (
     "gated_norm_fp8_linear",
     "fp8_kv_quant",
     "fp8_kv_dequant",
+    "copy_rows",
 )
 """Every op name; :class:`atom_kernels.Kernels` has exactly one attribute per name, in this order."""
 

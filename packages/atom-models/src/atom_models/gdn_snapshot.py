@@ -21,8 +21,9 @@ This module has three parts:
 
 - :func:`plan_block_snapshots` (host, per request and step): which whole-slot copies keep a slot that the
   cache is about to share valid at its block's boundary, given where the request's state lives;
-- :func:`copy_slots` (device): the copies, every state tensor of the listed slots, one gather and one
-  scatter per tensor, no host work;
+- :class:`SlotCopier` (device): the copies of a whole model's GDN layers, every state tensor of the listed
+  slots, in one ``copy_rows`` call (one launch on a GPU, padded pairs masked on the device, capturable);
+  :func:`copy_slots` the same for one layer's state, one gather and one scatter per tensor, no host work;
 - :func:`resume_pending` and :func:`put_positions` (device): a prompt chunk starting from a snapshot
   commits its ``context_len - pending_pos`` pending tokens first, and every part records ``pending_pos``.
 
@@ -32,9 +33,11 @@ step, and the plan reduces to moving a request's state to a new slot.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from atom_kernels.ops.copy_rows import RowTable
 
 from atom_models.gdn_meta import GDNWeights
 from atom_models.gdn_state import GDNGeometry, GDNLayerState
@@ -116,6 +119,43 @@ def copy_slots(state: GDNLayerState, src: torch.Tensor, dst: torch.Tensor) -> No
         return
     for t in state.tensors():
         t.index_copy_(0, dst, t.index_select(0, src))
+
+
+STATE_TENSOR_NAMES = ("conv", "ssm", "pending", "pending_pos")  # GDNLayerState.tensors() order
+
+
+class SlotCopier:
+    """Whole-slot copies for a fixed set of GDN layer states (e.g. every GDN layer of a model), all layers
+    and state tensors in one ``kernels.copy_rows`` call.
+
+    Built once for states whose tensors do not change afterwards (it keeps their addresses: a
+    :class:`~atom_kernels.ops.copy_rows.RowTable`); every state's rows must be dense blocks (vLLM's
+    page-strided views and the transposed conv view are). ``names`` (one per state, e.g. layer names) label
+    errors.
+    """
+
+    def __init__(self, kernels, states: Sequence[GDNLayerState], names: Sequence[str] | None = None) -> None:
+        states = tuple(states)
+        if not states:
+            raise ValueError("SlotCopier: no GDN layer states")
+        labels = tuple(names) if names is not None else tuple(f"GDN layer {i}" for i in range(len(states)))
+        if len(labels) != len(states):
+            raise ValueError(f"SlotCopier: {len(labels)} names for {len(states)} states")
+        tensors, tensor_names = [], []
+        for state, label in zip(states, labels):
+            for t, what in zip(state.tensors(), STATE_TENSOR_NAMES):
+                tensors.append(t)
+                tensor_names.append(f"{what} of {label}")
+        self.num_states = len(states)
+        self.rows = RowTable.build(tensors, tensor_names)
+        self._copy_rows = kernels.copy_rows
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``state[dst[i]] = state[src[i]]`` for every state and tensor; ``src`` / ``dst``: ``[n]`` int64 on
+        the states' device. Pairs with a negative index or ``src == dst`` copy nothing (fixed-size index
+        tensors padded with -1 are fine); no destination may repeat or be another pair's source. On a GPU
+        (triton backend) one launch, no host synchronisation: capturable."""
+        self._copy_rows(self.rows, src, dst)
 
 
 def put_positions(pending_pos: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from atom_models.gdn_snapshot import SlotCopier
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 from vllm.v1.worker.mamba_utils import get_mamba_groups
 
-from atom_vllm_plugin.layers.gdn_align_state import AlignSnapshots, MaskedSlotCopier
+from atom_vllm_plugin.layers.gdn_align_state import AlignSnapshots
 from atom_vllm_plugin.layers.host_copy import to_device
 from atom_vllm_plugin.patches.mamba_align import atom_groups
 
@@ -59,8 +60,9 @@ class AtomHybridModelState(MambaHybridModelState):
             self.snapshots.seed(req_index, new_req_data.num_computed_tokens)
 
     def initialize_kv_cache(self, kv_cache_config, block_tables) -> None:
-        """Align mode: the copiers of each Mamba group's GDN layers over its device block table (vLLM's
-        copy context is not built, so vLLM's align copies never run)."""
+        """Align mode: the copier of each Mamba group's GDN layers (built over the state tensors bound now:
+        vLLM calls this again after it binds new ones) and its device block table. vLLM's copy context is not
+        built, so vLLM's align copies never run."""
         if not self._align_mode:
             return
         forward_context = self.vllm_config.compilation_config.static_forward_context
@@ -79,9 +81,9 @@ class AtomHybridModelState(MambaHybridModelState):
             [
                 (
                     block_tables.block_tables[gid].gpu,
-                    MaskedSlotCopier(cores[0].kernels, [core.layer_state() for core in cores]),
+                    SlotCopier(cores[0].kernels, [core.layer_state() for core in cores], names),
                 )
-                for gid, _, cores in groups
+                for gid, names, cores in groups
             ],
         )
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from atom_kernels.ops.activation import reference as activation
 from atom_kernels.ops.conv1d import reference as conv1d
+from atom_kernels.ops.copy_rows import reference as copy_rows
 from atom_kernels.ops.fp8 import reference as fp8
 from atom_kernels.ops.gated_delta_rule import reference as gdr
 from atom_kernels.ops.gdn_gating import reference as gdn_gating
@@ -46,6 +47,7 @@ REFERENCE_OPS = {
     "gated_norm_fp8_linear": fp8.gated_norm_fp8_linear,
     "fp8_kv_quant": fp8.fp8_kv_quant,
     "fp8_kv_dequant": fp8.fp8_kv_dequant,
+    "copy_rows": copy_rows.copy_rows,
 }
 
 for _op, _fn in REFERENCE_OPS.items():

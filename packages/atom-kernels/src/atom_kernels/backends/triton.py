@@ -100,6 +100,11 @@ from atom_kernels.ops.paged_attention import triton as _paged  # noqa: E402
 register("kv_cache_write", BACKEND, _paged.kv_cache_write, available=on_gpu, priority=PRIORITY)
 register("paged_attention", BACKEND, _paged.paged_attention, available=on_gpu, priority=PRIORITY)
 
+# Row copies across many tensors (GDN state slots of every layer) in one launch.
+from atom_kernels.ops.copy_rows import triton as _copy_rows  # noqa: E402
+
+register("copy_rows", BACKEND, _copy_rows.copy_rows, available=on_gpu, priority=PRIORITY)
+
 # FP8: W8A8 block-scaled GEMM (alone and after the GDN gated norm), FP8 fused MoE, block dequant,
 # per-tensor KV quant. Real GPUs only: Triton 3.9's interpreter flushes e4m3 subnormals to zero and does
 # not saturate, so it cannot run the spec.

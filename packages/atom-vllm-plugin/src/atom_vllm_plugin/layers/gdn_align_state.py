@@ -7,9 +7,10 @@ Model Runner V2 the host knows a request's computed tokens only optimistically (
 seen rejected), the device knows them exactly; so :class:`AlignSnapshots` plans every step on the device
 (:func:`atom_models.gdn_snapshot_device.plan_block_snapshots_batch`), keeps each request's state column
 there (per request-state index, seeded when a request is added, as vLLM does), maps columns to block ids
-through the device block tables of each Mamba KV-cache group (:func:`block_pairs`), and runs the copies:
-those due before the step at once, those due after it from persistent buffers once the step has sampled.
-Nothing reads a device value on the host.
+through the device block tables of each Mamba KV-cache group (:func:`block_pairs`), and runs the copies
+(:class:`atom_models.gdn_snapshot.SlotCopier`: every GDN layer of a group in one ``copy_rows`` call, padded
+pairs skipped on the device): those due before the step at once, those due after it from persistent
+buffers once the step has sampled. Nothing reads a device value on the host.
 
 A copy into the null block (vLLM skipped that block's state), from the null block, onto itself or
 outside the block-table row is no copy. The host planner of the V1 runner (``layers.gdn_snapshots``)
@@ -23,37 +24,17 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from atom_models.gdn_snapshot import copy_slots
 from atom_models.gdn_snapshot_device import NO_COPY, plan_block_snapshots_batch
-from atom_models.gdn_state import GDNLayerState
 
 NULL_BLOCK = 0  # vLLM's null block id (vllm.v1.attention.backends.utils.NULL_BLOCK_ID): never a state
 
 
 class SlotCopies(Protocol):
-    """Whole-slot copies in every GDN layer of one Mamba group: ``copy(src, dst)`` with ``[n]`` int64
-    device tensors, a pair with ``src < 0``, ``dst < 0`` or ``src == dst`` skipped on the device."""
+    """Whole-slot copies in every GDN layer of one Mamba group (:class:`atom_models.gdn_snapshot.SlotCopier`):
+    ``copy(src, dst)`` with ``[n]`` int64 device tensors, a pair with a negative index or ``src == dst``
+    skipped on the device."""
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None: ...
-
-
-class MaskedSlotCopier:
-    """:class:`SlotCopies` over :func:`atom_models.gdn_snapshot.copy_slots`, one layer at a time: a skipped
-    pair becomes a copy of slot 0 (vLLM's null block, never a state) onto itself, so the pairs keep their
-    fixed count and no index is read on the host. ``kernels`` is unused (the signature of a copier that
-    copies every layer in one launch)."""
-
-    def __init__(self, kernels, states: Sequence[GDNLayerState]) -> None:
-        self.states = list(states)
-
-    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        if src.numel() == 0:
-            return
-        keep = (src >= 0) & (dst >= 0) & (src != dst)
-        s = torch.where(keep, src, NULL_BLOCK)
-        d = torch.where(keep, dst, NULL_BLOCK)
-        for state in self.states:
-            copy_slots(state, s, d)
 
 
 def block_pairs(

@@ -12,20 +12,22 @@ that vLLM is about to share valid at its boundary.
 The copies run at step level, where vLLM's V1 runner copies Mamba states (``patches.mamba_align``; Model
 Runner V2 plans the same copies on the device, ``layers.gdn_align_state``): the
 "before" copies of a step before its forward, the "after" copies once the forward has run (vLLM's
-postprocess after sampling), each as one set of device index copies per GDN layer (:func:`run_copies`), no
-host work per pair and none inside the forward. The forward of a decode or verify batch therefore has no
-snapshot work at all, and vLLM may capture it in a full CUDA graph as without prefix caching. Between the
-two points the "after" copies wait on the model's :class:`SnapshotSchedule`.
+postprocess after sampling), each as one upload of the step's pairs and one ``copy_rows`` call for all GDN
+layers of a group (:func:`run_copies` with the group's :class:`~atom_models.gdn_snapshot.SlotCopier`, built
+once per group by the model's :class:`SnapshotSchedule`): no host work per pair or per layer and none inside
+the forward. The forward of a decode or verify batch therefore has no snapshot work at all, and vLLM may
+capture it in a full CUDA graph as without prefix caching. Between the two points the "after" copies wait
+on the model's :class:`SnapshotSchedule`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-from atom_models.gdn_snapshot import copy_slots, plan_block_snapshots
-from atom_models.gdn_state import GDNLayerState
+from atom_models.gdn_snapshot import SlotCopier, plan_block_snapshots
 
 from atom_vllm_plugin.layers.host_copy import to_device
 
@@ -116,19 +118,15 @@ def _resolve(
     return np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
 
 
-def run_copies(states: Sequence[GDNLayerState], src: np.ndarray, dst: np.ndarray) -> None:
-    """``state[dst[i]] = state[src[i]]`` (every tensor of the slot) in each of one group's GDN layers.
+def run_copies(copier: SlotCopier, src: np.ndarray, dst: np.ndarray) -> None:
+    """``state[dst[i]] = state[src[i]]`` (every tensor of the slot) in each GDN layer of ``copier``'s group.
 
-    The block ids go to the device once (one index tensor each for all layers); each layer then takes one
-    gather and one scatter per state tensor (``atom_models.gdn_snapshot.copy_slots``). Nothing to copy:
-    nothing runs."""
-    if src.size == 0 or not states:
+    The block ids go to the device in one upload (``[2, n]``), then one ``copy_rows`` call copies every
+    layer's state tensors (one kernel launch on a GPU). Nothing to copy: nothing runs."""
+    if src.size == 0:
         return
-    device = states[0].ssm.device
-    s = to_device(src, device)
-    d = to_device(dst, device)
-    for state in states:
-        copy_slots(state, s, d)
+    pairs = to_device(np.stack([src, dst]).astype(np.int64, copy=False), copier.rows.device)
+    copier.copy(pairs[0], pairs[1])
 
 
 class SnapshotSchedule:
@@ -138,6 +136,20 @@ class SnapshotSchedule:
 
     def __init__(self) -> None:
         self._copies: dict[str, StepCopies] = {}
+        # group's layer names -> (the cores' bound state tuples it was built from, its copier)
+        self._copiers: dict[tuple[str, ...], tuple[tuple[Any, ...], SlotCopier]] = {}
+
+    def copier(self, layer_names: Sequence[str], cores: Sequence[Any]) -> SlotCopier:
+        """The :class:`SlotCopier` of the group of ``layer_names`` (``cores``: its GDN cores, in that order),
+        built on first use and again only if vLLM has bound other state tensors to a core since."""
+        key = tuple(layer_names)
+        bound = tuple(core.kv_cache for core in cores)
+        held = self._copiers.get(key)
+        if held is None or len(held[0]) != len(bound) or any(a is not b for a, b in zip(held[0], bound)):
+            copier = SlotCopier(cores[0].kernels, [core.layer_state() for core in cores], key)
+            held = (bound, copier)
+            self._copiers[key] = held
+        return held[1]
 
     def publish(self, layer_names: Sequence[str], copies: StepCopies) -> None:
         for name in layer_names:

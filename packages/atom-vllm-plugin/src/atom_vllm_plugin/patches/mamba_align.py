@@ -61,9 +61,10 @@ def _schedule(cores) -> SnapshotSchedule:
 def run_deferred(groups) -> None:
     """Run (and withdraw) the "after" copies each group's schedule holds."""
     for _, names, cores in groups:
-        copies = _schedule(cores).take(names)
+        schedule = _schedule(cores)
+        copies = schedule.take(names)
         if copies is not None:
-            run_copies([c.layer_state() for c in cores], copies.after_src, copies.after_dst)
+            run_copies(schedule.copier(names, cores), copies.after_src, copies.after_dst)
 
 
 def plan_and_publish(
@@ -92,10 +93,12 @@ def plan_and_publish(
     for req_id, col in zip(input_batch.req_ids, cols):
         mamba_state_idx[req_id] = col
     for (_, names, cores), c in zip(groups, copies):
-        run_copies([core.layer_state() for core in cores], c.before_src, c.before_dst)
+        schedule = _schedule(cores)
+        if c.before_src.size:
+            run_copies(schedule.copier(names, cores), c.before_src, c.before_dst)
         if c.after_src.size:
             empty = c.before_src[:0]
-            _schedule(cores).publish(names, StepCopies(empty, empty, c.after_src, c.after_dst))
+            schedule.publish(names, StepCopies(empty, empty, c.after_src, c.after_dst))
 
 
 def _preprocess(
