@@ -38,6 +38,7 @@ Usage (``PYTHONPATH`` holding the bundle, from the repository root):
     python scripts/gpu_vllm_run.py --check-imports --assume-cuda-platform  # the same without a GPU
     python scripts/gpu_vllm_run.py --mode eager --out DIR   # LLM(enforce_eager=True)
     python scripts/gpu_vllm_run.py --mode graphs --k 3 --out DIR  # compiled, FULL_AND_PIECEWISE graphs
+    python scripts/gpu_vllm_run.py --prefix-cache --mode graphs --ks 1,3 --out DIR  # caching on == off
 
 A run builds ``LLM(model=data/tiny-qwen3-next-mtp, dtype="float32", speculative_config={"method": "mtp",
 "num_speculative_tokens": k})`` (``--k``, default 1; 0: no speculative decoding; ``--mode graphs`` asks for
@@ -46,6 +47,18 @@ the seed's ``cudagraph_mode: FULL_AND_PIECEWISE``), generates greedily (``ignore
 the reference continuation, then the speculative-decoding counters, the model runner class, whether
 ``VllmConfig.use_v2_model_runner`` is set and the CUDA-graph mode the worker resolved. ``--out DIR`` also
 writes ``gpu_vllm_<mode>_k<k>.json``. Exit status 0 only when every prompt matches.
+
+``--prefix-cache``: for every k of ``--ks``, two engines of the same kind (``--mode``; vLLM's choice of
+model runner, Model Runner V2 on a GPU), each in a child process of this script, one with prefix caching on
+(vLLM's defaults with the plugin: Mamba "align" mode, the plugin's ``prefix_match_unit``) and one with it
+off, serve greedy.json's prompts and the multi-turn workload of ``tests/_multiturn.py`` (each turn the
+conversation so far plus new text; prompts ending inside a block; block boundaries crossed inside MTP draft
+windows; concurrent requests sharing a system prompt; a repeated prompt), float32, greedy. Printed per k:
+the model runner of each engine, greedy.json exact, caching on == off token for token per turn, and per turn
+vLLM's prefix-cache queries / hits and each request's cached tokens. ``--num-gpu-blocks N`` shrinks the KV
+pool (vLLM preempts when the turn's requests do not fit). ``--out DIR`` writes
+``gpu_vllm_prefix_cache_<mode>.json``. Exit status 0 only when, for every k, both engines ran the same model
+runner, every output is equal on and off, greedy.json is exact and the caching-on engine had prefix hits.
 """
 
 from __future__ import annotations
@@ -55,7 +68,9 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -214,6 +229,7 @@ ENGINE_MODULES = (
     "atom_vllm_plugin.register",
     "atom_vllm_plugin.models.target",
     "atom_vllm_plugin.models.draft",
+    "atom_vllm_plugin.model_state",
 )
 
 
@@ -257,8 +273,8 @@ def check_bundle(pkg: Path) -> dict[str, Any]:
 
 def check_imports(assume_cuda: bool, modules: tuple[str, ...] = ENGINE_MODULES) -> int:
     """Import vLLM's entry points and ``modules``, then build the run's ``VllmConfig`` for both modes, and
-    for graphs with prefix caching on (the plugin must have chosen the model runner it documents: Model
-    Runner V2 without prefix caching, V1 with it); print each failure. Returns the failure count.
+    for graphs with prefix caching on (the plugin leaves vLLM's choice of model runner: Model Runner V2
+    where Triton imports, with or without prefix caching); print each failure. Returns the failure count.
 
     ``assume_cuda``: make vLLM's current platform its CUDA platform first (no NVML, no GPU needed), so that
     a machine without a GPU takes the CUDA platform's import-time branches."""
@@ -304,9 +320,9 @@ def check_imports(assume_cuda: bool, modules: tuple[str, ...] = ENGINE_MODULES) 
 
     user = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     for mode, caching in (("eager", False), ("graphs", False), ("graphs", True)):
-        # The plugin's choice: vLLM's (V2 where Triton imports) without prefix caching, V1 with it; a user's
+        # vLLM's choice (V2 where Triton imports), with or without prefix caching; a user's
         # VLLM_USE_V2_MODEL_RUNNER decides where set.
-        expected = bool(int(user)) if user is not None else vllm_config_module.HAS_TRITON and not caching
+        expected = bool(int(user)) if user is not None else vllm_config_module.HAS_TRITON
         try:
             facts = check_config(mode, caching)
             if facts["use_v2_model_runner"] is not expected:
@@ -372,7 +388,7 @@ def _worker_probe(worker: Any) -> dict[str, Any]:
 
     cfg = worker.vllm_config
     return {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "worker": type(worker).__name__,
         "model_runner": type(worker.model_runner).__module__ + "." + type(worker.model_runner).__name__,
         "use_v2_model_runner": bool(cfg.use_v2_model_runner),
@@ -380,6 +396,11 @@ def _worker_probe(worker: Any) -> dict[str, Any]:
         "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
         "compilation_mode": str(cfg.compilation_config.mode),
         "model": type(worker.model_runner.model).__name__,
+        "model_state": type(getattr(worker.model_runner, "model_state", None)).__name__,
+        "block_size": cfg.cache_config.block_size,
+        "mamba_block_size": cfg.cache_config.mamba_block_size,
+        "mamba_cache_mode": cfg.cache_config.mamba_cache_mode,
+        "prefix_match_unit": getattr(cfg.cache_config, "prefix_match_unit", None),
     }
 
 
@@ -430,6 +451,138 @@ def run(mode: str, k: int, num_prompts: int | None, out_dir: Path | None) -> int
     return 0 if result["all_match"] else 1
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+PREFIX_MAX_MODEL_LEN = 1024
+"""The multi-turn workload's longest request (fourth turn: about 900 prompt tokens + 64) fits."""
+
+
+def _workload_helpers() -> tuple[Any, Any]:
+    """``tests/_multiturn.py`` (the workload) and ``tests/_harness.py`` (its turn-by-turn runner with the
+    prefix-cache counters): helpers of the test suite that import neither pytest nor vLLM at import."""
+    tests = str(REPO / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import _harness
+    import _multiturn
+
+    return _harness, _multiturn
+
+
+def serve_prefix_workload(mode: str, k: int, caching: bool, num_gpu_blocks: int | None, out: Path) -> int:
+    """One engine (this process is a child of :func:`prefix_cache`): greedy.json's prompts, then the
+    multi-turn workload, with prefix caching ``caching``; the result as JSON in ``out``."""
+    harness, multiturn = _workload_helpers()
+    from atom_core.paths import reference_dir
+    from vllm import LLM, SamplingParams
+
+    cases = json.loads((reference_dir() / "greedy.json").read_text())["cases"]
+    kw = {**llm_kwargs(mode, k), "enable_prefix_caching": caching, "max_model_len": PREFIX_MAX_MODEL_LEN}
+    if num_gpu_blocks is not None:
+        kw["num_gpu_blocks_override"] = num_gpu_blocks
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    result: dict[str, Any] = {"mode": mode, "k": k, "prefix_caching": caching, "llm_kwargs": kw}
+    result["startup_s"] = round(time.perf_counter() - t0, 1)
+    result["workers"] = llm.collective_rpc(_worker_probe)
+    print(json.dumps(result["workers"]), flush=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max(len(c["greedy_ids"]) for c in cases), ignore_eos=True
+    )
+    prompts = [{"prompt_token_ids": c.get("prompt_ids", c.get("prompt_token_ids"))} for c in cases]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    result["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
+    result["greedy_exact"] = [got == c["greedy_ids"] for got, c in zip(result["greedy"], cases)]
+    job = multiturn.conversation_job()
+    turn_params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    result["conversation"] = harness._conversation(llm, job, turn_params)
+    out.write_text(json.dumps(result))
+    return 0
+
+
+def compare_prefix_runs(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
+    """Caching on vs off of one k: the checks of ``--prefix-cache`` (``failures``: what failed, by name)."""
+    runner_on, runner_off = (r["workers"][0]["model_runner"] for r in (on, off))
+    turns_on, turns_off = on["conversation"]["turns"], off["conversation"]["turns"]
+    summary: dict[str, Any] = {
+        "model_runner_on_off": [runner_on, runner_off],
+        "model_state_on": on["workers"][0]["model_state"],
+        "block_size_on": on["workers"][0]["block_size"],
+        "prefix_match_unit_on": on["workers"][0]["prefix_match_unit"],
+        "greedy_json_exact_on_off": [all(on["greedy_exact"]), all(off["greedy_exact"])],
+        "greedy_equal": on["greedy"] == off["greedy"],
+        "turns_equal": [a["token_ids"] == b["token_ids"] for a, b in zip(turns_on, turns_off)],
+        "prefix_cache_queries_on": [t["spec"]["prefix_cache_queries"] for t in turns_on],
+        "prefix_cache_hits_on": [t["spec"]["prefix_cache_hits"] for t in turns_on],
+        "prefix_cache_hits_off": [t["spec"]["prefix_cache_hits"] for t in turns_off],
+        "num_cached_tokens_on": [t["num_cached_tokens"] for t in turns_on],
+        "prompt_lens": [[len(p) for p in t["prompt_token_ids"]] for t in turns_on],
+        "preemptions_on_off": [sum(t["spec"]["num_preemptions"] for t in ts) for ts in (turns_on, turns_off)],
+        "acceptance_on_off": [
+            sum(t["spec"]["num_accepted_tokens"] for t in ts)
+            / max(1, sum(t["spec"]["num_draft_tokens"] for t in ts))
+            for ts in (turns_on, turns_off)
+        ],
+        "conversation_wall_s_on_off": [on["conversation"]["wall_s"], off["conversation"]["wall_s"]],
+    }
+    failures = []
+    if runner_on != runner_off:
+        failures.append("model runners differ")
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") is None and not all(
+        r["workers"][0]["use_v2_model_runner"] for r in (on, off)
+    ):
+        failures.append("not Model Runner V2")
+    if not all(summary["greedy_json_exact_on_off"]) or not summary["greedy_equal"]:
+        failures.append("greedy.json")
+    if len(turns_on) != len(turns_off) or not all(summary["turns_equal"]):
+        failures.append("conversation tokens on != off")
+    if sum(summary["prefix_cache_hits_on"]) == 0:
+        failures.append("no prefix-cache hits with caching on")
+    summary["failures"] = failures
+    return summary
+
+
+def prefix_cache(mode: str, ks: list[int], num_gpu_blocks: int | None, out_dir: Path | None) -> int:
+    """``--prefix-cache``: for each k, a child process per engine (caching on, then off), compared."""
+    result: dict[str, Any] = {"mode": mode, "ks": ks, "num_gpu_blocks": num_gpu_blocks, "by_k": {}}
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = out_dir if out_dir is not None else Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        for k in ks:
+            runs: dict[str, Any] = {}
+            for caching in (True, False):
+                tag = f"k{k}_{'on' if caching else 'off'}"
+                path, log = Path(tmp) / f"{tag}.json", logs / f"gpu_vllm_prefix_cache_{mode}_{tag}.log"
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-prefix-workload",
+                       "on" if caching else "off", "--mode", mode, "--k", str(k), "--child-out", str(path)]  # fmt: skip
+                if num_gpu_blocks is not None:
+                    cmd += ["--num-gpu-blocks", str(num_gpu_blocks)]
+                t0 = time.perf_counter()
+                with open(log, "w") as f:
+                    rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
+                print(f"[{mode} {tag}] exit {rc} in {time.perf_counter() - t0:.0f}s (log {log})", flush=True)
+                if rc != 0 or not path.exists():
+                    print(log.read_text()[-3000:], flush=True)
+                    runs[tag] = None
+                    continue
+                runs[tag] = json.loads(path.read_text())
+            on, off = runs[f"k{k}_on"], runs[f"k{k}_off"]
+            if on is None or off is None:
+                result["by_k"][k] = {"failures": ["an engine failed"]}
+                failed += 1
+                continue
+            summary = compare_prefix_runs(on, off)
+            result["by_k"][k] = summary
+            failed += bool(summary["failures"])
+            print(f"k={k}: " + json.dumps(summary), flush=True)
+            print(f"k={k}: {'OK' if not summary['failures'] else 'FAIL ' + ', '.join(summary['failures'])}",
+                  flush=True)  # fmt: skip
+    if out_dir is not None:
+        (out_dir / f"gpu_vllm_prefix_cache_{mode}.json").write_text(json.dumps(result, indent=1))
+    return 1 if failed else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check-imports", action="store_true", help="import vLLM and the engine modules only")
@@ -445,6 +598,17 @@ def main() -> int:
     p.add_argument("--k", type=int, default=1, help="num_speculative_tokens (0: no speculative decoding)")
     p.add_argument("--num-prompts", type=int, default=None, help="first N greedy.json prompts (default: all)")
     p.add_argument("--out", type=Path, default=None, help="directory for gpu_vllm_<mode>_k<k>.json")
+    p.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="the multi-turn workload with prefix caching on vs off, for every k of --ks",
+    )
+    p.add_argument("--ks", default="1,3", help="with --prefix-cache: comma-separated k values")
+    p.add_argument(
+        "--num-gpu-blocks", type=int, default=None, help="with --prefix-cache: vLLM's num_gpu_blocks_override"
+    )
+    p.add_argument("--serve-prefix-workload", choices=("on", "off"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     # The workspace packages are installed as wheels: point them at this checkout's data/.
     os.environ.setdefault("ATOM_DATA_ROOT", str(Path(__file__).resolve().parents[1]))
@@ -459,6 +623,12 @@ def main() -> int:
         if args.modules is not None:
             modules = tuple(m.strip() for m in args.modules.read_text().split() if m.strip())
         return 1 if check_imports(args.assume_cuda_platform, modules) else 0
+    if args.serve_prefix_workload is not None:
+        caching = args.serve_prefix_workload == "on"
+        return serve_prefix_workload(args.mode, args.k, caching, args.num_gpu_blocks, args.child_out)
+    if args.prefix_cache:
+        ks = [int(x) for x in args.ks.split(",") if x.strip()]
+        return prefix_cache(args.mode, ks, args.num_gpu_blocks, args.out)
     return run(args.mode, args.k, args.num_prompts, args.out)
 
 

@@ -18,9 +18,10 @@ over other text (the prefix-cache benchmark's larger bf16 sample runs several of
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from _vllm import greedy_cases, prompt_set
+from atom_core import testing
 
 MAX_TOKENS = 64
 SYSTEM_LEN = 300
@@ -30,9 +31,12 @@ TURN4_NEW = 40
 
 
 def token_pool() -> list[int]:
-    """The bundled model's prompt ids (prompts.json, then greedy.json), four times over."""
-    prompts, _ = prompt_set()
-    ids = [t for p in prompts for t in p] + [t for c in greedy_cases() for t in c["prompt_ids"]]
+    """The bundled model's prompt ids (prompts.json, then greedy.json), four times over. Read here rather
+    than through ``_vllm`` (which needs pytest), so that scripts outside the test session can build the
+    workload."""
+    prompts = json.loads(testing.reference_file("prompts.json").read_text())["prompts"]
+    cases = json.loads(testing.reference_file("greedy.json").read_text())["cases"]
+    ids = [t for p in prompts for t in p["prompt_token_ids"]] + [t for c in cases for t in c["prompt_ids"]]
     return ids * 4
 
 

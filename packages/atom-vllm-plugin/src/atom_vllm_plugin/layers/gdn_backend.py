@@ -10,7 +10,8 @@ Deferred-commit verification needs only the request's own slot: ``AtomGDNCore.ge
 no speculative state blocks, so column 0 of vLLM's spec state indices is the slot (in "align" mode, the
 block of the step's last token). With prefix caching the record carries, for prompt chunks, each sequence's
 context length, so that a chunk resuming from a shared snapshot commits its pending tokens first; the
-step's whole-slot copies between blocks run outside the forward (``patches.mamba_align``).
+step's whole-slot copies between blocks run outside the forward (``patches.mamba_align`` under vLLM's V1
+runner, ``model_state`` under Model Runner V2).
 """
 
 from __future__ import annotations
@@ -206,7 +207,10 @@ class AtomGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
     chunk runs outside full graphs (vLLM's piecewise graphs around the ``vllm::atom_gdn_core`` op).
     With prefix caching ("align" mode) the slots are vLLM's block of each request's last token, and the
     whole-slot copies between blocks, which vary from step to step, run before and after the forward
-    (``patches.mamba_align``), so the record has the same shape as without prefix caching.
+    (``patches.mamba_align`` / ``model_state``), so the record has the same shape as without prefix
+    caching. This builder does not take Model Runner V2's precomputed aligned state indices (it has no
+    ``mamba_aligned_state_indices``): vLLM's ``build`` reads the block of each request's last token from the
+    block table, the column the plugin's snapshot plan computes in.
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH

@@ -9,7 +9,8 @@ of its last verify and their position, which is valid for a range of prefix leng
 block-table columns) onto the request's block ids: move the state into the step's block, and keep the block
 that vLLM is about to share valid at its boundary.
 
-The copies run at step level, where vLLM's runner copies Mamba states (``patches.mamba_align``): the
+The copies run at step level, where vLLM's V1 runner copies Mamba states (``patches.mamba_align``; Model
+Runner V2 plans the same copies on the device, ``layers.gdn_align_state``): the
 "before" copies of a step before its forward, the "after" copies once the forward has run (vLLM's
 postprocess after sampling), each as one upload of the step's pairs and one ``copy_rows`` call for all GDN
 layers of a group (:func:`run_copies` with the group's :class:`~atom_models.gdn_snapshot.SlotCopier`, built

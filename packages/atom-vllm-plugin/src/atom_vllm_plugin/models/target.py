@@ -144,10 +144,20 @@ class AtomQwen3NextForCausalLM(nn.Module):
         """Whole-block copies of ``conv`` and ``ssm``: a GDN block is a snapshot that moves as a whole,
         whatever the accepted count (the next verify commits the pending tokens). vLLM takes copy functions
         for a prefix of the state tensors (2 here: this classmethod does not know whether MTP adds
-        ``pending`` and ``pending_pos``); the plugin runs the copies itself, of every tensor of the slot, from
-        vLLM's runner functions it wraps (``patches.mamba_align``, ``atom_models.gdn_snapshot.SlotCopier``),
+        ``pending`` and ``pending_pos``); the plugin runs the copies itself, of every tensor of the slot
+        (``atom_models.gdn_snapshot.SlotCopier``): under vLLM's V1 runner from the runner functions it wraps
+        (``patches.mamba_align``), under Model Runner V2 from its model state (:meth:`get_model_state_cls`),
         so vLLM's copy kernels never run on these functions."""
         return (whole_block_copy, whole_block_copy)
+
+    @staticmethod
+    def get_model_state_cls() -> type:
+        """Model Runner V2's model state for this model (V2 asks the target only, never the draft):
+        vLLM's hybrid state with the plugin's prefix-caching copies (:mod:`atom_vllm_plugin.model_state`).
+        Imported here, so that vLLM's V1 runner and vLLM-CPU never import Model Runner V2."""
+        from atom_vllm_plugin.model_state import AtomHybridModelState
+
+        return AtomHybridModelState
 
     @classmethod
     def get_mamba_state_copy_funcs(cls, mamba_types):

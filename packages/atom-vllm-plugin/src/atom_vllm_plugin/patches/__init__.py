@@ -20,10 +20,11 @@ once vLLM no longer has the bug):
   shared KV-cache tensor; in a hybrid model that is a GDN layer's view, which covers only the state bytes
   of the page, so the attention block's tail is lost (wrong tokens with ``prefix_match_unit`` below the
   block size). The replacement copies every view in full (vllm-project/vllm#55112, open, not in 0.32).
-- :mod:`.mamba_align`: with prefix caching (vLLM's default) vLLM's runner copies Mamba states between
+- :mod:`.mamba_align`: with prefix caching (vLLM's default) vLLM's V1 runner copies Mamba states between
   "align" blocks with per-token-state assumptions and Triton kernels (absent on vLLM-CPU); for ATOM's GDN
   cores it only records each request's state block and publishes the whole-slot copies that the GDN
-  layers run on the device.
+  layers run on the device. (Model Runner V2 takes the target's own model state instead, an extension
+  point, not a patch: ``atom_vllm_plugin.model_state``.)
 """
 
 from __future__ import annotations
