@@ -11,6 +11,7 @@ import random
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 from atom_core import testing
 
@@ -34,6 +35,28 @@ def test_block_pairs_mask_null_degenerate_and_short_rows():
     null_src, _ = block_pairs(table, torch.tensor([2]), torch.tensor([[1]]), torch.tensor([[2]]))
     assert null_src.tolist() == [-1]
     assert src.dtype == torch.int64
+    # of the dropped pairs, those that would have carried a state are counted: the column past the row,
+    # then the null source of a real block (a null destination, one block or no pair loses nothing)
+    lost = torch.zeros(1, dtype=torch.int64)
+    block_pairs(table, rows, src_cols, dst_cols, lost)
+    assert lost.tolist() == [1]
+    block_pairs(table, torch.tensor([2]), torch.tensor([[1]]), torch.tensor([[2]]), lost)
+    assert lost.tolist() == [2]
+
+
+def test_a_copy_that_would_lose_a_state_raises_at_the_next_step():
+    (states, _) = _states(8, 3)
+    table = torch.tensor([[0, 2, 3, 4]], dtype=torch.int32)  # column 0 freed (the null block)
+    snap = AlignSnapshots(1, 4, torch.device("cpu"), [(table, _copier(states))])
+    snap.seed(0, 4)  # vLLM says the state is in column 0: the null block
+    before = [st.ssm.clone() for st in states]
+    # a prompt chunk from 4 to 8 computes in column 1: the state would move null -> block 2
+    snap.before_step(torch.tensor([0]), torch.tensor([4]), torch.tensor([0, 4]), torch.tensor([False]))
+    assert all(torch.equal(st.ssm, b) for st, b in zip(states, before)), (
+        "nothing is copied from the null block"
+    )
+    with pytest.raises(RuntimeError, match="1 GDN state copies had no state to copy"):
+        snap.before_step(torch.tensor([0]), torch.tensor([8]), torch.tensor([0, 1]), torch.tensor([True]))
 
 
 KERNELS = select_kernels("cpu", torch.float32)
