@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -39,6 +40,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 MAX_TOKENS = 8
 """Most tokens ``Q`` of one call the C pass takes (longer calls take the torch forms)."""
@@ -226,7 +229,8 @@ def _compile(compiler: str, cache: Path) -> Path | None:
     """The shared library for this source, compiler and CPU (built now if not cached), or None."""
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("atom_kernels cpu GDN: C compiler %s does not run (%s); torch forms used", compiler, e)
         return None
     key = hashlib.sha256("\0".join((_SOURCE, *_FLAGS, version, _cpu_flags())).encode()).hexdigest()[:24]
     lib = cache / f"gdn_pass_{key}.so"
@@ -241,18 +245,29 @@ def _compile(compiler: str, cache: Path) -> Path | None:
                 [compiler, *_FLAGS, str(src), "-o", str(out)], capture_output=True, timeout=300
             )
             if done.returncode != 0:
+                err = done.stderr.decode(errors="replace").strip().splitlines()
+                logger.warning(
+                    "atom_kernels cpu GDN: building the C pass with %s failed (%s); torch forms used",
+                    compiler,
+                    err[0] if err else f"exit {done.returncode}",
+                )
                 return None
             os.replace(out, lib)  # atomic: concurrent builders of the same key write the same bytes
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning(
+            "atom_kernels cpu GDN: building the C pass in %s failed (%s); torch forms used", cache, e
+        )
         return None
     return lib
 
 
 @functools.cache
 def load():
-    """The compiled ``gdn_pass`` function, or None where no C compiler builds it."""
+    """The compiled ``gdn_pass`` function, or None where no C compiler builds it (logged once as a
+    warning: the torch forms are slower)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
+        logger.warning("atom_kernels cpu GDN: no C compiler ($CC, cc, gcc); the slower torch forms are used")
         return None
     cache = Path(os.environ.get("ATOM_KERNELS_CACHE") or Path.home() / ".cache" / "atom_kernels")
     lib = _compile(compiler, cache)
