@@ -36,7 +36,7 @@ _SOURCE = r"""
 
 #define LANES 16
 #define MAX_VECS 16                                               /* Dk <= 256 */
-#define ROWS 4                                                    /* rows carried together */
+#define ROWS 8                                                    /* rows carried together */
 #define JOB_ROWS 32                                               /* rows per job */
 typedef float vec __attribute__((vector_size(64)));              /* 16 floats: one AVX-512 register */
 typedef float uvec __attribute__((vector_size(64), aligned(4)));  /* the same at any float address */
@@ -50,6 +50,27 @@ static inline float lane_sum(vec v) { /* a fixed pairwise tree: halves, quarters
     union { half v; quarter q[2]; } b = {a.h[0] + a.h[1]};
     const quarter s = b.q[0] + b.q[1];
     return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+typedef int32_t ivec __attribute__((vector_size(64)));
+/* out[m] = the lane sum of v[m], m < 8, all at once: pairs of vectors folded halves against halves,
+   quarters, pairs of lanes, then lanes (15 shuffles, 8 adds instead of eight trees). */
+static inline void lane_sums8(const vec v[8], float out[8]) {
+    const ivec lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const ivec hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const ivec lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const ivec hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const ivec lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const ivec hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const ivec swap = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    vec w[4], x[2];
+    for (int i = 0; i < 4; ++i)
+        w[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo8) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi8);
+    for (int i = 0; i < 2; ++i)
+        x[i] = __builtin_shuffle(w[2 * i], w[2 * i + 1], lo4) + __builtin_shuffle(w[2 * i], w[2 * i + 1], hi4);
+    vec y = __builtin_shuffle(x[0], x[1], lo2) + __builtin_shuffle(x[0], x[1], hi2);
+    y += __builtin_shuffle(y, swap);
+    for (int m = 0; m < 8; ++m) out[m] = y[2 * m];
 }
 
 typedef struct {
@@ -91,7 +112,7 @@ static void NAME(const prefill_args *p, int64_t n, int64_t h, int64_t i0) {     
         const float *kt = p->ks + (t * p->hk + hk) * dk, *qt = p->qs + (t * p->hk + hk) * dk;            \
         const float *kn = t + 1 < t1 ? kt + p->hk * dk : kt;                                             \
         float u[R];                                                                                      \
-        vec aq[R][2], ak[R][2];           /* even / odd vectors: two short chains, summed at the end */ \
+        vec aq[R][2], ak[R][2]; /* under 8 rows: even / odd vectors, two short chains summed at the end */ \
         for (int r = 0; r < R; ++r) {                                                                    \
             u[r] = b * (p->v[th * dv + i0 + r] - e * pk[r]);                                             \
             aq[r][0] = aq[r][1] = ak[r][0] = ak[r][1] = (vec){0};                                        \
@@ -103,13 +124,29 @@ static void NAME(const prefill_args *p, int64_t n, int64_t h, int64_t i0) {     
             for (int r = 0; r < R; ++r) {                                                                \
                 const vec x = s[r][c] * e + u[r] * kc;                                                   \
                 s[r][c] = x;                                                                             \
-                aq[r][c & 1] += x * qc;                                                                  \
-                ak[r][c & 1] += x * nc;                                                                  \
+                aq[r][R < 8 ? c & 1 : 0] += x * qc;                                                      \
+                ak[r][R < 8 ? c & 1 : 0] += x * nc;                                                      \
             }                                                                                            \
         }                                                                                                \
-        for (int r = 0; r < R; ++r) {                                                                    \
-            p->out[th * dv + i0 + r] = lane_sum(aq[r][0] + aq[r][1]);                                    \
-            pk[r] = lane_sum(ak[r][0] + ak[r][1]);                                                       \
+        if (R % 4 == 0) {                                                                                \
+            for (int r0 = 0; r0 < R; r0 += 4) {                                                          \
+                vec both[8];                                                                             \
+                float sums[8];                                                                           \
+                for (int r = 0; r < 4; ++r) {                                                            \
+                    both[r] = aq[r0 + r][0] + aq[r0 + r][1];                                             \
+                    both[4 + r] = ak[r0 + r][0] + ak[r0 + r][1];                                         \
+                }                                                                                        \
+                lane_sums8(both, sums);                                                                  \
+                for (int r = 0; r < 4; ++r) {                                                            \
+                    p->out[th * dv + i0 + r0 + r] = sums[r];                                             \
+                    pk[r0 + r] = sums[4 + r];                                                            \
+                }                                                                                        \
+            }                                                                                            \
+        } else {                                                                                         \
+            for (int r = 0; r < R; ++r) {                                                                \
+                p->out[th * dv + i0 + r] = lane_sum(aq[r][0] + aq[r][1]);                                \
+                pk[r] = lane_sum(ak[r][0] + ak[r][1]);                                                   \
+            }                                                                                            \
         }                                                                                                \
     }                                                                                                    \
     if (rows)                                                                                            \
