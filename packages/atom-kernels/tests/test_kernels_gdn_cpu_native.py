@@ -126,4 +126,4 @@ def test_native_taken_only_where_it_applies():
     assert not cpu_native.usable(pool, cpu_native.MAX_TOKENS + 1)
     assert not cpu_native.usable(pool.bfloat16(), 1)
     assert not cpu_native.usable(torch.zeros(4, 2, 32, 16).transpose(-1, -2), 1)
-    assert cpu_native._compile("/nonexistent/cc", cpu_native.Path("/nonexistent")) is None
+    assert cpu_native._compile("/nonexistent/cc", cpu_native.Path("/nonexistent"), "", "gdn_pass") is None

@@ -20,6 +20,10 @@ slots for the group are consecutive, otherwise gathered once and stored with one
 goes through in groups of consecutive sequences of about :data:`~atom_kernels.ops._groups.GROUP_TOKENS`
 tokens, whose temporaries stay in cache. Same float32 math as the reference up to the order of the sums
 (tolerances in the conformance tests); the final state is rounded to the pool dtype when stored.
+
+A float32 pool that :func:`~atom_kernels.ops.gated_delta_rule.cpu_native_prefill.usable` takes goes to
+that module's C pass instead (each state row carried through its sequence's tokens), which measured
+faster than this form on every prompt shape tried (``benchmarks/cpu_gdn_prefill.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 
 from atom_kernels.ops._checks import check_cu_seqlens_values, check_slot_values
 from atom_kernels.ops._groups import sequence_groups
+from atom_kernels.ops.gated_delta_rule import cpu_native_prefill
 from atom_kernels.ops.gated_delta_rule.checks import check_gated_delta_rule_chunked
 from atom_kernels.ops.gated_delta_rule.reference import _read_states
 from atom_kernels.ops.l2norm.reference import l2norm_f32
@@ -120,6 +125,9 @@ def gated_delta_rule_chunked(
     op = "gated_delta_rule_chunked"
     check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
     check_cu_seqlens_values(op, cu_seqlens, v.shape[0])
+    if cpu_native_prefill.usable(ssm_state):  # a float32 pool: the token-by-token C pass over each row
+        args = (cu_seqlens, ssm_state, state_indices, has_initial_state, scale, use_qk_l2norm)
+        return cpu_native_prefill.gdn_prefill(q, k, v, g, beta, *args)
     out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     offsets = cu_seqlens.tolist()
     for lo, hi in sequence_groups(offsets):

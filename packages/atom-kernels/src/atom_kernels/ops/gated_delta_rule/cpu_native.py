@@ -225,22 +225,23 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _compile(compiler: str, cache: Path) -> Path | None:
-    """The shared library for this source, compiler and CPU (built now if not cached), or None."""
+def _compile(compiler: str, cache: Path, source: str, stem: str) -> Path | None:
+    """The shared library built from ``source`` for this compiler and CPU (built now if not cached), or
+    None."""
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         logger.warning("atom_kernels cpu GDN: C compiler %s does not run (%s); torch forms used", compiler, e)
         return None
-    key = hashlib.sha256("\0".join((_SOURCE, *_FLAGS, version, _cpu_flags())).encode()).hexdigest()[:24]
-    lib = cache / f"gdn_pass_{key}.so"
+    key = hashlib.sha256("\0".join((source, *_FLAGS, version, _cpu_flags())).encode()).hexdigest()[:24]
+    lib = cache / f"{stem}_{key}.so"
     if lib.exists():
         return lib
     try:
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            src, out = Path(tmp) / "gdn_pass.c", Path(tmp) / "lib.so"
-            src.write_text(_SOURCE)
+            src, out = Path(tmp) / f"{stem}.c", Path(tmp) / "lib.so"
+            src.write_text(source)
             done = subprocess.run(
                 [compiler, *_FLAGS, str(src), "-o", str(out)], capture_output=True, timeout=300
             )
@@ -261,22 +262,28 @@ def _compile(compiler: str, cache: Path) -> Path | None:
     return lib
 
 
-@functools.cache
-def load():
-    """The compiled ``gdn_pass`` function, or None where no C compiler builds it (logged once as a
-    warning: the torch forms are slower)."""
+def build(source: str, stem: str, function: str, args_type: type[ctypes.Structure]):
+    """The C function ``void function(const args_type *)`` of ``source``, compiled once per machine into
+    the cache directory (module docstring), or None where no C compiler builds it (logged as a warning:
+    the torch forms are slower)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         logger.warning("atom_kernels cpu GDN: no C compiler ($CC, cc, gcc); the slower torch forms are used")
         return None
     cache = Path(os.environ.get("ATOM_KERNELS_CACHE") or Path.home() / ".cache" / "atom_kernels")
-    lib = _compile(compiler, cache)
+    lib = _compile(compiler, cache, source, stem)
     if lib is None:
         return None
-    fn = ctypes.CDLL(str(lib)).gdn_pass
-    fn.argtypes = [ctypes.POINTER(_Args)]
+    fn = getattr(ctypes.CDLL(str(lib)), function)
+    fn.argtypes = [ctypes.POINTER(args_type)]
     fn.restype = None
     return fn
+
+
+@functools.cache
+def load():
+    """The compiled ``gdn_pass`` function, or None where no C compiler builds it."""
+    return build(_SOURCE, "gdn_pass", "gdn_pass", _Args)
 
 
 def usable(ssm_state: torch.Tensor, q_len: int) -> bool:
