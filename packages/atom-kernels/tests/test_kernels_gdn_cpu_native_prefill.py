@@ -91,12 +91,19 @@ def test_prefill_native_matches_torch_form(case):
         assert_close(pools[0], pools[1], TOL["vs_torch_form"], f"{case} step {step}: state pool")
 
 
+def _prefill(q, k, v, g, beta, cu, pool, slots, init, scale):
+    return cpu_native_prefill.gdn_prefill(q, k, v, g, beta, cu, pool, slots, init, scale, True)
+
+
 def test_prefill_native_bf16_inputs():
-    """bf16 q/k/v on a float32 pool: the pass runs, returns bf16, and matches the reference."""
-    pools = [_pool(8, CASES["dk128_gqa"][0], False) for _ in range(2)]
+    """bf16 q/k/v on a float32 pool: the pass reads them, returns bf16, and matches the reference; the
+    chunked op itself keeps bf16 tokens on its torch form (see cpu_chunked's docstring)."""
+    pools = [_pool(8, CASES["dk128_gqa"][0], False) for _ in range(3)]
+    out = _call(_prefill, "dk128_gqa", pools[0], torch.bfloat16)
+    assert out.dtype == torch.bfloat16
     with mock.patch.object(cpu_native_prefill, "gdn_prefill", wraps=cpu_native_prefill.gdn_prefill) as spy:
-        out = _call(cpu_chunked.gated_delta_rule_chunked, "dk128_gqa", pools[0], torch.bfloat16)
-    assert spy.call_count == 1 and out.dtype == torch.bfloat16
+        _call(cpu_chunked.gated_delta_rule_chunked, "dk128_gqa", pools[2], torch.bfloat16)
+    assert spy.call_count == 0
     expected = _call(reference.gated_delta_rule_chunked, "dk128_gqa", pools[1], torch.bfloat16)
     assert_close(out, expected, TOL["bf16_out"], "bf16 outputs")
     assert_close(pools[0], pools[1], TOL["vs_reference"], "state pool")
@@ -119,11 +126,8 @@ def test_prefill_native_strided_tokens(dtype):
     pools = [_pool(8, heads, False) for _ in range(2)]
     outs = []
     for form, (qq, kk, vv) in enumerate([views, (q, k, v)]):
-        with mock.patch.object(
-            cpu_native_prefill, "gdn_prefill", wraps=cpu_native_prefill.gdn_prefill
-        ) as spy:
-            outs.append(cpu_chunked.gated_delta_rule_chunked(qq, kk, vv, g, beta, cu, pools[form], *rest))
-        assert spy.call_count == 1 and outs[-1].dtype == dtype
+        outs.append(_prefill(qq, kk, vv, g, beta, cu, pools[form], *rest))
+        assert outs[-1].dtype == dtype
     assert torch.equal(outs[0], outs[1]) and torch.equal(pools[0], pools[1])
 
 

@@ -21,9 +21,12 @@ goes through in groups of consecutive sequences of about :data:`~atom_kernels.op
 tokens, whose temporaries stay in cache. Same float32 math as the reference up to the order of the sums
 (tolerances in the conformance tests); the final state is rounded to the pool dtype when stored.
 
-A float32 pool that :func:`~atom_kernels.ops.gated_delta_rule.cpu_native_prefill.usable` takes goes to
-that module's C pass instead (each state row carried through its sequence's tokens), which measured
-faster than this form on every prompt shape tried (``benchmarks/cpu_gdn_prefill.py``).
+Float32 tokens on a float32 pool that :func:`~atom_kernels.ops.gated_delta_rule.cpu_native_prefill.usable`
+takes go to that module's C pass instead (each state row carried through its sequence's tokens), which
+measured faster than this form on every prompt shape tried (``benchmarks/cpu_gdn_prefill.py``). bf16 tokens
+stay on this form: with the pass taking them, the bundled model's bf16 MTP acceptance through vLLM (eager,
+k = 1, ``tests/test_vllm_bf16_acceptance.py``) measured 57.0% against stock's 63.2%, and 63.4% with this
+form (the pass alone matches the reference to 4e-6 on bf16 inputs; the difference is not traced).
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ def gated_delta_rule_chunked(
     op = "gated_delta_rule_chunked"
     check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
     check_cu_seqlens_values(op, cu_seqlens, v.shape[0])
-    if cpu_native_prefill.usable(ssm_state):  # a float32 pool: the token-by-token C pass over each row
+    if q.dtype == torch.float32 and cpu_native_prefill.usable(ssm_state):  # the C pass over each row
         args = (cu_seqlens, ssm_state, state_indices, has_initial_state, scale, use_qk_l2norm)
         return cpu_native_prefill.gdn_prefill(q, k, v, g, beta, *args)
     out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
