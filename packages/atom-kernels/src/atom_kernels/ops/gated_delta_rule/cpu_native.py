@@ -46,11 +46,8 @@ logger = logging.getLogger(__name__)
 MAX_TOKENS = 8
 """Most tokens ``Q`` of one call the C pass takes (longer calls take the torch forms)."""
 
-_SOURCE = r"""
-#include <stdint.h>
-
+VECTOR_PRELUDE = r"""
 #define LANES 16
-#define MAX_Q 8
 typedef float vec __attribute__((vector_size(64)));              /* 16 floats: one AVX-512 register */
 typedef float uvec __attribute__((vector_size(64), aligned(4)));  /* the same at any float address */
 
@@ -64,6 +61,18 @@ static inline float lane_sum(vec v) { /* a fixed pairwise tree: halves, quarters
     const quarter s = b.q[0] + b.q[1];
     return (s[0] + s[2]) + (s[1] + s[3]);
 }
+"""
+"""The C passes' shared vector helpers: 16-float vectors, unaligned loads and stores, and a lane sum in a
+fixed pairwise order (so every pass sums in the same order)."""
+
+_SOURCE = (
+    r"""
+#include <stdint.h>
+
+#define MAX_Q 8
+"""
+    + VECTOR_PRELUDE
+    + r"""
 
 typedef struct {
     float *pool;             /* [S, Hv, Dv, Dk], slot stride pool_stride */
@@ -195,6 +204,7 @@ void gdn_pass(const gdn_args *p) {
     for (int64_t job = 0; job < jobs; ++job) head(p, job);
 }
 """
+)
 
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=gnu99")
 

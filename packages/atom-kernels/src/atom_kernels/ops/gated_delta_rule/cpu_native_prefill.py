@@ -29,33 +29,23 @@ import functools
 
 import torch
 
-from atom_kernels.ops.gated_delta_rule.cpu_native import build
+from atom_kernels.ops.gated_delta_rule.cpu_native import VECTOR_PRELUDE, build
 from atom_kernels.ops.l2norm.checks import DEFAULT_EPS
 
 MAX_HEAD_DIM = 256
 """Largest ``Dk`` the pass takes (a multiple of 16); other head dims take the torch chunked form."""
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <math.h>
 #include <stdint.h>
 
-#define LANES 16
 #define MAX_VECS 16                                               /* Dk <= 256 */
 #define ROWS 8                                                    /* rows carried together */
 #define JOB_ROWS 32                                               /* rows per job */
-typedef float vec __attribute__((vector_size(64)));              /* 16 floats: one AVX-512 register */
-typedef float uvec __attribute__((vector_size(64), aligned(4)));  /* the same at any float address */
-
-static inline vec load(const float *p) { return *(const uvec *)p; }
-static inline void store(float *p, vec v) { *(uvec *)p = v; }
-typedef float half __attribute__((vector_size(32)));
-typedef float quarter __attribute__((vector_size(16)));
-static inline float lane_sum(vec v) { /* a fixed pairwise tree: halves, quarters, then four lanes */
-    union { vec v; half h[2]; } a = {v};
-    union { half v; quarter q[2]; } b = {a.h[0] + a.h[1]};
-    const quarter s = b.q[0] + b.q[1];
-    return (s[0] + s[2]) + (s[1] + s[3]);
-}
+"""
+    + VECTOR_PRELUDE
+    + r"""
 
 typedef int32_t ivec __attribute__((vector_size(64)));
 /* out[m] = the lane sum of v[m], m < 8, all at once: pairs of vectors folded halves against halves,
@@ -240,6 +230,7 @@ void gdn_prefill(const prefill_args *p) {
     }
 }
 """
+)
 
 
 class _Args(ctypes.Structure):
