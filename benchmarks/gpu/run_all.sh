@@ -4,10 +4,12 @@
 #
 # Usage (from the repository root, on the GPU machine):
 #   benchmarks/gpu/run_all.sh [--out DIR] [--no-tests] [--no-bench] [-k PYTEST_EXPR] [--tests PATH]...
-#                             [--bench-args "ARGS"] [SCRIPT ...]
+#                             [--bench-args "ARGS"] [--jobs N] [SCRIPT ...]
 #   SCRIPT: benchmark scripts in benchmarks/gpu (e.g. bench_gdn.py); default: every bench_*.py there.
 #   -k / --tests narrow the conformance run (default: all of packages/atom-kernels/tests).
 #   --bench-args is passed to every benchmark script (e.g. "--quick").
+#   --jobs N runs the conformance tests in N processes (pytest-xdist, brought as a wheel in .whl/): the
+#   suite is mostly Triton compiles, which are CPU-bound and run in parallel.
 # Typical device call (device tool), carrying the fla-core wheel:
 #   set -o pipefail; benchmarks/gpu/run_all.sh bench_gdn.py 2>&1 | tee $OUT/log
 # Exit status: non-zero if the tests or any benchmark failed (all of them still run).
@@ -21,6 +23,7 @@ RUN_BENCH=1
 PYTEST_K=""
 TEST_PATHS=()
 BENCH_ARGS=""
+JOBS=""
 SCRIPTS=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -30,7 +33,8 @@ while [[ $# -gt 0 ]]; do
         -k) PYTEST_K=$2; shift 2 ;;
         --tests) TEST_PATHS+=("$2"); shift 2 ;;
         --bench-args) BENCH_ARGS=$2; shift 2 ;;
-        -h|--help) sed -n 2,13p "$0"; exit 0 ;;
+        --jobs) JOBS=$2; shift 2 ;;
+        -h|--help) sed -n 2,15p "$0"; exit 0 ;;
         -*) echo "run_all.sh: unknown option $1" >&2; exit 2 ;;
         *) SCRIPTS+=("$1"); shift ;;
     esac
@@ -68,6 +72,7 @@ if [[ $RUN_TESTS == 1 ]]; then
     [[ ${#TEST_PATHS[@]} -eq 0 ]] && TEST_PATHS=(packages/atom-kernels/tests)
     K_ARGS=()
     [[ -n $PYTEST_K ]] && K_ARGS=(-k "$PYTEST_K")
+    [[ -n $JOBS ]] && K_ARGS+=(-n "$JOBS")
     "$PY" -m pytest -q -p no:cacheprovider -rs --durations=10 "${K_ARGS[@]}" "${TEST_PATHS[@]}" || STATUS=1
 fi
 
