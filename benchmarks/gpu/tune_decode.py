@@ -32,7 +32,8 @@ Output: ``tune_decode_<gpu>.json`` in ``--out`` / ``$OUT``: ``rows`` (every timi
 ``moe`` (per case: default, best, best config, fractions of copy bandwidth), ``decode_table`` (the best
 one-launch config per (N, K, ROWS) of the plain linear, in the form ``fp8.triton.decode_table`` reads).
 
-Usage: python benchmarks/gpu/tune_decode.py [--out DIR] [--budget-s 220] [--workers N]
+Usage: python benchmarks/gpu/tune_decode.py [--out DIR] [--budget-s 210] [--workers N] [--ms 1,2,4,8] [--ts 1,2,4,8]
+       (``--ts ""`` / ``--ms ""``: the linear part / the MoE part only)
        TRITON_INTERPRET=1 python benchmarks/gpu/tune_decode.py --smoke   # CPU, tiny shapes, 2 configs each
 """
 
@@ -216,11 +217,12 @@ def moe_weights(shape: dict, device, experts: int | None = None) -> tuple[torch.
 
 
 # ------------------------------------------------------------------------------------------------- tasks
-def plan_tasks(sms: int, smoke: bool) -> list[dict]:
-    """Every (case, config) of the run in the order it is timed; the compile workers take the same list."""
+def plan_tasks(sms: int, smoke: bool, ms: list[int], ts: list[int]) -> list[dict]:
+    """Every (case, config) of the run in the order it is timed (M <= 2, then T <= 4, then the larger M,
+    then the larger T); the compile workers take the same list."""
     linears = SMOKE_LINEARS if smoke else LINEARS
-    ms_first, ms_later = ((1, 2), ()) if smoke else ((1, 2), (4, 8))
-    ts_first, ts_later = ((1, 2), ()) if smoke else ((1, 2, 4), (8,))
+    ms_first, ms_later = [m for m in ms if m <= 2], [m for m in ms if m > 2]
+    ts_first, ts_later = [t for t in ts if t <= 4], [t for t in ts if t > 4]
     default, g1, g2 = moe_configs(smoke)
     moe_cfgs = [default, *({**default, **g} for g in g1 + g2), {"PAIRS": False}]
 
@@ -476,6 +478,9 @@ def main() -> None:
         "--workers", type=int, default=None, help="compile workers (default: CPUs - 2, at most 12)"
     )
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes, 2 configs")
+    ap.add_argument("--ms", default=None, help="linear token counts, comma list (default 1,2,4,8; smoke 1,2)")
+    ap.add_argument("--ts", default=None, help="MoE token counts, comma list (default 1,2,4,8; smoke 1,2); "
+                    "an empty string skips the part")  # fmt: skip
     ap.add_argument("--compile-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--shard", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--nshards", type=int, default=1, help=argparse.SUPPRESS)
@@ -494,7 +499,13 @@ def main() -> None:
         device, dtype = common.require_cuda(), torch.bfloat16
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         nworkers = min(12, (os.cpu_count() or 4) - 2) if args.workers is None else args.workers
-    tasks = plan_tasks(sms, args.smoke)
+
+    def counts(arg: str | None) -> list[int]:
+        text = ("1,2" if args.smoke else "1,2,4,8") if arg is None else arg
+        return [int(v) for v in text.split(",") if v.strip()]
+
+    tasks = plan_tasks(sms, args.smoke, counts(args.ms), counts(args.ts))
+    distinct = len({compile_signature(t) for t in tasks})
     until = time.time() + COMPILE_SHARE * args.budget_s - (time.monotonic() - start)
     workers = start_workers(tasks, nworkers, out, until, args.smoke)
     if args.smoke:
@@ -519,7 +530,7 @@ def main() -> None:
         common.write_json(out / name, dict(
             env=common.environment(), ceilings=ceil, budget_s=args.budget_s, compile_workers=nworkers,
             compile_phase_s=compile_s, elapsed_s=time.monotonic() - start, stopped_by_budget=sw.stopped,
-            tasks=len(tasks), linear=linear, moe=moe, decode_table=table, rows=sw.rows))  # fmt: skip
+            tasks=len(tasks), distinct_compiles=distinct, linear=linear, moe=moe, decode_table=table, rows=sw.rows))  # fmt: skip
 
     i, moe_w = 0, None
     moe_shape = SMOKE_MOE if args.smoke else MOE
