@@ -41,6 +41,7 @@ saturate, and rounds values just below a power of two that should round up to it
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import triton
@@ -212,8 +213,15 @@ def fp8_act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torc
     return q.reshape(*lead, k), s.reshape(*lead, s.shape[-1])
 
 
-def plan(m: int, n: int, k: int, bk: int, sms: int, config: dict | None = None) -> dict:
+def plan(
+    m: int, n: int, k: int, bk: int, sms: int, config: dict | None = None, table: Mapping | None = None
+) -> dict:
     """Launch plan from shapes alone (``sms``: the device's multiprocessor count); ``config`` overrides keys.
+
+    ``table``: per-shape one-launch configs ``{(n, k, rows): keys}`` (see
+    :mod:`atom_kernels.ops.fp8.decode_table`, ``rows = max(2, 2^ceil(log2 M))``): the entry of this shape,
+    if any, replaces the heuristic's keys below (its ``ONE_LAUNCH`` picks the plan at any M); ``config``
+    still overrides both.
 
     - ``M <= ONE_LAUNCH_MAX_M`` (decode; or ``ONE_LAUNCH=True`` at any M): ``_fp8_linear_decode_kernel``,
       ``ROWS = max(2, 2^ceil(log2 M))`` rows; up to 8 rows ``SWAP_AB`` (the weight tile is the left
@@ -229,11 +237,14 @@ def plan(m: int, n: int, k: int, bk: int, sms: int, config: dict | None = None) 
       would leave SMs idle), grouped tile order for L2 reuse.
     """
     block_k = min(128, bk)
+    rows = max(2, triton.next_power_of_2(m))
+    entry = (table or {}).get((n, k, rows), {})
     one_launch = m <= ONE_LAUNCH_MAX_M and bk <= 256
+    if "ONE_LAUNCH" in entry:
+        one_launch = bool(entry["ONE_LAUNCH"]) and bk <= 256
     if config and "ONE_LAUNCH" in config:
         one_launch = bool(config["ONE_LAUNCH"])
     if one_launch:
-        rows = max(2, triton.next_power_of_2(m))
         swap = rows <= 8
         if swap:  # H200 sweep at M = 2 (fp8_decode_h200.json): 64-column tiles from N ~ 32 x SMs, split 4
             block_n = 64 if n >= 32 * sms else 32
@@ -244,6 +255,7 @@ def plan(m: int, n: int, k: int, bk: int, sms: int, config: dict | None = None) 
             split = max(1, min(triton.cdiv(k, bk) // 4, sms // triton.cdiv(n, block_n)))
         cfg = dict(ONE_LAUNCH=True, ROWS=rows, BLOCK_N=block_n, SPLIT_K=split, SWAP_AB=swap,
                    num_warps=2 if swap else 4, num_stages=4)  # fmt: skip
+        cfg.update(entry)
         cfg.update(config or {})
         return cfg
     if m <= 64:
@@ -331,12 +343,14 @@ def fp8_linear(
     *,
     tickets: torch.Tensor | None = None,
     config: dict | None = None,
+    table: Mapping | None = None,
 ) -> torch.Tensor:
     """W8A8 block-scaled linear (see the reference) ``[..., K] -> [..., N]`` in x.dtype: one launch of
     ``_fp8_linear_decode_kernel`` at decode-sized M, else act quant + :func:`fp8_gemm`'s kernels;
     ``tickets``: int32 zeros, ``>= ceil(N / 16)``, that the one-launch split-K plan takes as its counters
     and leaves zero (without them it allocates zeroed counters per call: one memset); ``config``
-    overrides the launch plan (keys of :func:`plan`; ``ONE_LAUNCH`` picks the plan)."""
+    overrides the launch plan (keys of :func:`plan`; ``ONE_LAUNCH`` picks the plan); ``table``: the
+    per-shape configs :func:`plan` takes (``config`` overrides them)."""
     check_fp8_linear(x, w_fp8, scale_inv, block, bias, tickets)
     if w_fp8.stride(-1) != 1:
         raise ValueError("fp8_linear (triton): w_fp8 needs a unit last-dim stride")
@@ -346,7 +360,7 @@ def fp8_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     scales = scale_inv if scale_inv.dtype == torch.float32 else scale_inv.float()
-    cfg = plan(x2.shape[0], w_fp8.shape[0], k, bk, device_sms(x.device), config)
+    cfg = plan(x2.shape[0], w_fp8.shape[0], k, bk, device_sms(x.device), config, table)
     if cfg["ONE_LAUNCH"]:
         y = launch_decode(x2, w_fp8, scales, (bn, bk), bias, cfg, tickets)
     else:
@@ -373,23 +387,25 @@ def gated_norm_fp8_linear(
     *,
     tickets: torch.Tensor | None = None,
     config: dict | None = None,
+    table: Mapping | None = None,
 ) -> torch.Tensor:
     """``fp8_linear(gated_rms_norm(o, z, norm_weight, eps).flatten(-2), ...)`` ``-> [..., N]`` in o.dtype.
 
     Where :func:`plan` picks the one-launch plan and a head is one activation group (``Dv == bk``): one
     launch of the decode kernel with its GATED_NORM prologue; otherwise the two ops (``gated_rms_norm``,
     then :func:`fp8_linear`). ``z`` may be a row-strided view (the gate part of the projection output);
-    ``tickets`` / ``config`` as for :func:`fp8_linear`."""
+    ``tickets`` / ``config`` / ``table`` as for :func:`fp8_linear`."""
     check_gated_norm_fp8_linear(o, z, norm_weight, eps, w_fp8, scale_inv, block, bias, tickets)
     if w_fp8.stride(-1) != 1:
         raise ValueError("gated_norm_fp8_linear (triton): w_fp8 needs a unit last-dim stride")
     bn, bk = _check_block("gated_norm_fp8_linear", block)
     lead, dv = o.shape[:-2], o.shape[-1]
     k = o.shape[-2] * dv
-    cfg = plan(math.prod(lead), w_fp8.shape[0], k, bk, device_sms(o.device), config)
+    cfg = plan(math.prod(lead), w_fp8.shape[0], k, bk, device_sms(o.device), config, table)
     if not (cfg["ONE_LAUNCH"] and dv == bk):
         y = gated_rms_norm(o, z, norm_weight, eps)
-        return fp8_linear(y.reshape(*lead, k), w_fp8, scale_inv, block, bias, tickets=tickets, config=config)
+        return fp8_linear(y.reshape(*lead, k), w_fp8, scale_inv, block, bias, tickets=tickets, config=config,
+                          table=table)  # fmt: skip
     o2 = _unit_rows(o, k)
     scales = scale_inv if scale_inv.dtype == torch.float32 else scale_inv.float()
     gate = (_unit_rows(z, k), norm_weight.contiguous(), float(eps))
