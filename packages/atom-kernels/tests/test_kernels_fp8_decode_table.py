@@ -101,3 +101,53 @@ def test_decode_table_rejects_a_key_given_twice():
     entry = dict(n=64, k=128, rows=2, config=dict(BLOCK_N=32))
     with pytest.raises(ValueError, match="given twice"):
         decode_table([entry, {**entry, "config": dict(BLOCK_N=64)}])
+
+
+def test_shipped_tables_load_and_name_their_device():
+    """Every table shipped in ``decode_tables/`` validates, is found under the device name it records,
+    and only sets keys the one-launch plan takes; a device without a file gets the empty table."""
+    from atom_kernels.ops.fp8.decode_table import EMPTY, TABLES_DIR, table_path, tuned_table
+
+    files = sorted(TABLES_DIR.glob("*.json"))
+    assert files, f"no shipped decode tables in {TABLES_DIR}"
+    for path in files:
+        name = json.loads(path.read_text())["device"]
+        assert table_path(name) == path
+        table = tuned_table(name)
+        assert table and table == load_decode_table(path)
+        for (n, k, rows), cfg in table.items():
+            assert n > 0 and k > 0 and rows >= 2 and cfg
+    assert tuned_table("cpu") is EMPTY
+    assert tuned_table("Some Future GPU") is EMPTY
+
+
+def test_a_broken_shipped_table_names_its_file(tmp_path, monkeypatch):
+    import atom_kernels.ops.fp8.decode_table as dt
+
+    bad = tmp_path / "Broken_GPU.json"
+    bad.write_text(json.dumps({"decode_table": [{"n": 2048, "k": 4096, "rows": 3, "config": {}}]}))
+    monkeypatch.setattr(dt, "TABLES_DIR", tmp_path)
+    dt.tuned_table.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="Broken_GPU.json.*rows must be a power of two"):
+            dt.tuned_table("Broken GPU")
+    finally:
+        dt.tuned_table.cache_clear()
+
+
+def test_fp8_linear_takes_the_device_table_by_default(monkeypatch):
+    """``table=None`` asks :func:`tuned_table` for the tensor's device; ``{}`` is the heuristic alone."""
+    pytest.importorskip("triton", reason="atom-kernels' Triton backend is optional: triton is not installed")
+    import atom_kernels.ops.fp8.triton as ft
+    import torch
+
+    seen = []
+    monkeypatch.setattr(ft, "tuned_table", lambda name: seen.append(name) or {})
+    monkeypatch.setattr(ft, "launch_decode", lambda x2, w, *_: torch.zeros(x2.shape[0], w.shape[0]))
+    x = torch.zeros(1, 256)
+    w = torch.zeros(128, 256).to(torch.float8_e4m3fn)
+    s = torch.ones(1, 2)
+    assert ft.fp8_linear(x, w, s).shape == (1, 128)
+    assert seen == ["cpu"]
+    ft.fp8_linear(x, w, s, table={})
+    assert seen == ["cpu"]

@@ -7,14 +7,22 @@ one-launch plan even above ``ONE_LAUNCH_MAX_M``; False alone: the three-launch p
 data passed by the caller; nothing here is global. ``benchmarks/gpu/tune_decode.py`` writes its measured
 best configs as a ``decode_table`` list of ``{"n", "k", "rows", "config", ...}`` entries, which
 :func:`load_decode_table` reads (other keys of an entry, e.g. its timings, are ignored).
+
+Measured tables ship beside this module in ``decode_tables/<device name>.json`` (the name CUDA reports,
+spaces as underscores, e.g. ``NVIDIA_H100_80GB_HBM3.json``); :func:`tuned_table` returns the one of a
+device, or an empty table (the heuristic) for a device without one.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
+
+TABLES_DIR = Path(__file__).resolve().parent / "decode_tables"
+EMPTY: Mapping[tuple[int, int, int], Mapping] = MappingProxyType({})
 
 TABLE_KEYS = frozenset({"ONE_LAUNCH", "BLOCK_N", "SPLIT_K", "SWAP_AB", "num_warps", "num_stages"})
 """Keys a table entry may set (the one-launch plan's, less ``ROWS``, which is part of the table key)."""
@@ -67,3 +75,21 @@ def load_decode_table(path: str | Path) -> Mapping[tuple[int, int, int], Mapping
     data = json.loads(Path(path).read_text())
     entries = data["decode_table"] if isinstance(data, dict) else data
     return decode_table(entries)
+
+
+def table_path(device_name: str) -> Path:
+    """Where the shipped table of the device named ``device_name`` lives (it may not exist)."""
+    return TABLES_DIR / f"{device_name.strip().replace(' ', '_')}.json"
+
+
+@functools.cache
+def tuned_table(device_name: str) -> Mapping[tuple[int, int, int], Mapping]:
+    """The shipped table of ``device_name`` (:func:`table_path`), read once; :data:`EMPTY` where none
+    ships. A shipped file that does not parse or validate raises, naming the file."""
+    path = table_path(device_name)
+    if not path.is_file():
+        return EMPTY
+    try:
+        return load_decode_table(path)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"fp8 decode table {path}: {err}") from err

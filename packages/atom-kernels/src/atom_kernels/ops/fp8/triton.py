@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_kernels.ops._device import device_sms
+from atom_kernels.ops._device import device_name, device_sms
 from atom_kernels.ops._fp8_math import FP8_MAX, scale_tensor
 from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.fp8.checks import (
@@ -58,6 +58,7 @@ from atom_kernels.ops.fp8.checks import (
     check_fp8_linear,
     check_gated_norm_fp8_linear,
 )
+from atom_kernels.ops.fp8.decode_table import tuned_table
 from atom_kernels.ops.fp8.reference import ACT_SCALE_EPS
 from atom_kernels.ops.fp8.triton_decode import _quant_e4m3, launch_decode
 from atom_kernels.ops.norm.triton import gated_rms_norm
@@ -350,7 +351,9 @@ def fp8_linear(
     ``tickets``: int32 zeros, ``>= ceil(N / 16)``, that the one-launch split-K plan takes as its counters
     and leaves zero (without them it allocates zeroed counters per call: one memset); ``config``
     overrides the launch plan (keys of :func:`plan`; ``ONE_LAUNCH`` picks the plan); ``table``: the
-    per-shape configs :func:`plan` takes (``config`` overrides them)."""
+    per-shape configs :func:`plan` takes (``config`` overrides them); None: the table measured for this
+    device and shipped with the package (:func:`~atom_kernels.ops.fp8.decode_table.tuned_table`; empty
+    for a device without one), ``{}``: the heuristic alone."""
     check_fp8_linear(x, w_fp8, scale_inv, block, bias, tickets)
     if w_fp8.stride(-1) != 1:
         raise ValueError("fp8_linear (triton): w_fp8 needs a unit last-dim stride")
@@ -360,7 +363,8 @@ def fp8_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     scales = scale_inv if scale_inv.dtype == torch.float32 else scale_inv.float()
-    cfg = plan(x2.shape[0], w_fp8.shape[0], k, bk, device_sms(x.device), config, table)
+    tab = tuned_table(device_name(x.device)) if table is None else table
+    cfg = plan(x2.shape[0], w_fp8.shape[0], k, bk, device_sms(x.device), config, tab)
     if cfg["ONE_LAUNCH"]:
         y = launch_decode(x2, w_fp8, scales, (bn, bk), bias, cfg, tickets)
     else:
@@ -401,7 +405,8 @@ def gated_norm_fp8_linear(
     bn, bk = _check_block("gated_norm_fp8_linear", block)
     lead, dv = o.shape[:-2], o.shape[-1]
     k = o.shape[-2] * dv
-    cfg = plan(math.prod(lead), w_fp8.shape[0], k, bk, device_sms(o.device), config, table)
+    tab = tuned_table(device_name(o.device)) if table is None else table
+    cfg = plan(math.prod(lead), w_fp8.shape[0], k, bk, device_sms(o.device), config, tab)
     if not (cfg["ONE_LAUNCH"] and dv == bk):
         y = gated_rms_norm(o, z, norm_weight, eps)
         return fp8_linear(y.reshape(*lead, k), w_fp8, scale_inv, block, bias, tickets=tickets, config=config,
