@@ -4,13 +4,14 @@
 inputs ``a`` / ``b`` as row-strided views of the layer's projections (bf16 or float32), the conv state
 stored ``[S, W, C]`` (passed as the ``[S, C, W]`` view) in the token dtype, a float32 state pool and pending
 pool, ``N`` sequences on scattered slots of a pool of ``2N``, every acceptance count. The step is the
-causal conv update (the cpu backend's torch form) and ``gated_delta_rule_verify``:
+causal conv update and ``gated_delta_rule_verify``:
 
-- ``step``: the backend's default where a C compiler works (``cpu_native_verify``): the verify's inputs
-  prepared (L2 norms, gates' cumsums, the closed form's coefficients, the pending tokens' commit and
-  stash) in the same C call as the state pass;
-- ``torch_prep``: the form it replaces (``cpu_native_verify`` switched off): the same C state pass with
-  those inputs prepared in torch ops.
+- ``step``: the backend's default where a C compiler works: the conv update in one C call
+  (``conv1d.cpu_native``), the verify's inputs prepared (L2 norms, gates' cumsums, the closed form's
+  coefficients, the pending tokens' commit and stash) in the same C call as the state pass
+  (``cpu_native_verify``);
+- ``torch_prep``: the forms they replace (both switched off): the conv update in torch ops, the same C
+  state pass with its inputs prepared in torch ops.
 
 The forms alternate call by call on their own copies of the state, so the machine's load hits them alike;
 the median of ``--reps`` calls after two warm-up calls is reported, with the largest difference of the
@@ -71,13 +72,16 @@ def build(n: int, k_spec: int, dtype: torch.dtype, heads: tuple[int, int], seed:
 
 
 def run_step(form: str, kernels, geo, weights, inputs, meta, layer_state):
+    from atom_kernels.ops.conv1d import cpu_native as conv_native
     from atom_kernels.ops.gated_delta_rule import cpu_native_verify
     from atom_models.gdn_pipeline import gdn_verify
 
-    ctx = mock.patch.object(cpu_native_verify, "usable", lambda *_: False) if form == "torch_prep" else None
-    if ctx is None:
+    if form == "step":
         return gdn_verify(kernels, geo, weights, layer_state, *inputs, meta)
-    with ctx:
+    with (
+        mock.patch.object(cpu_native_verify, "usable", lambda *_: False),
+        mock.patch.object(conv_native, "usable", lambda *_: False),
+    ):
         return gdn_verify(kernels, geo, weights, layer_state, *inputs, meta)
 
 
