@@ -9,11 +9,12 @@ pool whose slots are strided (a view into a larger page), and 1 or 2 threads.
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import pytest
 import torch
-from atom_kernels.ops.gated_delta_rule import cpu, cpu_native, pending_width
+from atom_kernels.ops.gated_delta_rule import cpu, cpu_native, cpu_native_verify, pending_width
 from atom_kernels.testing import assert_close, gdn_inputs, randn
 
 # (what) -> (atol, rtol). The C pass sums each row's dot products in 16 lanes and a
@@ -26,11 +27,19 @@ TOL = {
 pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="no C compiler builds the pass here")
 
 
+@contextlib.contextmanager
 def _form(native: bool):
-    """The C pass (spied on, so the test sees it ran) or the torch forms (the pass switched off)."""
+    """The C pass with its inputs prepared in torch (spied on, so the test sees it ran; the one-call step
+    of ``cpu_native_verify`` switched off) or the torch forms (the pass switched off)."""
     if native:
-        return mock.patch.object(cpu_native, "gdn_pass", wraps=cpu_native.gdn_pass)
-    return mock.patch.object(cpu_native, "usable", lambda *_: False)
+        with (
+            mock.patch.object(cpu_native_verify, "usable", lambda *_: False),
+            mock.patch.object(cpu_native, "gdn_pass", wraps=cpu_native.gdn_pass) as spy,
+        ):
+            yield spy
+    else:
+        with mock.patch.object(cpu_native, "usable", lambda *_: False) as off:
+            yield off
 
 
 def _pool(slots: int, heads: tuple[int, int, int, int], seed: int, strided: bool) -> torch.Tensor:

@@ -8,8 +8,9 @@
   :data:`~atom_kernels.ops._groups.GROUP_TOKENS` tokens (cache-sized temporaries); the new window
   states are one gather and one indexed copy. The same depthwise
   sums as the reference's ``F.conv1d``, possibly added in another order.
-- :func:`causal_conv1d_update` (decode / verify): the reference's computation, but the window states are
-  read and written in the state buffer's own memory order (vLLM stores ``[S, W, C]`` and passes the
+- :func:`causal_conv1d_update` (decode / verify): one C call (:mod:`.cpu_native`) for float32 / bf16
+  tokens and states where a C compiler builds it; otherwise the reference's computation, but the window
+  states are read and written in the state buffer's own memory order (vLLM stores ``[S, W, C]`` and passes the
   ``[S, C, W]`` view): rows gathered by ``index_select`` and stored by ``index_copy_`` instead of
   advanced indexing of a transposed view, and the taps summed along contiguous channels.
 """
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from atom_kernels.ops._checks import check_cu_seqlens_values, check_num_accepted_values, check_slot_values
 from atom_kernels.ops._groups import sequence_groups
+from atom_kernels.ops.conv1d import cpu_native
 from atom_kernels.ops.conv1d.checks import check_causal_conv1d_update, check_causal_conv1d_varlen
 from atom_kernels.ops.conv1d.reference import _activate
 
@@ -171,6 +173,8 @@ def causal_conv1d_update(
     check_slot_values("causal_conv1d_update", "state_indices", state_indices, num_slots)
     limit = state_width - width + 2
     check_num_accepted_values("causal_conv1d_update", num_accepted, limit, f"W - K + 2 = {limit}")
+    if cpu_native.usable(x, weight, conv_state, activation):
+        return cpu_native.conv_update(x, weight, bias, conv_state, state_indices, num_accepted, activation)
     slots = state_indices.long()
     valid = slots >= 0
     all_valid = bool(valid.all())

@@ -19,8 +19,10 @@ Three ways through the state pool:
 - float32 pool (vLLM's CPU default, no rounding point between the commit and the verify) and at most
   :data:`.cpu_native.MAX_TOKENS` tokens, where a C compiler builds :mod:`.cpu_native`: the whole step in
   one C pass over each state row (commit, the products with ``[k | q]``, the tokens' outputs and ``u``,
-  decode's advance, the verify's stash of ``u``); the per-head coefficients (:func:`_token_coefs`), the
-  pending gathers and the rest of the stash are torch ops here. Measured 2.3-3.7x the per-slot torch
+  decode's advance, the verify's stash of ``u``). A verify with float32 or bf16 tokens and gates whose
+  last dim is contiguous runs as one C call (:mod:`.cpu_native_verify`: the inputs' preparation, the
+  commit's and the stash's pending rows, then the pass); otherwise the per-head coefficients
+  (:func:`_token_coefs`), the pending gathers and the rest of the stash are torch ops here. Measured 2.3-3.7x the per-slot torch
   form's speed at N = 256, 1.6-2.4x at N = 16 (one thread, ``benchmarks/cpu_gdn_verify.py``);
 - float32 pool otherwise: per slot, in place, ``S *= e^C``, ``S += U K``, ``S [k | q]`` (three ops on a
   few hundred KiB that stay in cache; nothing gathered or scattered: measured 2.5-3x faster than the
@@ -36,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from atom_kernels.ops._checks import check_num_accepted_values, check_slot_values
-from atom_kernels.ops.gated_delta_rule import cpu_native
+from atom_kernels.ops.gated_delta_rule import cpu_native, cpu_native_verify
 from atom_kernels.ops.gated_delta_rule.checks import (
     check_gated_delta_rule_recurrent,
     check_gated_delta_rule_verify,
@@ -271,6 +273,11 @@ def gated_delta_rule_verify(
     check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
     r = pending.shape[1]
     check_num_accepted_values(op, num_commit, r, f"R={r}", low=0, name="num_commit")
+    if cpu_native_verify.usable(q, k, v, g, beta, ssm_state, pending, A_log, dt_bias, pending_pos):
+        return cpu_native_verify.verify_step(
+            q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log,
+            dt_bias, pending_pos,
+        ).to(q.dtype)  # fmt: skip
     if cpu_native.usable(ssm_state, q_len) and pending.stride(-1) == 1:
         return _verify_native(
             q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log,

@@ -1,0 +1,198 @@
+"""The cpu backend's causal conv1d update (decode / verify) in one C call.
+
+The torch form (:func:`.cpu.causal_conv1d_update`) is a dozen ops per layer and step (gather of the
+windows, a concatenation, ``K`` multiply-adds, the activation, two dtype conversions, the indexed store),
+each over only ``N * Q * C`` values: at serving batch sizes their dispatch and temporaries cost more than
+the arithmetic. Here one loop over the sequences (split over ``torch.get_num_threads()`` OpenMP threads),
+per block of channels, reads the slot's ``K - 1`` history columns from ``num_accepted - 1`` on (zeros for a
+padding row) and the ``Q`` new tokens into float32, computes::
+
+    y_j = full_j w_0;  y_j = y_j + full_{j+i} w_i  (i = 1 .. K-1);  y_j = y_j + bias;  silu(y) = y / (1 + e^{-y})
+
+(the torch form's float32 expressions in its order, no contraction into fused multiply-adds; ``e^{-y}`` a
+polynomial of its own, about 2e-7 relative error, so the loop vectorises: a call to the C library's
+``expf`` per value made the activation 60% of the call), stores the output in the tokens' dtype and ``full[1:]`` left-aligned into the slot's window
+(real rows only), the history read before any column is written. bf16 values are rounded to nearest even
+as torch rounds them. Built and cached like :mod:`atom_kernels.ops.gated_delta_rule.cpu_native`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from atom_kernels.ops.gated_delta_rule import cpu_native
+
+MAX_COLUMNS = 64
+"""Most ``K - 1 + Q`` columns (history and tokens) of one call."""
+
+_SOURCE = r"""
+#pragma GCC optimize ("fp-contract=off")
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_COLS 64
+#define BLOCK 256
+
+/* e^x in float32 without a call (so the silu loop vectorises): 2^k e^r, k = round(x log2 e) by the
+   1.5 * 2^23 rounding trick, r = x - k ln 2 in two parts, e^r by Cephes' degree-5 polynomial (relative
+   error about 2e-7); overflow to inf past 88.376, underflow to 0 below -87.336 */
+static inline float exp_f32(float x) {
+    const float kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float er = p * (r * r) + r + 1.0f;
+    const int32_t ki = (int32_t)kf;
+    const int32_t bits = (ki + 127) * 8388608;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    const float e = er * scale;
+    return x > 88.3762626647949f ? __builtin_inff() : x < -87.3365447505531f ? 0.0f : e;
+}
+
+static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+typedef struct {
+    const void *x; int64_t x_sn, x_st; int x_bf16;        /* [N, Q, C], channel stride 1 */
+    const float *w;                                        /* [K, C] float32 */
+    const float *bias;                                     /* [C] float32 or NULL */
+    void *state; int64_t s_slot, s_ch, s_col; int s_bf16;  /* [S, C, W] with its strides */
+    const int32_t *slots;                                  /* [N] */
+    const int32_t *accepted;                               /* [N] or NULL (1) */
+    int64_t n, q, c, k;
+    int silu;
+    void *out; int out_bf16;                               /* [N, Q, C] contiguous */
+    int nthreads;
+} conv_args;
+
+/* dst[c] = float(src[c * stride]) for c < nb (the dtype branch outside the loop, so each loop vectorises) */
+static void row_in(float *restrict dst, const void *src, int64_t off, int64_t stride, int64_t nb, int bf16) {
+    if (bf16) {
+        const uint16_t *s = (const uint16_t *)src + off;
+        for (int64_t c = 0; c < nb; ++c) { uint32_t u = (uint32_t)s[c * stride] << 16; memcpy(dst + c, &u, 4); }
+    } else {
+        const float *s = (const float *)src + off;
+        for (int64_t c = 0; c < nb; ++c) dst[c] = s[c * stride];
+    }
+}
+
+static void row_out(void *dst, int64_t off, int64_t stride, const float *restrict src, int64_t nb, int bf16) {
+    if (bf16) {
+        uint16_t *d = (uint16_t *)dst + off;
+        for (int64_t c = 0; c < nb; ++c) d[c * stride] = to_bf16(src[c]);
+    } else {
+        float *d = (float *)dst + off;
+        for (int64_t c = 0; c < nb; ++c) d[c * stride] = src[c];
+    }
+}
+
+static void conv_seq(const conv_args *p, int64_t n) {
+    const int64_t Q = p->q, C = p->c, K = p->k, H = K - 1;
+    const int64_t slot = p->slots[n];
+    const int64_t start = p->accepted ? (int64_t)p->accepted[n] - 1 : 0;
+    float full[MAX_COLS][BLOCK], y[BLOCK];
+    for (int64_t c0 = 0; c0 < C; c0 += BLOCK) {
+        const int64_t nb = C - c0 < BLOCK ? C - c0 : BLOCK;
+        for (int64_t i = 0; i < H; ++i) {
+            if (slot >= 0)
+                row_in(full[i], p->state, slot * p->s_slot + c0 * p->s_ch + (start + i) * p->s_col, p->s_ch, nb, p->s_bf16);
+            else
+                memset(full[i], 0, nb * sizeof(float));
+        }
+        for (int64_t j = 0; j < Q; ++j) row_in(full[H + j], p->x, n * p->x_sn + j * p->x_st + c0, 1, nb, p->x_bf16);
+        for (int64_t j = 0; j < Q; ++j) {
+            const float *w0 = p->w + c0;
+            for (int64_t c = 0; c < nb; ++c) y[c] = full[j][c] * w0[c];
+            for (int64_t i = 1; i < K; ++i) {
+                const float *wi = p->w + i * C + c0, *f = full[j + i];
+                for (int64_t c = 0; c < nb; ++c) y[c] = y[c] + f[c] * wi[c];
+            }
+            if (p->bias)
+                for (int64_t c = 0; c < nb; ++c) y[c] = y[c] + p->bias[c0 + c];
+            if (p->silu)
+                for (int64_t c = 0; c < nb; ++c) y[c] = y[c] / (1.0f + exp_f32(-y[c]));
+            row_out(p->out, (n * Q + j) * C + c0, 1, y, nb, p->out_bf16);
+        }
+        if (slot >= 0)
+            for (int64_t i = 0; i < H - 1 + Q; ++i)
+                row_out(p->state, slot * p->s_slot + c0 * p->s_ch + i * p->s_col, p->s_ch, full[i + 1], nb, p->s_bf16);
+    }
+}
+
+void conv_update(const conv_args *p) {
+    #pragma omp parallel for schedule(static) num_threads(p->nthreads) if (p->nthreads > 1)
+    for (int64_t n = 0; n < p->n; ++n) conv_seq(p, n);
+}
+"""
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [
+        ("x", ctypes.c_void_p), ("x_sn", ctypes.c_int64), ("x_st", ctypes.c_int64), ("x_bf16", ctypes.c_int),
+        ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+        ("state", ctypes.c_void_p), ("s_slot", ctypes.c_int64), ("s_ch", ctypes.c_int64),
+        ("s_col", ctypes.c_int64), ("s_bf16", ctypes.c_int),
+        ("slots", ctypes.c_void_p), ("accepted", ctypes.c_void_p),
+        ("n", ctypes.c_int64), ("q", ctypes.c_int64), ("c", ctypes.c_int64), ("k", ctypes.c_int64),
+        ("silu", ctypes.c_int), ("out", ctypes.c_void_p), ("out_bf16", ctypes.c_int), ("nthreads", ctypes.c_int),
+    ]  # fmt: skip
+
+
+@functools.cache
+def load():
+    """The compiled ``conv_update``, or None where no C compiler builds it."""
+    return cpu_native.build(_SOURCE, "conv_update", "conv_update", _Args)
+
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, activation: str | None) -> bool:
+    """Whether :func:`conv_update` takes these (checked) arguments: float32 / bf16 tokens with contiguous
+    channels and state, at most :data:`MAX_COLUMNS` columns, silu or no activation, and a C build."""
+    if x.dtype not in _DTYPES or conv_state.dtype not in _DTYPES or x.stride(-1) != 1:
+        return False
+    if weight.shape[1] - 1 + x.shape[1] > MAX_COLUMNS or activation not in (None, "silu", "swish"):
+        return False
+    return load() is not None
+
+
+def conv_update(x, weight, bias, conv_state, state_indices, num_accepted, activation) -> torch.Tensor:
+    """:func:`.cpu.causal_conv1d_update` (checked arguments, :func:`usable`) in one C call."""
+    num_seqs, q_len, channels = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_seqs == 0:
+        return out
+    w32 = weight.float().t().contiguous()  # [K, C]
+    keep = [w32, slots := state_indices.contiguous()]
+    bf16 = lambda t: int(t.dtype == torch.bfloat16)  # noqa: E731
+    args = _Args(
+        x=x.data_ptr(), x_sn=x.stride(0), x_st=x.stride(1), x_bf16=bf16(x), w=w32.data_ptr(),
+        state=conv_state.data_ptr(), s_slot=conv_state.stride(0), s_ch=conv_state.stride(1),
+        s_col=conv_state.stride(2), s_bf16=bf16(conv_state), slots=slots.data_ptr(),
+        n=num_seqs, q=q_len, c=channels, k=weight.shape[1], silu=int(activation in ("silu", "swish")),
+        out=out.data_ptr(), out_bf16=bf16(out), nthreads=torch.get_num_threads(),
+    )  # fmt: skip
+    if bias is not None:
+        keep.append(b32 := bias.float().contiguous())
+        args.bias = b32.data_ptr()
+    if num_accepted is not None:
+        keep.append(acc := num_accepted.contiguous())
+        args.accepted = acc.data_ptr()
+    load()(ctypes.byref(args))
+    del keep
+    return out
