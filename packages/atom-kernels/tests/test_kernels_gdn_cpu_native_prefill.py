@@ -104,14 +104,12 @@ def _prefill(q, k, v, g, beta, cu, pool, slots, init, scale):
 
 
 def test_prefill_native_bf16_inputs():
-    """bf16 q/k/v on a float32 pool: the pass reads them, returns bf16, and matches the reference; the
-    chunked op itself keeps bf16 tokens on its torch form (see cpu_chunked's docstring)."""
-    pools = [_pool(8, CASES["dk128_gqa"][0], False) for _ in range(3)]
-    out = _call(_prefill, "dk128_gqa", pools[0], torch.bfloat16)
-    assert out.dtype == torch.bfloat16
+    """bf16 q/k/v on a float32 pool: the chunked op hands them to the pass, which returns bf16 and matches
+    the reference."""
+    pools = [_pool(8, CASES["dk128_gqa"][0], False) for _ in range(2)]
     with mock.patch.object(cpu_native_prefill, "gdn_prefill", wraps=cpu_native_prefill.gdn_prefill) as spy:
-        _call(cpu_chunked.gated_delta_rule_chunked, "dk128_gqa", pools[2], torch.bfloat16)
-    assert spy.call_count == 0
+        out = _call(cpu_chunked.gated_delta_rule_chunked, "dk128_gqa", pools[0], torch.bfloat16)
+    assert spy.call_count == 1 and out.dtype == torch.bfloat16
     expected = _call(reference.gated_delta_rule_chunked, "dk128_gqa", pools[1], torch.bfloat16)
     assert_close(out, expected, TOL["bf16_out"], "bf16 outputs")
     assert_close(pools[0], pools[1], TOL["vs_reference"], "state pool")
@@ -150,9 +148,15 @@ def test_prefill_native_bf16_as_vllm_hands_them():
         torch.tensor(slots, dtype=torch.int32),
         torch.tensor(init),
     )
-    for what, fn in (("pass", _prefill), ("torch form", cpu_chunked.gated_delta_rule_chunked)):
+    for what in ("pass", "torch form"):
         pool_after = pool.clone()
-        out = fn(*views, g, beta, args[0], pool_after, args[1], args[2], dk**-0.5)
+        off = mock.patch.object(cpu_native_prefill, "usable", lambda *_: False)
+        spy = mock.patch.object(cpu_native_prefill, "gdn_prefill", wraps=cpu_native_prefill.gdn_prefill)
+        with off if what == "torch form" else spy as patched:
+            out = cpu_chunked.gated_delta_rule_chunked(
+                *views, g, beta, args[0], pool_after, *args[1:], dk**-0.5
+            )
+            assert what != "pass" or patched.call_count == 1, "the C pass did not run"
         assert out.dtype == torch.bfloat16
         assert_close(out, want_o, TOL["bf16_vs_float64_out"], f"{what}: outputs")
         misrounded = (out != want_o.to(torch.bfloat16)).sum().item()
