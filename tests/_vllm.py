@@ -109,6 +109,15 @@ def prompts_job() -> dict[str, Any]:
     return {"name": "prompts", "prompt_token_ids": prompts, "max_tokens": max_tokens}
 
 
+def per_prompt_jobs() -> list[dict[str, Any]]:
+    """prompts.json one prompt a job (``p0``, ``p1``, ...): each prompt generated alone, with its own
+    spec-decode counters."""
+    prompts, max_tokens = prompt_set()
+    return [
+        {"name": f"p{i}", "prompt_token_ids": [p], "max_tokens": max_tokens} for i, p in enumerate(prompts)
+    ]
+
+
 def spec(
     *,
     plugin: bool,
@@ -148,9 +157,10 @@ def engine_run(name: str) -> dict[str, Any]:
 
 # Configurations read by tests of several modules.
 def _bf16_k1(plugin: bool, enforce_eager: bool) -> dict[str, Any]:
-    """bf16, MTP k = 1 on prompts.json (test_vllm_bf16_acceptance.py, test_vllm_modes.py); the plugin's
-    eager engine also runs greedy.json, test_vllm_fp8.py's bf16-checkpoint baseline."""
-    jobs = [prompts_job()] + ([greedy_job()] if plugin and enforce_eager else [])
+    """bf16, MTP k = 1 on prompts.json, all prompts in one batch and each alone (test_vllm_bf16_acceptance.py,
+    test_vllm_modes.py); the plugin's eager engine also runs greedy.json, test_vllm_fp8.py's bf16-checkpoint
+    baseline."""
+    jobs = [prompts_job(), *per_prompt_jobs()] + ([greedy_job()] if plugin and enforce_eager else [])
     return spec(plugin=plugin, dtype="bfloat16", k=1, jobs=jobs, enforce_eager=enforce_eager)
 
 
