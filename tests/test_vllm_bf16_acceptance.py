@@ -82,6 +82,12 @@ def test_bf16_acceptance_not_below_stock(k: int, tag: str) -> None:
     assert on_atom >= on_stock - ACCEPTANCE_MARGIN, (
         f"k={k} {tag} on identical text: plugin {on_atom:.4f} < stock {on_stock:.4f} - {ACCEPTANCE_MARGIN}"
     )
+    # every prompt, each generated alone (no batch-composition effects): measured eager stock 61.75%,
+    # plugin 63.83%
+    assert all_atom >= all_stock - ACCEPTANCE_MARGIN, (
+        f"k={k} {tag} over all prompts, each alone: plugin {all_atom:.4f} < stock {all_stock:.4f} - "
+        f"{ACCEPTANCE_MARGIN}"
+    )
     assert len(atom_batch["spec"]["accepted_per_pos"]) == k
 
 
