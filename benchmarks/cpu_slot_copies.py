@@ -6,7 +6,7 @@ binds them: per layer one pool of pages, each page one slot's conv (bf16, stored
 the transposed view), ssm, pending and pending_pos; the page padded to 64 bytes.
 
 Forms (each from the host's int64 block ids, as ``patches.mamba_align`` hands them over):
-- ``loop``: per layer ``atom_models.gdn_snapshot.copy_slots`` (one gather and one scatter per tensor);
+- ``loop``: per layer ``atom_models.testing.copy_slots`` (one gather and one scatter per tensor);
 - ``reference``: one ``copy_rows`` call of the reference backend (the same gather / scatter per tensor);
 - ``cpu``: one ``SlotCopier.copy`` on the cpu backend (each copying row copied in place, no temporary);
 - ``cpu_padded``: the same with fixed-size ``[--padded]`` index tensors, the real pairs first and -1 after.
@@ -32,9 +32,9 @@ import torch
 from atom_core import Qwen3NextConfig
 from atom_kernels import select_kernels
 from atom_kernels.registry import resolve
-from atom_models.gdn_snapshot import SlotCopier, copy_slots
+from atom_models.gdn_snapshot import SlotCopier
 from atom_models.gdn_state import GDNGeometry
-from atom_models.testing import paged_gdn_states
+from atom_models.testing import copy_slots, paged_gdn_states
 
 CONFIG = Path(__file__).parents[1] / "packages/atom-core/tests/data/qwen3-next-80b-a3b-instruct.json"
 FORMS = ("loop", "reference", "cpu", "cpu_padded")

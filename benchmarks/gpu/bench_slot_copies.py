@@ -5,7 +5,7 @@ through the transposed view), ssm (float32 ``[32, 128, 128]``), pending and pend
 ``n`` source slots to ``n`` destination slots, in vLLM's layout (one pool of pages per layer, 64-byte
 padded pages). Forms:
 
-- ``loop``: per layer ``atom_models.gdn_snapshot.copy_slots`` (one ``index_select`` + ``index_copy_`` per
+- ``loop``: per layer ``atom_models.testing.copy_slots`` (one ``index_select`` + ``index_copy_`` per
   tensor: 36 x 4 x 2 launches), the plugin's copies before ``SlotCopier``;
 - ``slot_copier``: one ``SlotCopier.copy`` on the triton backend (one launch);
 - ``slot_copier_padded``: the same with fixed-size ``[256]`` index tensors, the real pairs first and -1 after
@@ -39,9 +39,9 @@ def main() -> None:
     args, out, device, ceil = common.bench_setup(__doc__, quick_help="pairs 1 and 8 only")
     from atom_core import Qwen3NextConfig
     from atom_kernels import select_kernels
-    from atom_models.gdn_snapshot import SlotCopier, copy_slots
+    from atom_models.gdn_snapshot import SlotCopier
     from atom_models.gdn_state import GDNGeometry
-    from atom_models.testing import paged_gdn_states
+    from atom_models.testing import copy_slots, paged_gdn_states
 
     config = Qwen3NextConfig.from_hf(json.loads(CONFIG.read_text()))
     geo = GDNGeometry.from_config(config, 1)

@@ -16,9 +16,9 @@ from atom_kernels import select_kernels
 from atom_models.dense_cores import DenseContext, DenseGDNCore
 from atom_models.gdn_meta import GDNPrefillMeta, GDNSnapshotMeta, GDNStepMeta, GDNVerifyMeta
 from atom_models.gdn_pipeline import gdn_forward
-from atom_models.gdn_snapshot import SnapshotPlan, copy_slots, plan_block_snapshots, put_positions
+from atom_models.gdn_snapshot import SnapshotPlan, plan_block_snapshots, put_positions
 from atom_models.gdn_state import GDNGeometry
-from atom_models.testing import paged_gdn_states, random_gdn_layer, tiny_config
+from atom_models.testing import copy_slots, paged_gdn_states, random_gdn_layer, tiny_config
 
 # float32 reference kernels, resumed chunk vs dense chunked pipeline over the whole sequence: measured
 # max |error| about 1e-6 (recurrent / verify commit vs chunked summation order)

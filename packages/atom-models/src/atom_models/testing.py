@@ -1,5 +1,6 @@
 """Builders for tests and benchmarks of atom-models and its adapters: a tiny one-layer Qwen3-Next config,
-Gated DeltaNet layers with random weights, and GDN states in vLLM's page layout. Shipped with the package so
+Gated DeltaNet layers with random weights, GDN states in vLLM's page layout, and the per-layer whole-slot
+copy (the oracle of :class:`~atom_models.gdn_snapshot.SlotCopier` and the benchmarks' baseline). Shipped with the package so
 that the tests of a package built on atom-models (the vLLM plugin) and the benchmarks build the same objects
 as atom-models' own tests. Nothing here is used by the model code."""
 
@@ -79,3 +80,15 @@ def paged_gdn_states(
         states.append(GDNLayerState(*views))
         pools.append(pool)
     return states, pools
+
+
+def copy_slots(state: GDNLayerState, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``state[dst[i]] = state[src[i]]`` for every state tensor (conv, ssm, pending, pending_pos) of one
+    layer, one ``index_select`` and one ``index_copy_`` per tensor.
+
+    ``src`` / ``dst``: ``[n]`` int64 slot indices, no destination repeated and none also a source (the
+    sources are read in full before any destination is written); ``n == 0`` does nothing."""
+    if src.numel() == 0:
+        return
+    for t in state.tensors():
+        t.index_copy_(0, dst, t.index_select(0, src))
