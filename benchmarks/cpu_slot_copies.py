@@ -6,7 +6,7 @@ binds them: per layer one pool of pages, each page one slot's conv (bf16, stored
 the transposed view), ssm, pending and pending_pos; the page padded to 64 bytes.
 
 Forms (each from the host's int64 block ids, as ``patches.mamba_align`` hands them over):
-- ``loop``: per layer ``atom_models.gdn_snapshot.copy_slots`` (one gather and one scatter per tensor);
+- ``loop``: per layer ``atom_models.testing.copy_slots`` (one gather and one scatter per tensor);
 - ``reference``: one ``copy_rows`` call of the reference backend (the same gather / scatter per tensor);
 - ``cpu``: one ``SlotCopier.copy`` on the cpu backend (each copying row copied in place, no temporary);
 - ``cpu_padded``: the same with fixed-size ``[--padded]`` index tensors, the real pairs first and -1 after.
@@ -32,30 +32,12 @@ import torch
 from atom_core import Qwen3NextConfig
 from atom_kernels import select_kernels
 from atom_kernels.registry import resolve
-from atom_models.gdn_snapshot import SlotCopier, copy_slots
-from atom_models.gdn_state import GDNGeometry, GDNLayerState
+from atom_models.gdn_snapshot import SlotCopier
+from atom_models.gdn_state import GDNGeometry
+from atom_models.testing import copy_slots, paged_gdn_states
 
 CONFIG = Path(__file__).parents[1] / "packages/atom-core/tests/data/qwen3-next-80b-a3b-instruct.json"
 FORMS = ("loop", "reference", "cpu", "cpu_padded")
-
-
-def paged_layer(geo: GDNGeometry, slots: int, gen: torch.Generator) -> GDNLayerState:
-    shapes = [(geo.conv_width, geo.conv_dim), geo.ssm_shape, geo.pending_shape, geo.pending_pos_shape]
-    dtypes = [torch.bfloat16, torch.float32, torch.float32, torch.int32]
-    if not geo.has_pending:
-        shapes, dtypes = shapes[:2], dtypes[:2]
-    sizes = [torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes)]
-    page = sum(sizes) + (-sum(sizes) % 64)
-    # bytes below 64: every float (bf16 or float32) the views read is finite, so rows compare with equal
-    pool = torch.randint(0, 64, (slots * page,), generator=gen, dtype=torch.uint8)
-    views, off = [], 0
-    for shape, dt, size in zip(shapes, dtypes, sizes):
-        es = torch.empty(0, dtype=dt).element_size()
-        inner = torch.empty(shape).stride()
-        views.append(torch.as_strided(pool.view(dt), (slots, *shape), (page // es, *inner), off // es))
-        off += size
-    views[0] = views[0].transpose(1, 2)
-    return GDNLayerState(*views)
 
 
 def main() -> None:
@@ -73,7 +55,7 @@ def main() -> None:
     layers = len(config.linear_attention_layers)
     slots = 2 * max(args.pairs)
     gen = torch.Generator().manual_seed(0)
-    states = [paged_layer(geo, slots, gen) for _ in range(layers)]
+    states, _pools = paged_gdn_states(geo, layers, slots, generator=gen)
     kern = select_kernels("cpu", torch.bfloat16)
     ref = dict(kern.__dict__)
     ref["copy_rows"] = resolve("copy_rows", torch.device("cpu"), torch.bfloat16, "reference").fn

@@ -5,7 +5,7 @@ through the transposed view), ssm (float32 ``[32, 128, 128]``), pending and pend
 ``n`` source slots to ``n`` destination slots, in vLLM's layout (one pool of pages per layer, 64-byte
 padded pages). Forms:
 
-- ``loop``: per layer ``atom_models.gdn_snapshot.copy_slots`` (one ``index_select`` + ``index_copy_`` per
+- ``loop``: per layer ``atom_models.testing.copy_slots`` (one ``index_select`` + ``index_copy_`` per
   tensor: 36 x 4 x 2 launches), the plugin's copies before ``SlotCopier``;
 - ``slot_copier``: one ``SlotCopier.copy`` on the triton backend (one launch);
 - ``slot_copier_padded``: the same with fixed-size ``[256]`` index tensors, the real pairs first and -1 after
@@ -35,37 +35,19 @@ CONFIG = ROOT / "packages/atom-core/tests/data/qwen3-next-80b-a3b-instruct.json"
 PADDED = 256
 
 
-def paged_layer(geo, slots: int, device):
-    from atom_models.gdn_state import GDNLayerState
-
-    shapes = [(geo.conv_width, geo.conv_dim), geo.ssm_shape, geo.pending_shape, geo.pending_pos_shape]
-    dtypes = [torch.bfloat16, torch.float32, torch.float32, torch.int32]
-    sizes = [torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes)]
-    page = sum(sizes) + (-sum(sizes) % 64)
-    pool = torch.randint(0, 64, (slots * page,), dtype=torch.uint8, device=device)  # finite floats
-    views, off = [], 0
-    for shape, dt, size in zip(shapes, dtypes, sizes):
-        es = torch.empty(0, dtype=dt).element_size()
-        inner = torch.empty(shape).stride()
-        views.append(torch.as_strided(pool.view(dt), (slots, *shape), (page // es, *inner), off // es))
-        off += size
-    views[0] = views[0].transpose(1, 2)
-    return GDNLayerState(*views), pool
-
-
 def main() -> None:
     args, out, device, ceil = common.bench_setup(__doc__, quick_help="pairs 1 and 8 only")
     from atom_core import Qwen3NextConfig
     from atom_kernels import select_kernels
-    from atom_models.gdn_snapshot import SlotCopier, copy_slots
+    from atom_models.gdn_snapshot import SlotCopier
     from atom_models.gdn_state import GDNGeometry
+    from atom_models.testing import copy_slots, paged_gdn_states
 
     config = Qwen3NextConfig.from_hf(json.loads(CONFIG.read_text()))
     geo = GDNGeometry.from_config(config, 1)
     pairs_list = [1, 8] if args.quick else [1, 2, 8, 32]
     slots = 2 * max(pairs_list)
-    layers = [paged_layer(geo, slots, device) for _ in config.linear_attention_layers]
-    states, pools = [s for s, _ in layers], [p for _, p in layers]
+    states, pools = paged_gdn_states(geo, len(config.linear_attention_layers), slots, device=device)
     kern = select_kernels(device, torch.bfloat16)
     assert kern.backend_of("copy_rows") == "triton", kern.backend_of("copy_rows")
     copier = SlotCopier(kern, states)

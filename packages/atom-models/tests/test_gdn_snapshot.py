@@ -16,9 +16,9 @@ from atom_kernels import select_kernels
 from atom_models.dense_cores import DenseContext, DenseGDNCore
 from atom_models.gdn_meta import GDNPrefillMeta, GDNSnapshotMeta, GDNStepMeta, GDNVerifyMeta
 from atom_models.gdn_pipeline import gdn_forward
-from atom_models.gdn_snapshot import SnapshotPlan, copy_slots, plan_block_snapshots, put_positions
+from atom_models.gdn_snapshot import SnapshotPlan, plan_block_snapshots, put_positions
 from atom_models.gdn_state import GDNGeometry
-from atom_models.testing import random_gdn_layer, tiny_config
+from atom_models.testing import copy_slots, paged_gdn_states, random_gdn_layer, tiny_config
 
 # float32 reference kernels, resumed chunk vs dense chunked pipeline over the whole sequence: measured
 # max |error| about 1e-6 (recurrent / verify commit vs chunked summation order)
@@ -130,34 +130,6 @@ def test_a_chunk_resumed_from_a_verify_snapshot_matches_the_dense_pipeline(resum
     assert all(torch.equal(s, t[2]) for s, t in zip(shared, st.tensors())), "the shared slot was written"
 
 
-def _paged_states(geo: GDNGeometry, layers: int, slots: int, seed: int) -> tuple[list, list]:
-    """``layers`` GDN states laid out as vLLM lays out Mamba state: each layer's tensors are views of one
-    byte pool of ``slots`` pages (conv bf16 stored ``[S, W, C]`` and viewed ``[S, C, W]``, then ssm,
-    pending, pending_pos; page padding between slots), filled with random values. Returns (states, pools)."""
-    from atom_models.gdn_state import GDNLayerState
-
-    shapes = [(geo.conv_width, geo.conv_dim), geo.ssm_shape, geo.pending_shape, geo.pending_pos_shape]
-    dtypes = [torch.bfloat16, torch.float32, torch.float32, torch.int32]
-    if not geo.has_pending:
-        shapes, dtypes = shapes[:2], dtypes[:2]
-    sizes = [torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes)]
-    page = sum(sizes) + 48
-    g = torch.Generator().manual_seed(seed)
-    states, pools = [], []
-    for _ in range(layers):
-        pool = torch.randint(0, 256, (slots * page,), generator=g, dtype=torch.uint8)
-        views, off = [], 0
-        for shape, dt, size in zip(shapes, dtypes, sizes):
-            es = torch.empty(0, dtype=dt).element_size()
-            inner = torch.empty(shape).stride()
-            views.append(torch.as_strided(pool.view(dt), (slots, *shape), (page // es, *inner), off // es))
-            off += size
-        views[0] = views[0].transpose(1, 2)
-        states.append(GDNLayerState(*views))
-        pools.append(pool)
-    return states, pools
-
-
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
 @pytest.mark.parametrize("k", [0, K_SPEC])
 def test_slot_copier_equals_per_layer_copy_slots(backend, k):
@@ -169,7 +141,10 @@ def test_slot_copier_equals_per_layer_copy_slots(backend, k):
     if backend not in registry.available_backends("copy_rows", torch.device("cpu"), torch.float32):
         pytest.skip(f"the {backend} backend does not run on CPU here (triton: TRITON_INTERPRET=1)")
     geo = GDNGeometry.from_config(tiny_config(), k)
-    (ours, our_pools), (theirs, their_pools) = (_paged_states(geo, 3, 7, seed=k) for _ in range(2))
+    (ours, our_pools), (theirs, their_pools) = (
+        paged_gdn_states(geo, 3, 7, generator=torch.Generator().manual_seed(k), pad_bytes=48)
+        for _ in range(2)
+    )
     fn = registry.resolve("copy_rows", torch.device("cpu"), torch.float32, backend).fn
     kern = dataclasses.replace(select_kernels("cpu", torch.float32), copy_rows=fn)
     copier = SlotCopier(kern, ours, [f"L{i}" for i in range(3)])

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from atom_models.gdn_meta import GDNDecodeMeta, GDNPrefillMeta, GDNStepMeta, GDNVerifyMeta, GDNWeights
-from atom_models.gdn_snapshot import copy_slots, put_positions, resume_pending
+from atom_models.gdn_snapshot import SlotCopier, put_positions, resume_pending
 from atom_models.gdn_state import GDNGeometry, GDNLayerState
 
 
@@ -212,14 +212,19 @@ def gdn_forward(
     A step that is one decode or one in-order verify part over all ``T`` rows (a uniform decode / verify
     batch) returns that part's output as is, without the zeroed buffer and its copy.
 
-    ``step.snapshots`` (prefix caching): whole-slot copies before the parts run and after they ran.
+    ``step.snapshots`` (prefix caching): whole-slot copies of this layer's state before the parts run and
+    after they ran, each one ``kernels.copy_rows`` call through a :class:`~atom_models.gdn_snapshot.SlotCopier`
+    of the layer, built for the step (host work: a step with snapshots is not capturable). A runner that
+    copies at step level instead (one copier over every GDN layer, as the vLLM plugin does) leaves
+    ``step.snapshots`` unset.
     """
     snaps = step.snapshots
-    if snaps is not None:
-        copy_slots(state, snaps.before_src, snaps.before_dst)
+    copier = SlotCopier(kernels, [state]) if snaps is not None else None
+    if copier is not None:
+        copier.copy(snaps.before_src, snaps.before_dst)
     out = _forward_parts(kernels, geometry, weights, state, mixed_qkv, b, a, step)
-    if snaps is not None:
-        copy_slots(state, snaps.after_src, snaps.after_dst)
+    if copier is not None:
+        copier.copy(snaps.after_src, snaps.after_dst)
     return out
 
 

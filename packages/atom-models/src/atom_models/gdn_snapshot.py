@@ -23,7 +23,6 @@ This module has three parts:
   cache is about to share valid at its block's boundary, given where the request's state lives;
 - :class:`SlotCopier` (device): the copies of a whole model's GDN layers, every state tensor of the listed
   slots, in one ``copy_rows`` call (one launch on a GPU, padded pairs masked on the device, capturable);
-  :func:`copy_slots` the same for one layer's state, one gather and one scatter per tensor, no host work;
 - :func:`resume_pending` and :func:`put_positions` (device): a prompt chunk starting from a snapshot
   commits its ``context_len - pending_pos`` pending tokens first, and every part records ``pending_pos``.
 
@@ -107,18 +106,6 @@ def plan_block_snapshots(
     elif boundary == computed + 1 and is_verify:
         plan.after.append((curr, col))
     return plan
-
-
-def copy_slots(state: GDNLayerState, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """``state[dst[i]] = state[src[i]]`` for every state tensor (conv, ssm, pending, pending_pos).
-
-    ``src`` / ``dst``: ``[n]`` int64 slot indices, no destination repeated and none also a source (the
-    sources are read in full before any destination is written). Device ops only; ``n == 0`` does nothing.
-    """
-    if src.numel() == 0:
-        return
-    for t in state.tensors():
-        t.index_copy_(0, dst, t.index_select(0, src))
 
 
 STATE_TENSOR_NAMES = ("conv", "ssm", "pending", "pending_pos")  # GDNLayerState.tensors() order

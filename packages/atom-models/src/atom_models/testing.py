@@ -1,6 +1,8 @@
-"""Builders for tests of atom-models and its adapters: a tiny one-layer Qwen3-Next config and Gated DeltaNet
-layers with random weights. Shipped with the package so that the tests of a package built on atom-models
-(the vLLM plugin) build the same layers as atom-models' own tests. Nothing here is used by the model code."""
+"""Builders for tests and benchmarks of atom-models and its adapters: a tiny one-layer Qwen3-Next config,
+Gated DeltaNet layers with random weights, GDN states in vLLM's page layout, and the per-layer whole-slot
+copy (the oracle of :class:`~atom_models.gdn_snapshot.SlotCopier` and the benchmarks' baseline). Shipped with the package so
+that the tests of a package built on atom-models (the vLLM plugin) and the benchmarks build the same objects
+as atom-models' own tests. Nothing here is used by the model code."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch
 from atom_core import Qwen3NextConfig
 
 from atom_models.gdn import GatedDeltaNet
+from atom_models.gdn_state import GDNGeometry, GDNLayerState
 
 _TINY_CONFIG = {
     "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 1,
@@ -38,3 +41,54 @@ def random_gdn_layer(cfg: Qwen3NextConfig, kernels, dtype: torch.dtype = torch.f
     """Layer 0 of ``cfg`` without a core, every parameter drawn from N(0, 0.5^2) with torch's global
     generator; on the default device (build it inside ``with torch.device(...)`` for another)."""
     return normal_parameters_(GatedDeltaNet(cfg, 0, core=None, kernels=kernels, dtype=dtype), 0.5)
+
+
+def paged_gdn_states(
+    geo: GDNGeometry,
+    layers: int,
+    slots: int,
+    *,
+    device: torch.device | str | None = None,
+    generator: torch.Generator | None = None,
+    pad_bytes: int = 0,
+) -> tuple[list[GDNLayerState], list[torch.Tensor]]:
+    """``layers`` GDN layer states of ``slots`` slots each, laid out as vLLM lays out Mamba state, filled
+    with random bytes. Returns ``(states, pools)``.
+
+    Per layer one ``uint8`` pool of ``slots`` pages; a page holds one slot's conv (bf16, stored ``[W, C]``,
+    the state's ``conv`` the transposed ``[S, C, W]`` view), ssm (float32), and with speculative decoding
+    pending (float32) and pending_pos (int32), each tensor a page-strided view of the pool. A page is its
+    tensors' bytes rounded up to 64, plus ``pad_bytes``. Every byte is below 64, so every bf16 / float32 the
+    views read is finite (rows compare with ``torch.equal``). ``generator`` (on ``device``) draws the bytes;
+    None: torch's global generator of ``device``."""
+    shapes = [(geo.conv_width, geo.conv_dim), geo.ssm_shape, geo.pending_shape, geo.pending_pos_shape]
+    dtypes = [torch.bfloat16, torch.float32, torch.float32, torch.int32]
+    if not geo.has_pending:
+        shapes, dtypes = shapes[:2], dtypes[:2]
+    sizes = [torch.Size(s).numel() * dt.itemsize for s, dt in zip(shapes, dtypes)]
+    page = sum(sizes) + (-sum(sizes) % 64) + pad_bytes
+    states, pools = [], []
+    for _ in range(layers):
+        pool = torch.randint(0, 64, (slots * page,), generator=generator, dtype=torch.uint8, device=device)
+        views, off = [], 0
+        for shape, dt, size in zip(shapes, dtypes, sizes):
+            inner = torch.empty(shape, device="meta").stride()
+            es = dt.itemsize
+            views.append(torch.as_strided(pool.view(dt), (slots, *shape), (page // es, *inner), off // es))
+            off += size
+        views[0] = views[0].transpose(1, 2)
+        states.append(GDNLayerState(*views))
+        pools.append(pool)
+    return states, pools
+
+
+def copy_slots(state: GDNLayerState, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``state[dst[i]] = state[src[i]]`` for every state tensor (conv, ssm, pending, pending_pos) of one
+    layer, one ``index_select`` and one ``index_copy_`` per tensor.
+
+    ``src`` / ``dst``: ``[n]`` int64 slot indices, no destination repeated and none also a source (the
+    sources are read in full before any destination is written); ``n == 0`` does nothing."""
+    if src.numel() == 0:
+        return
+    for t in state.tensors():
+        t.index_copy_(0, dst, t.index_select(0, src))
