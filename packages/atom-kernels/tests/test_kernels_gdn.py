@@ -53,7 +53,10 @@ TOL = {
     # (measured on the H200): final states off by 4.7e-03..6.8e-03, chunked vs
     # recurrent outputs by 1.95e-03 (two bf16 steps). Its float32 path is not registered (tf32 dots).
     ("gdr_vs_naive", torch.bfloat16, "triton"): (1e-2, 1e-2),  # measured 6.8e-03 (H200)
-    ("gdr_self", torch.bfloat16, "triton"): (4e-3, 1e-2),  # measured 1.95e-03 (H200)
+    # chunked vs recurrent: outputs 1.95e-03 (H200); final states 8.5e-03 (H100, 14 test processes on one
+    # GPU: fla-core autotunes its chunk kernels by timing, so the tiles it picks, and their bf16 roundings,
+    # vary with the load), the size of the chunked-vs-naive state error above
+    ("gdr_self", torch.bfloat16, "triton"): (1e-2, 1e-2),
 }
 DTYPES = [torch.float32, torch.bfloat16]
 HK, HV, DK, DV = 2, 4, 32, 16
