@@ -28,7 +28,8 @@ from atom_kernels.ops.gated_delta_rule import cpu_native
 MAX_COLUMNS = 64
 """Most ``K - 1 + Q`` columns (history and tokens) of one call."""
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #pragma GCC optimize ("fp-contract=off")
 #include <math.h>
 #include <stdint.h>
@@ -58,14 +59,9 @@ static inline float exp_f32(float x) {
     return x > 88.3762626647949f ? __builtin_inff() : x < -87.3365447505531f ? 0.0f : e;
 }
 
-static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
+"""
+    + cpu_native.BF16_PRELUDE
+    + r"""
 typedef struct {
     const void *x; int64_t x_sn, x_st; int x_bf16;        /* [N, Q, C], channel stride 1 */
     const float *w;                                        /* [K, C] float32 */
@@ -83,7 +79,7 @@ typedef struct {
 static void row_in(float *restrict dst, const void *src, int64_t off, int64_t stride, int64_t nb, int bf16) {
     if (bf16) {
         const uint16_t *s = (const uint16_t *)src + off;
-        for (int64_t c = 0; c < nb; ++c) { uint32_t u = (uint32_t)s[c * stride] << 16; memcpy(dst + c, &u, 4); }
+        for (int64_t c = 0; c < nb; ++c) dst[c] = bf16_to_f32(s[c * stride]);
     } else {
         const float *s = (const float *)src + off;
         for (int64_t c = 0; c < nb; ++c) dst[c] = s[c * stride];
@@ -93,7 +89,7 @@ static void row_in(float *restrict dst, const void *src, int64_t off, int64_t st
 static void row_out(void *dst, int64_t off, int64_t stride, const float *restrict src, int64_t nb, int bf16) {
     if (bf16) {
         uint16_t *d = (uint16_t *)dst + off;
-        for (int64_t c = 0; c < nb; ++c) d[c * stride] = to_bf16(src[c]);
+        for (int64_t c = 0; c < nb; ++c) d[c * stride] = f32_to_bf16(src[c]);
     } else {
         float *d = (float *)dst + off;
         for (int64_t c = 0; c < nb; ++c) d[c * stride] = src[c];
@@ -138,6 +134,7 @@ void conv_update(const conv_args *p) {
     for (int64_t n = 0; n < p->n; ++n) conv_seq(p, n);
 }
 """
+)
 
 
 class _Args(ctypes.Structure):

@@ -65,6 +65,20 @@ static inline float lane_sum(vec v) { /* a fixed pairwise tree: halves, quarters
 """The C passes' shared vector helpers: 16-float vectors, unaligned loads and stores, and a lane sum in a
 fixed pairwise order (so every pass sums in the same order)."""
 
+BF16_PRELUDE = r"""
+static inline float bf16_to_f32(uint16_t h) { /* exact: bf16 is the top half of a float32 */
+    union { uint32_t u; float f; } c = {(uint32_t)h << 16};
+    return c.f;
+}
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's conversion */
+    union { float f; uint32_t u; } c = {f};
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40); /* NaN stays quiet */
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+"""
+"""The C kernels' scalar bf16 conversions (after ``<stdint.h>``): bf16 -> float32 exactly, float32 -> bf16
+rounded to nearest even as torch rounds (NaN stays NaN)."""
+
 _SOURCE = (
     r"""
 #include <stdint.h>

@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-from atom_kernels.ops.gated_delta_rule.cpu_native import VECTOR_PRELUDE, build
+from atom_kernels.ops.gated_delta_rule.cpu_native import BF16_PRELUDE, VECTOR_PRELUDE, build
 from atom_kernels.ops.l2norm.checks import DEFAULT_EPS
 
 MAX_HEAD_DIM = 256
@@ -74,15 +74,9 @@ typedef uint32_t uivec __attribute__((vector_size(64)));
 static inline vec load_bf16(const uint16_t *p) { /* exact: bf16 is the top half of a float32 */
     return (vec)(__builtin_convertvector(*(const uhvec *)p, uivec) << 16);
 }
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } c = {(uint32_t)h << 16};
-    return c.f;
-}
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's conversion */
-    union { float f; uint32_t u; } c = {f};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40); /* NaN stays quiet */
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
+"""
+    + BF16_PRELUDE
+    + r"""
 
 typedef struct {
     float *pool;                /* [S, Hv, Dv, Dk], slot stride pool_stride */

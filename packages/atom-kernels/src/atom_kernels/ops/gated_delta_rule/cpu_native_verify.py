@@ -34,14 +34,18 @@ from atom_kernels.ops.gated_delta_rule import cpu_native
 from atom_kernels.ops.gated_delta_rule.reference import _gate_values
 from atom_kernels.ops.l2norm.checks import DEFAULT_EPS
 
-_STEP_SOURCE = r"""
+_STEP_SOURCE = (
+    r"""
 #pragma GCC optimize ("fp-contract=off")
 #include <math.h>
 #include <string.h>
 #define MAX_R 64
+"""
+    + cpu_native.BF16_PRELUDE
+    + r"""
 
 static inline float ldf(const void *p, int64_t i, int bf16) {
-    if (bf16) { uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16; float f; memcpy(&f, &u, 4); return f; }
+    if (bf16) return bf16_to_f32(((const uint16_t *)p)[i]);
     return ((const float *)p)[i];
 }
 static inline int64_t ldi(const void *p, int64_t i, int i64) {
@@ -187,6 +191,7 @@ void gdn_verify_step(const step_args *s) {
     gdn_pass(&p);
 }
 """
+)
 
 MAX_PENDING = 64
 """Most pending tokens per slot (``R``) the step takes."""
