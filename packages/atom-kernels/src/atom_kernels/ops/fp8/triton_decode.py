@@ -9,7 +9,7 @@ silu(z)`` in float32, rounded to o's dtype) before it is quantised, so the group
 the normalised values. ``RMS_NORM`` (constexpr) gives it the decoder layer's input norm: ``h = x +
 residual`` in float32, ``h * rsqrt(mean(h^2) + eps) * (1 + w)`` over the whole row, rounded to x's dtype,
 as ``rms_norm`` computes it; every program first sums the squares of its rows over all K (a few rows of
-K values, read again by the main loop from cache), and the programs of column tile 0 write ``h`` and the
+K values in wide loads, read again by the main loop from cache), and the programs of column tile 0 write ``h`` and the
 normed values of their K range. Off, the prologues are not traced and the kernel is the plain linear.
 """
 
@@ -47,12 +47,13 @@ def _gated_norm(x, z, w, AXIS: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr)
 
 
 @triton.jit
-def _row_inv_rms(x_ptr, res_ptr, offs_r, r_ok, stride_xm, stride_rm, K, GROUP: tl.constexpr,
+def _row_inv_rms(x_ptr, res_ptr, offs_r, r_ok, stride_xm, stride_rm, K, BLOCK: tl.constexpr,
                  ROWS: tl.constexpr, HAS_RES: tl.constexpr, EPS: tl.constexpr):  # fmt: skip
-    """``rsqrt(mean(h^2) + EPS)`` per row (``[ROWS]``) of the float32 ``h = x (+ residual)``, over all K."""
-    offs_g = tl.arange(0, GROUP)
-    ss = tl.zeros([ROWS, GROUP], tl.float32)
-    for k0 in range(0, K, GROUP):
+    """``rsqrt(mean(h^2) + EPS)`` per row (``[ROWS]``) of the float32 ``h = x (+ residual)``, over all K,
+    ``BLOCK`` columns per load (wide loads: the row arrives in a few round trips)."""
+    offs_g = tl.arange(0, BLOCK)
+    ss = tl.zeros([ROWS, BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
         m = r_ok[:, None] & ((k0 + offs_g) < K)[None, :]
         rows = offs_r[:, None].to(tl.int64)
         h = tl.load(x_ptr + rows * stride_xm + k0 + offs_g[None, :], mask=m, other=0.0).to(tl.float32)
@@ -85,6 +86,7 @@ def _fp8_linear_decode_kernel(
     BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False, GATED_NORM: tl.constexpr = False,
     NORM_EPS: tl.constexpr = 0.0, RMS_NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
+    SS_BLOCK: tl.constexpr = 128,
 ):  # fmt: skip
     """``y[:M, n-tile] = x @ w.T`` for decode-sized ``M <= ROWS``; program ``(pid_n, pid_k)``
     covers ``BLOCK_N`` columns and K groups ``[pid_k * GROUPS_PER_SPLIT, ...)`` of ``GROUP`` channels.
@@ -121,7 +123,9 @@ def _fp8_linear_decode_kernel(
     if GATED_NORM:
         nw = tl.load(nw_ptr + offs_g).to(tl.float32)
     if RMS_NORM:
-        inv = _row_inv_rms(x_ptr, res_ptr, offs_r, r_ok, stride_xm, stride_rm, K, GROUP, ROWS, HAS_RES, NORM_EPS)
+        inv = _row_inv_rms(
+            x_ptr, res_ptr, offs_r, r_ok, stride_xm, stride_rm, K, SS_BLOCK, ROWS, HAS_RES, NORM_EPS
+        )
         r_keep = offs_r < M * (1 - pid_n)  # the rows, in column tile 0 only: it writes h and the normed rows
     if SWAP_AB:  # y.T tile = w tile @ q.T: the weight is the [BLOCK_N, GROUP] left operand
         x_ptrs = x_ptr + offs_r[None, :].to(tl.int64) * stride_xm + offs_g[:, None]
@@ -212,6 +216,12 @@ def _fp8_linear_decode_kernel(
                  acc.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
 
+def _ss_block(k: int, bk: int, rows: int) -> int:
+    """Columns per load of the RMS_NORM sum of squares: 2048 elements of the rows per load (K = 2048 at
+    two rows: two loads of x and of the residual), at least one group, at most K (a power of two)."""
+    return max(triton.next_power_of_2(bk), min(triton.next_power_of_2(k), 2048 // rows))
+
+
 def launch_decode(x, w, w_scales, block, bias, cfg, tickets=None, gate=None, norm=None):
     """One launch of ``_fp8_linear_decode_kernel``: ``x [M, K]`` (unit last stride, ``M <= cfg["ROWS"]``)
     x ``w [N, K]`` e4m3 with float32 block scales -> ``[M, N]`` in x.dtype. ``tickets``: the caller's
@@ -264,7 +274,8 @@ def launch_decode(x, w, w_scales, block, bias, cfg, tickets=None, gate=None, nor
         GROUPS_PER_SPLIT=per, SPLIT_K=split, EPS=ACT_SCALE_EPS, FMAX=FP8_MAX, BN_Q=bn, GROUP=bk, ROWS=rows,
         BLOCK_N=cfg["BLOCK_N"], SWAP_AB=cfg["SWAP_AB"], EVEN_K=k % bk == 0, SPLIT=split > 1,
         HAS_BIAS=has_bias, GATED_NORM=gate is not None, NORM_EPS=float(eps), RMS_NORM=norm is not None,
-        HAS_RES=norm is not None and residual is not None, num_warps=cfg["num_warps"],
+        HAS_RES=norm is not None and residual is not None, SS_BLOCK=_ss_block(k, bk, rows),
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **launch_options(x.device),
     )  # fmt: skip
     return out if norm is None else (out, normed, h)
