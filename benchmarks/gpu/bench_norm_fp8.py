@@ -71,7 +71,9 @@ def main() -> None:
         device = common.require_cuda()
         dtype, ceil, k, shapes, ba, ms = torch.bfloat16, common.ceilings(out, device), K, SHAPES, BA, MS
         sms = torch.cuda.get_device_properties(device).multi_processor_count
+    from atom_kernels.ops._device import device_name
     from atom_kernels.ops.fp8 import triton as fp8
+    from atom_kernels.ops.fp8.decode_table import tuned_table
     from atom_kernels.ops.linear import triton as linear
     from atom_kernels.ops.norm import triton as norm
 
@@ -88,6 +90,7 @@ def main() -> None:
         r = common.row(bench="norm_fp8", ms=None, ceil={}, **kw)  # no ceilings: wall time of one call
         return {**r, "ms": ms_, "timing": "interpreter wall time of one call"}
 
+    table = tuned_table(device_name(device))  # the per-shape configs the ops take by default
     torch.manual_seed(0)
     norm_w = (0.1 * torch.randn(k, device=device)).to(dtype)
     w_ba = (torch.randn(ba, k, device=device) * k**-0.5).to(dtype)
@@ -119,13 +122,13 @@ def main() -> None:
             ref = two()
             case = f"{name} N={n} M={m}"
             rows.append(result(timed(two), case=case, impl="two launches", nbytes=nbytes,
-                               plan=str(fp8.plan(m, n, k, 128, sms))))  # fmt: skip
+                               plan=str(fp8.plan(m, n, k, 128, sms, None, table))))  # fmt: skip
             for impl, cfg in (("fused default", None), ("fused one-launch", {"ONE_LAUNCH": True})):
                 got = fused(config=cfg)
                 diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, ref))
                 ms_ = timed(lambda cfg=cfg, f=fused: f(config=cfg))
                 rows.append(result(ms_, case=case, impl=impl, nbytes=nbytes,
-                                   plan=str(fp8.plan(m, n, k, 128, sms, cfg)), max_diff_vs_two=diff))  # fmt: skip
+                                   plan=str(fp8.plan(m, n, k, 128, sms, cfg, table)), max_diff_vs_two=diff))  # fmt: skip
             assert not tickets.any(), "tickets not left zero"
             base = next(r for r in rows if r["case"] == case and r["impl"] == "two launches")
             best = min((r for r in rows if r["case"] == case and r["impl"] != "two launches"),
