@@ -9,8 +9,8 @@ silu(z)`` in float32, rounded to o's dtype) before it is quantised, so the group
 the normalised values. ``RMS_NORM`` (constexpr) gives it the decoder layer's input norm: ``h = x +
 residual`` in float32, ``h * rsqrt(mean(h^2) + eps) * (1 + w)`` over the whole row, rounded to x's dtype,
 as ``rms_norm`` computes it; every program first sums the squares of its rows over all K (a few rows of
-K values in wide loads, read again by the main loop from cache), and the programs of column tile 0 write ``h`` and the
-normed values of their K range. Off, the prologues are not traced and the kernel is the plain linear.
+K values in wide loads, read again by the main loop from cache), and the programs of column tile 0 write
+``h`` and the normed values of their K range. Off, the prologues are not traced and the kernel is the plain linear.
 """
 
 from __future__ import annotations
@@ -274,8 +274,8 @@ def launch_decode(x, w, w_scales, block, bias, cfg, tickets=None, gate=None, nor
         GROUPS_PER_SPLIT=per, SPLIT_K=split, EPS=ACT_SCALE_EPS, FMAX=FP8_MAX, BN_Q=bn, GROUP=bk, ROWS=rows,
         BLOCK_N=cfg["BLOCK_N"], SWAP_AB=cfg["SWAP_AB"], EVEN_K=k % bk == 0, SPLIT=split > 1,
         HAS_BIAS=has_bias, GATED_NORM=gate is not None, NORM_EPS=float(eps), RMS_NORM=norm is not None,
-        HAS_RES=norm is not None and residual is not None, SS_BLOCK=_ss_block(k, bk, rows),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **launch_options(x.device),
+        HAS_RES=norm is not None and residual is not None,
+        SS_BLOCK=_ss_block(k, bk, rows) if norm is not None else 128,  # the plain kernel: one specialisation
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x.device),
     )  # fmt: skip
     return out if norm is None else (out, normed, h)
