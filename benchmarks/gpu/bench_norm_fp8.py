@@ -16,7 +16,7 @@ decode step pays per layer. ``max_diff_vs_two``: max |fused - two launches| of t
 flip of one activation can show, see packages/atom-kernels/tests/test_kernels_fp8_rms_norm.py).
 ``--out``: ``norm_fp8_<gpu>.json``.
 
-``--smoke``: CPU under ``TRITON_INTERPRET=1``, small shapes, float32, one call each timed by wall clock
+``--quick``: M = 1, 2 only. ``--smoke``: CPU under ``TRITON_INTERPRET=1``, small shapes, float32, one call each timed by wall clock
 (checks the plumbing and the agreement of the two paths, not a measurement); ``norm_fp8_smoke.json``.
 """
 
@@ -52,6 +52,7 @@ def _weight(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.T
 def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="M = 1 and 2 only")
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, small shapes")
     return ap.parse_args()
 
@@ -69,7 +70,8 @@ def main() -> None:
         sms = 132
     else:
         device = common.require_cuda()
-        dtype, ceil, k, shapes, ba, ms = torch.bfloat16, common.ceilings(out, device), K, SHAPES, BA, MS
+        dtype, ceil, k, shapes, ba = torch.bfloat16, common.ceilings(out, device), K, SHAPES, BA
+        ms = MS[:2] if args.quick else MS
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     from atom_kernels.ops._device import device_name
     from atom_kernels.ops.fp8 import triton as fp8
