@@ -301,10 +301,11 @@ def test_linear_decode_kernel_compiles_for_sm90(rows, block_n, split, even_k, bi
     sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", y_ptr="*bf16", bias_ptr="*bf16",
                part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32",
                stride_wn="i32", stride_wsn="i32", stride_ym="i32", GROUPS_PER_SPLIT="i32",
-               SPLIT_K="i32", z_ptr="*bf16", nw_ptr="*bf16", stride_zm="i32")  # fmt: skip
+               SPLIT_K="i32", z_ptr="*bf16", nw_ptr="*bf16", stride_zm="i32", res_ptr="*bf16",
+               h_ptr="*bf16", yn_ptr="*bf16", stride_rm="i32", stride_hm="i32", stride_ynm="i32")  # fmt: skip
     consts = dict(EPS=1e-10, FMAX=448.0, BN_Q=128, GROUP=128, ROWS=rows, BLOCK_N=block_n, SWAP_AB=swap,
                   EVEN_K=even_k, SPLIT=split, HAS_BIAS=bias, PDL=rows == 2, GATED_NORM=False, NORM_EPS=0.0,
-                  **dict.fromkeys(one, 1))  # fmt: skip
+                  RMS_NORM=False, HAS_RES=False, SS_BLOCK=128, **dict.fromkeys(one, 1))  # fmt: skip
     src = ast_source(
         fp8_decode._fp8_linear_decode_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
     )

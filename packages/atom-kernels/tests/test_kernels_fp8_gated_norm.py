@@ -314,12 +314,13 @@ def test_gated_norm_kernel_compiles_for_sm90(rows, swap, split):
     sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", y_ptr="*bf16", bias_ptr="*bf16",
                part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32",
                stride_wn="i32", stride_wsn="i32", stride_ym="i32", GROUPS_PER_SPLIT="i32",
-               SPLIT_K="i32", z_ptr="*bf16", nw_ptr="*bf16", stride_zm="i32")  # fmt: skip
+               SPLIT_K="i32", z_ptr="*bf16", nw_ptr="*bf16", stride_zm="i32", res_ptr="*bf16",
+               h_ptr="*bf16", yn_ptr="*bf16", stride_rm="i32", stride_hm="i32", stride_ynm="i32")  # fmt: skip
     ptx = {}
     for gated in (False, True):
         consts = dict(EPS=1e-10, FMAX=448.0, BN_Q=128, GROUP=128, ROWS=rows, BLOCK_N=32, SWAP_AB=swap,
                       EVEN_K=True, SPLIT=split, HAS_BIAS=False, PDL=rows == 2, GATED_NORM=gated,
-                      NORM_EPS=1e-6 if gated else 0.0)  # fmt: skip
+                      NORM_EPS=1e-6 if gated else 0.0, RMS_NORM=False, HAS_RES=False, SS_BLOCK=128)  # fmt: skip
         src = ASTSource(
             triton_decode._fp8_linear_decode_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
         )

@@ -51,6 +51,7 @@ class Kernels:
     fp8_act_quant: Op
     fp8_linear: Op
     gated_norm_fp8_linear: Op
+    rms_norm_fp8_linear: Op
     fp8_kv_quant: Op
     fp8_kv_dequant: Op
     copy_rows: Op

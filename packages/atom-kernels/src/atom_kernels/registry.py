@@ -52,6 +52,7 @@ OPS: tuple[str, ...] = (
     "fp8_act_quant",
     "fp8_linear",
     "gated_norm_fp8_linear",
+    "rms_norm_fp8_linear",
     "fp8_kv_quant",
     "fp8_kv_dequant",
     "copy_rows",

@@ -45,6 +45,7 @@ REFERENCE_OPS = {
     "fp8_act_quant": fp8.fp8_act_quant,
     "fp8_linear": fp8.fp8_linear,
     "gated_norm_fp8_linear": fp8.gated_norm_fp8_linear,
+    "rms_norm_fp8_linear": fp8.rms_norm_fp8_linear,
     "fp8_kv_quant": fp8.fp8_kv_quant,
     "fp8_kv_dequant": fp8.fp8_kv_dequant,
     "copy_rows": copy_rows.copy_rows,

@@ -105,7 +105,7 @@ from atom_kernels.ops.copy_rows import triton as _copy_rows  # noqa: E402
 
 register("copy_rows", BACKEND, _copy_rows.copy_rows, available=on_gpu, priority=PRIORITY)
 
-# FP8: W8A8 block-scaled GEMM (alone and after the GDN gated norm), FP8 fused MoE, block dequant,
+# FP8: W8A8 block-scaled GEMM (alone, after the GDN gated norm, after the residual add + RMS norm), FP8 fused MoE, block dequant,
 # per-tensor KV quant. Real GPUs only: Triton 3.9's interpreter flushes e4m3 subnormals to zero and does
 # not saturate, so it cannot run the spec.
 from atom_kernels.ops.fp8 import triton as _fp8  # noqa: E402
@@ -122,6 +122,7 @@ register("fp8_linear", BACKEND, _fp8.fp8_linear, available=on_real_gpu, priority
 register(
     "gated_norm_fp8_linear", BACKEND, _fp8.gated_norm_fp8_linear, available=on_real_gpu, priority=PRIORITY
 )
+register("rms_norm_fp8_linear", BACKEND, _fp8.rms_norm_fp8_linear, available=on_real_gpu, priority=PRIORITY)
 register("fp8_block_dequant", BACKEND, _fp8.fp8_block_dequant, available=on_real_gpu, priority=PRIORITY)
 register("fp8_kv_quant", BACKEND, _fp8.fp8_kv_quant, available=on_real_gpu, priority=PRIORITY)
 register("fp8_kv_dequant", BACKEND, _fp8.fp8_kv_dequant, available=on_real_gpu, priority=PRIORITY)

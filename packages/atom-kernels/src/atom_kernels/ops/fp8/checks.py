@@ -81,6 +81,31 @@ def check_gated_norm_fp8_linear(
     check_fp8_linear(o.flatten(-2), w_fp8, scale_inv, block, bias, tickets)
 
 
+def check_rms_norm_fp8_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: object,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    tickets: torch.Tensor | None = None,
+) -> None:
+    c = Checker("rms_norm_fp8_linear")
+    c.tensor("x", x, ("...", "K"), FLOAT_DTYPES)
+    c.tensor("norm_weight", norm_weight, ("K",), FLOAT_DTYPES)
+    c.positive_float("eps", eps)
+    if residual is not None:
+        c.tensor("residual", residual, tuple(x.shape), FLOAT_DTYPES)
+        c.require(
+            residual.dtype in (x.dtype, torch.float32),
+            f"residual must have x's dtype {x.dtype} or float32, got {residual.dtype}",
+        )
+    c.tensor("w_fp8", w_fp8, ("N", "K"), FP8_DTYPES)
+    check_fp8_linear(x, w_fp8, scale_inv, block, bias, tickets)
+
+
 def check_fp8_kv_quant(x: torch.Tensor, scale: object) -> None:
     c = Checker("fp8_kv_quant")
     c.tensor("x", x, ("...",), FLOAT_DTYPES)

@@ -12,8 +12,9 @@ from atom_kernels.ops.fp8.checks import (
     check_fp8_kv_quant,
     check_fp8_linear,
     check_gated_norm_fp8_linear,
+    check_rms_norm_fp8_linear,
 )
-from atom_kernels.ops.norm.reference import gated_rms_norm
+from atom_kernels.ops.norm.reference import gated_rms_norm, rms_norm
 
 ACT_SCALE_EPS = 1e-10  # floor of a group's absmax (an all-zero group gets scale 1e-10 / 448)
 
@@ -137,6 +138,42 @@ def gated_norm_fp8_linear(
     check_gated_norm_fp8_linear(o, z, norm_weight, eps, w_fp8, scale_inv, block, bias, tickets)
     y = gated_rms_norm(o, z, norm_weight, eps)
     return fp8_linear(y.flatten(-2), w_fp8, scale_inv, block, bias, tickets=tickets)
+
+
+def rms_norm_fp8_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    *,
+    tickets: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """The decoder layer's input: residual add, zero-centred RMS norm, then the W8A8 block-scaled projection.
+
+    :func:`~atom_kernels.ops.norm.reference.rms_norm` (``normed = x_hat * (1 + norm_weight)`` of the float32
+    ``h = x + residual``, rounded to x.dtype; ``h`` rounded to residual.dtype), then
+    ``fp8_linear(normed, w_fp8, scale_inv, block, bias)``. The normed activations are returned too, for a
+    second projection of the same input that is not FP8 (the GDN ``in_proj_ba``).
+
+    Args:
+        x: ``[..., K]`` float32/bf16/fp16; norm_weight: ``[K]`` (zero-centred); eps: the norm's epsilon.
+        w_fp8, scale_inv, block, bias, tickets: as for :func:`fp8_linear`.
+        residual: None, or ``[..., K]`` in x.dtype or float32 (the residual stream).
+
+    Returns:
+        ``(y [..., N], normed [..., K])`` in x.dtype; with ``residual``: ``(y, normed, h)``, ``h`` in
+        residual.dtype.
+    """
+    check_rms_norm_fp8_linear(x, norm_weight, eps, w_fp8, scale_inv, block, bias, residual, tickets)
+    if residual is None:
+        normed = rms_norm(x, norm_weight, eps)
+        return fp8_linear(normed, w_fp8, scale_inv, block, bias, tickets=tickets), normed
+    normed, h = rms_norm(x, norm_weight, eps, residual)
+    return fp8_linear(normed, w_fp8, scale_inv, block, bias, tickets=tickets), normed, h
 
 
 def fp8_kv_quant(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:

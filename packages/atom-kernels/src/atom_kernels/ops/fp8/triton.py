@@ -1,6 +1,6 @@
 """Triton FP8 (e4m3) kernels: per-token-group activation quantisation, the W8A8 block-scaled GEMM
-(``fp8_linear``, and ``gated_norm_fp8_linear``: the GDN output's gated RMS norm folded into it), block
-dequantisation and per-tensor KV quantisation.
+(``fp8_linear``; ``gated_norm_fp8_linear``: the GDN output's gated RMS norm folded into it;
+``rms_norm_fp8_linear``: the decoder layer's residual add and RMS norm folded into it), block dequantisation and per-tensor KV quantisation.
 
 Activations are quantised per token and group of ``bk`` channels: absmax / 448 (floored at 1e-10 / 448),
 IEEE division, clamp, round to nearest e4m3, all in one ``@triton.jit`` function, ``_quant_e4m3``, which
@@ -20,7 +20,10 @@ the token's group scale and the weight block's scale.
   buffer the caller keeps, e.g. one per linear layer), else zeros allocated per call (a memset).
   ``gated_norm_fp8_linear`` runs this plan with the kernel's GATED_NORM prologue (each 128-channel
   activation group is one head, normalised and gated in registers before it is quantised): one launch
-  instead of ``gated_rms_norm`` + ``fp8_linear``. Under the other plans it runs those two ops.
+  instead of ``gated_rms_norm`` + ``fp8_linear``. ``rms_norm_fp8_linear`` likewise runs the RMS_NORM
+  prologue (each program sums the squares of its rows over all K, then normalises the groups of its K
+  range; column tile 0 also writes the new residual and the normed rows): one launch instead of
+  ``rms_norm`` + ``fp8_linear``. Under the other plans both run their two ops.
 - decode up to M = 64 otherwise (``ONE_LAUNCH=False``): ``_act_quant_kernel`` (one program per token),
   ``_fp8_gemm_kernel`` with one row tile of ``16 <= BLOCK_M <= 64`` rows and split-K float32 partials
   ``[SPLIT_K, M, N]``, summed in a fixed order by ``_splitk_reduce_kernel`` (deterministic), which also adds
@@ -57,11 +60,12 @@ from atom_kernels.ops.fp8.checks import (
     check_fp8_kv_quant,
     check_fp8_linear,
     check_gated_norm_fp8_linear,
+    check_rms_norm_fp8_linear,
 )
 from atom_kernels.ops.fp8.decode_table import tuned_table
 from atom_kernels.ops.fp8.reference import ACT_SCALE_EPS
 from atom_kernels.ops.fp8.triton_decode import _quant_e4m3, launch_decode
-from atom_kernels.ops.norm.triton import gated_rms_norm
+from atom_kernels.ops.norm.triton import gated_rms_norm, rms_norm
 
 E4M3 = torch.float8_e4m3fn
 # Largest M whose default plan is the one-launch kernel: each of its programs quantises M x (its K range),
@@ -416,6 +420,47 @@ def gated_norm_fp8_linear(
     gate = (_unit_rows(z, k), norm_weight.contiguous(), float(eps))
     y = launch_decode(o2, w_fp8, scales, (bn, bk), bias, cfg, tickets, gate=gate)
     return y.reshape(*lead, w_fp8.shape[0])
+
+
+def rms_norm_fp8_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    *,
+    tickets: torch.Tensor | None = None,
+    config: dict | None = None,
+    table: Mapping | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``rms_norm(x, norm_weight, eps, residual)`` then ``fp8_linear`` of the normed rows: ``(y [..., N],
+    normed [..., K])`` in x.dtype, with ``residual`` ``(y, normed, h)`` (``h`` in residual.dtype).
+
+    Where :func:`plan` picks the one-launch plan: one launch of the decode kernel with its RMS_NORM
+    prologue; otherwise the two ops (``rms_norm``, then :func:`fp8_linear`). ``tickets`` / ``config`` /
+    ``table`` as for :func:`fp8_linear`."""
+    check_rms_norm_fp8_linear(x, norm_weight, eps, w_fp8, scale_inv, block, bias, residual, tickets)
+    if w_fp8.stride(-1) != 1:
+        raise ValueError("rms_norm_fp8_linear (triton): w_fp8 needs a unit last-dim stride")
+    bn, bk = _check_block("rms_norm_fp8_linear", block)
+    lead, k = x.shape[:-1], x.shape[-1]
+    tab = tuned_table(device_name(x.device)) if table is None else table
+    cfg = plan(math.prod(lead), w_fp8.shape[0], k, bk, device_sms(x.device), config, tab)
+    if not cfg["ONE_LAUNCH"]:
+        normed = rms_norm(x, norm_weight, eps, residual)
+        normed, h = (normed, None) if residual is None else normed
+        y = fp8_linear(normed, w_fp8, scale_inv, block, bias, tickets=tickets, config=config, table=table)
+        return (y, normed) if residual is None else (y, normed, h)
+    x2 = _unit_rows(x, k)
+    r2 = None if residual is None else _unit_rows(residual, k)
+    scales = scale_inv if scale_inv.dtype == torch.float32 else scale_inv.float()
+    norm = (norm_weight.contiguous(), float(eps), r2)
+    y, normed, h = launch_decode(x2, w_fp8, scales, (bn, bk), bias, cfg, tickets, norm=norm)
+    y, normed = y.reshape(*lead, w_fp8.shape[0]), normed.reshape(*lead, k)
+    return (y, normed) if residual is None else (y, normed, h.reshape(*lead, k))
 
 
 def fp8_block_dequant(

@@ -6,7 +6,11 @@ rows and multiplies them with its weight tiles (the plan and its tiles: ``atom_k
 ``GATED_NORM`` (constexpr) gives it a prologue for the Gated-DeltaNet output: each ``GROUP``-channel
 group is one head of ``o``, normalised as ``gated_rms_norm`` does (``x * rsqrt(mean(x^2) + eps) * w *
 silu(z)`` in float32, rounded to o's dtype) before it is quantised, so the group's e4m3 scale is that of
-the normalised values. Off, the prologue is not traced and the kernel is the plain linear.
+the normalised values. ``RMS_NORM`` (constexpr) gives it the decoder layer's input norm: ``h = x +
+residual`` in float32, ``h * rsqrt(mean(h^2) + eps) * (1 + w)`` over the whole row, rounded to x's dtype,
+as ``rms_norm`` computes it; every program first sums the squares of its rows over all K (a few rows of
+K values in wide loads, read again by the main loop from cache), and the programs of column tile 0 write
+``h`` and the normed values of their K range. Off, the prologues are not traced and the kernel is the plain linear.
 """
 
 from __future__ import annotations
@@ -43,13 +47,46 @@ def _gated_norm(x, z, w, AXIS: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr)
 
 
 @triton.jit
+def _row_inv_rms(x_ptr, res_ptr, offs_r, r_ok, stride_xm, stride_rm, K, BLOCK: tl.constexpr,
+                 ROWS: tl.constexpr, HAS_RES: tl.constexpr, EPS: tl.constexpr):  # fmt: skip
+    """``rsqrt(mean(h^2) + EPS)`` per row (``[ROWS]``) of the float32 ``h = x (+ residual)``, over all K,
+    ``BLOCK`` columns per load (wide loads: the row arrives in a few round trips)."""
+    offs_g = tl.arange(0, BLOCK)
+    ss = tl.zeros([ROWS, BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        m = r_ok[:, None] & ((k0 + offs_g) < K)[None, :]
+        rows = offs_r[:, None].to(tl.int64)
+        h = tl.load(x_ptr + rows * stride_xm + k0 + offs_g[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_RES:
+            h += tl.load(res_ptr + rows * stride_rm + k0 + offs_g[None, :], mask=m, other=0.0).to(tl.float32)
+        ss += h * h
+    return tl.rsqrt(tl.sum(ss, 1) / K + EPS)
+
+
+@triton.jit
+def _rms_norm_group(x, res_ptrs, h_ptrs, yn_ptrs, nw, inv, mask, keep, HAS_RES: tl.constexpr):
+    """The float32 tile ``x`` (one K group of the rows) normalised as ``rms_norm`` does: ``h = x +
+    residual``, ``h * inv * (1 + nw)`` rounded to yn's (x's) dtype, returned as float32; ``inv`` and ``nw``
+    broadcast to the tile. Where ``keep`` (a mask of the tile's shape), ``h`` (rounded to h's dtype) and the
+    normed values are stored."""
+    if HAS_RES:
+        x += tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(h_ptrs, x.to(h_ptrs.dtype.element_ty), mask=keep)
+    n = (x * inv * (1.0 + nw)).to(yn_ptrs.dtype.element_ty)
+    tl.store(yn_ptrs, n, mask=keep)
+    return n.to(tl.float32)
+
+
+@triton.jit
 def _fp8_linear_decode_kernel(
     x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, M, N, K,
     stride_xm, stride_wn, stride_wsn, stride_ym, GROUPS_PER_SPLIT, SPLIT_K, z_ptr, nw_ptr, stride_zm,
+    res_ptr, h_ptr, yn_ptr, stride_rm, stride_hm, stride_ynm,
     EPS: tl.constexpr, FMAX: tl.constexpr, BN_Q: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False, GATED_NORM: tl.constexpr = False,
-    NORM_EPS: tl.constexpr = 0.0,
+    NORM_EPS: tl.constexpr = 0.0, RMS_NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
+    SS_BLOCK: tl.constexpr = 128,
 ):  # fmt: skip
     """``y[:M, n-tile] = x @ w.T`` for decode-sized ``M <= ROWS``; program ``(pid_n, pid_k)``
     covers ``BLOCK_N`` columns and K groups ``[pid_k * GROUPS_PER_SPLIT, ...)`` of ``GROUP`` channels.
@@ -65,7 +102,13 @@ def _fp8_linear_decode_kernel(
     GATED_NORM: ``x`` is the GDN core output ``o`` viewed ``[M, Hv * GROUP]`` (group g = head g), ``z`` the
     gate in the same layout (row stride ``stride_zm``), ``nw`` the ``[GROUP]`` norm weight; each group is
     replaced by ``_gated_norm`` of it, rounded to x's dtype, before ``_quant_e4m3`` (``gated_rms_norm``
-    then this kernel, value for value, up to the float32 order of the sum of squares)."""
+    then this kernel, value for value, up to the float32 order of the sum of squares).
+
+    RMS_NORM: ``x`` is the layer input ``[M, K]``, ``res`` (HAS_RES) the residual stream (row stride
+    ``stride_rm``), ``nw`` the ``[K]`` zero-centred norm weight; each group is replaced by ``_rms_norm_group``
+    of it (the row's ``_row_inv_rms`` computed first by every program) before ``_quant_e4m3``; the programs
+    with ``pid_n == 0`` store ``h = x + res`` (``h_ptr``, HAS_RES) and the normed values (``yn_ptr``) of
+    their K groups (``rms_norm`` then this kernel, up to the float32 order of the sum of squares)."""
     pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -79,11 +122,20 @@ def _fp8_linear_decode_kernel(
     ws_ptrs = ws_ptr + (offs_n // BN_Q).to(tl.int64) * stride_wsn
     if GATED_NORM:
         nw = tl.load(nw_ptr + offs_g).to(tl.float32)
+    if RMS_NORM:
+        inv = _row_inv_rms(
+            x_ptr, res_ptr, offs_r, r_ok, stride_xm, stride_rm, K, SS_BLOCK, ROWS, HAS_RES, NORM_EPS
+        )
+        r_keep = offs_r < M * (1 - pid_n)  # the rows, in column tile 0 only: it writes h and the normed rows
     if SWAP_AB:  # y.T tile = w tile @ q.T: the weight is the [BLOCK_N, GROUP] left operand
         x_ptrs = x_ptr + offs_r[None, :].to(tl.int64) * stride_xm + offs_g[:, None]
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_g[None, :]
         if GATED_NORM:
             z_ptrs = z_ptr + offs_r[None, :].to(tl.int64) * stride_zm + offs_g[:, None]
+        if RMS_NORM:
+            r_ptrs = res_ptr + offs_r[None, :].to(tl.int64) * stride_rm + offs_g[:, None]
+            h_ptrs = h_ptr + offs_r[None, :].to(tl.int64) * stride_hm + offs_g[:, None]
+            yn_ptrs = yn_ptr + offs_r[None, :].to(tl.int64) * stride_ynm + offs_g[:, None]
         acc_t = tl.zeros([BLOCK_N, ROWS], tl.float32)
         for g in range(g0, g1):
             k0 = g * GROUP
@@ -98,6 +150,12 @@ def _fp8_linear_decode_kernel(
                 zt = tl.load(z_ptrs + k0, mask=r_ok[None, :], other=0.0).to(tl.float32)
                 x = _gated_norm(x, zt, nw[:, None], 0, GROUP, NORM_EPS)
                 x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
+            if RMS_NORM:
+                kk = k0 + offs_g
+                xm = r_ok[None, :] & (kk < K)[:, None]
+                nwg = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                x = _rms_norm_group(x, r_ptrs + k0, h_ptrs + k0, yn_ptrs + k0, nwg[:, None], inv[None, :], xm,
+                                    xm & r_keep[None, :], HAS_RES)  # fmt: skip
             a, a_s = _quant_e4m3(x, 0, EPS, FMAX)  # x.T tile: one group per column
             b_s = tl.load(ws_ptrs + g, mask=n_ok, other=0.0)
             acc_t += tl.dot(b, a) * a_s[None, :] * b_s[:, None]
@@ -107,6 +165,10 @@ def _fp8_linear_decode_kernel(
         w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_g[:, None]
         if GATED_NORM:
             z_ptrs = z_ptr + offs_r[:, None].to(tl.int64) * stride_zm + offs_g[None, :]
+        if RMS_NORM:
+            r_ptrs = res_ptr + offs_r[:, None].to(tl.int64) * stride_rm + offs_g[None, :]
+            h_ptrs = h_ptr + offs_r[:, None].to(tl.int64) * stride_hm + offs_g[None, :]
+            yn_ptrs = yn_ptr + offs_r[:, None].to(tl.int64) * stride_ynm + offs_g[None, :]
         acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
         for g in range(g0, g1):
             k0 = g * GROUP
@@ -121,6 +183,12 @@ def _fp8_linear_decode_kernel(
                 zt = tl.load(z_ptrs + k0, mask=r_ok[:, None], other=0.0).to(tl.float32)
                 x = _gated_norm(x, zt, nw[None, :], 1, GROUP, NORM_EPS)
                 x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
+            if RMS_NORM:
+                kk = k0 + offs_g
+                xm = r_ok[:, None] & (kk < K)[None, :]
+                nwg = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                x = _rms_norm_group(x, r_ptrs + k0, h_ptrs + k0, yn_ptrs + k0, nwg[None, :], inv[:, None], xm,
+                                    xm & r_keep[:, None], HAS_RES)  # fmt: skip
             a, a_s = _quant_e4m3(x, 1, EPS, FMAX)
             b_s = tl.load(ws_ptrs + g, mask=n_ok, other=0.0)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
@@ -148,12 +216,20 @@ def _fp8_linear_decode_kernel(
                  acc.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
 
-def launch_decode(x, w, w_scales, block, bias, cfg, tickets=None, gate=None) -> torch.Tensor:
+def _ss_block(k: int, bk: int, rows: int) -> int:
+    """Columns per load of the RMS_NORM sum of squares: 2048 elements of the rows per load (K = 2048 at
+    two rows: two loads of x and of the residual), at least one group, at most K (a power of two)."""
+    return max(triton.next_power_of_2(bk), min(triton.next_power_of_2(k), 2048 // rows))
+
+
+def launch_decode(x, w, w_scales, block, bias, cfg, tickets=None, gate=None, norm=None):
     """One launch of ``_fp8_linear_decode_kernel``: ``x [M, K]`` (unit last stride, ``M <= cfg["ROWS"]``)
     x ``w [N, K]`` e4m3 with float32 block scales -> ``[M, N]`` in x.dtype. ``tickets``: the caller's
     zeroed split-K counters (see ``fp8_linear``), else zeros allocated here. ``gate``: None, or
     ``(z [M, K] with unit last stride, norm_weight [bk] contiguous, eps)`` for the GATED_NORM prologue
-    (``K`` a multiple of ``bk``: x holds whole heads of ``bk`` channels)."""
+    (``K`` a multiple of ``bk``: x holds whole heads of ``bk`` channels). ``norm``: None, or
+    ``(norm_weight [K] contiguous, eps, residual [M, K] with unit last stride or None)`` for the RMS_NORM
+    prologue; then returns ``(y, normed [M, K] in x.dtype, h [M, K] in residual.dtype or None)``."""
     m, k = x.shape
     n = w.shape[0]
     bn, bk = block
@@ -161,8 +237,12 @@ def launch_decode(x, w, w_scales, block, bias, cfg, tickets=None, gate=None) -> 
     if not m <= rows or rows & (rows - 1):
         raise ValueError(f"fp8_linear (triton): config ROWS={rows} must be a power of two >= M={m}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if norm is not None:
+        norm_w, norm_eps, residual = norm
+        normed = torch.empty((m, k), dtype=x.dtype, device=x.device)
+        h = None if residual is None else torch.empty((m, k), dtype=residual.dtype, device=x.device)
     if m == 0:
-        return out
+        return out if norm is None else (out, normed, h)
     groups = triton.cdiv(k, bk)
     per = triton.cdiv(groups, max(1, min(int(cfg["SPLIT_K"]), groups)))
     split = triton.cdiv(groups, per)
@@ -182,13 +262,20 @@ def launch_decode(x, w, w_scales, block, bias, cfg, tickets=None, gate=None) -> 
         part, count = out, out
     has_bias = bias is not None
     z, norm_weight, eps = gate if gate is not None else (x, x, 0.0)
+    res, h_out, yn = x, x, x
+    if norm is not None:
+        norm_weight, eps = norm_w, norm_eps
+        res, h_out, yn = (x, x, normed) if residual is None else (residual, h, normed)
     _fp8_linear_decode_kernel[(tiles, split)](
         x_ptr=x, w_ptr=w, ws_ptr=w_scales, y_ptr=out, bias_ptr=bias if has_bias else out, part_ptr=part,
-        count_ptr=count, z_ptr=z, nw_ptr=norm_weight, M=m, N=n, K=k, stride_xm=x.stride(0),
-        stride_wn=w.stride(0), stride_wsn=w_scales.stride(0), stride_ym=out.stride(0), stride_zm=z.stride(0),
+        count_ptr=count, z_ptr=z, nw_ptr=norm_weight, res_ptr=res, h_ptr=h_out, yn_ptr=yn, M=m, N=n, K=k,
+        stride_xm=x.stride(0), stride_wn=w.stride(0), stride_wsn=w_scales.stride(0), stride_ym=out.stride(0),
+        stride_zm=z.stride(0), stride_rm=res.stride(0), stride_hm=h_out.stride(0), stride_ynm=yn.stride(0),
         GROUPS_PER_SPLIT=per, SPLIT_K=split, EPS=ACT_SCALE_EPS, FMAX=FP8_MAX, BN_Q=bn, GROUP=bk, ROWS=rows,
         BLOCK_N=cfg["BLOCK_N"], SWAP_AB=cfg["SWAP_AB"], EVEN_K=k % bk == 0, SPLIT=split > 1,
-        HAS_BIAS=has_bias, GATED_NORM=gate is not None, NORM_EPS=float(eps), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **launch_options(x.device),
+        HAS_BIAS=has_bias, GATED_NORM=gate is not None, NORM_EPS=float(eps), RMS_NORM=norm is not None,
+        HAS_RES=norm is not None and residual is not None,
+        SS_BLOCK=_ss_block(k, bk, rows) if norm is not None else 128,  # the plain kernel: one specialisation
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x.device),
     )  # fmt: skip
-    return out
+    return out if norm is None else (out, normed, h)
