@@ -1,0 +1,290 @@
+"""The cpu backend's paged attention for sequences with few new queries (decode, MTP verify), in C.
+
+For each sequence ``n`` with ``1 <= q_len <= MAX_Q`` new queries and each KV head ``h`` (one OpenMP job,
+the ``N * Hkv`` jobs split over ``torch.get_num_threads()`` threads), the ``q_len * group`` query rows of
+that KV head are converted to float32 once, then the sequence's block table is walked in tiles of
+``TILE`` key positions: each key row is read once from the cache in place (any block / token / head
+strides, unit last stride; float32, bf16, or e4m3 times its per-tensor scale, all converted exactly to
+float32), scored against every query row that sees it (causal: key position <= query position), and the
+tile's values accumulated under an online softmax in float32 (per row: running max, rescale by
+``e^{old max - new max}``, running sum). The output ``acc / sum`` is written in q's dtype (bf16 rounded to
+nearest even, as torch rounds). The same float32 math as the reference up to the order of the sums and the
+exponential (the C library's ``expf``); no fast-math flag.
+
+The pass reads ``query_start_loc``, ``seq_lens`` and the block table itself (no host list of them is
+built) and checks them first (the reference's value checks, plus block ids inside the cache): on a bad
+value it writes nothing and the caller raises. It zeroes the rows past ``query_start_loc[N]`` and skips
+the sequences with more than ``MAX_Q`` queries, returning how many it skipped, for the caller's torch path.
+Built and cached like :mod:`atom_kernels.ops.gated_delta_rule.cpu_native` (its :func:`build`); where no C
+compiler builds it, :func:`load` returns None and the backend keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from atom_kernels.ops.gated_delta_rule import cpu_native as _native
+from atom_kernels.ops.paged_attention.checks import check_paged_attention_values
+
+MAX_Q = 16
+"""Most new queries of a sequence the C pass takes (longer prompt chunks take the torch path)."""
+
+_CACHE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+
+_SOURCE = (
+    r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE 32
+"""
+    + _native.VECTOR_PRELUDE
+    + _native.BF16_PRELUDE
+    + r"""
+typedef struct {
+    const void *q; int64_t q_tok, q_head;          /* [T, Hq, D], unit last stride */
+    const void *kc, *vc;                            /* [B, block_size, Hkv, D], unit last stride */
+    int64_t k_blk, k_tok, k_head, v_blk, v_tok, v_head;
+    int cache_kind;                                 /* 0 float32, 1 bf16, 2 e4m3fn */
+    const float *k_scale, *v_scale;                 /* e4m3fn: per-tensor scales */
+    const int32_t *tables; int64_t max_blocks;      /* [N, max_blocks] contiguous */
+    const int32_t *seq_lens, *qsl;                  /* [N], [N + 1] contiguous */
+    int64_t n, t, hq, hkv, d, block_size, num_blocks, max_q;
+    float scale;
+    int bf16_io;                                    /* q and out: 1 bf16, 0 float32 */
+    void *out; int64_t o_tok, o_head;               /* [T, Hq, D], unit last stride */
+    int nthreads;
+    int64_t num_long;                               /* set: sequences with more than max_q queries */
+    int64_t bad;                                    /* set: 0, or 1 + the first sequence failing a check */
+} attn_args;
+
+static float e4m3_to_f32(uint8_t b) { /* exact: sign, 4 exponent bits (bias 7), 3 mantissa bits */
+    const int e = (b >> 3) & 15, m = b & 7;
+    float v;
+    if (e == 15 && m == 7) v = NAN;
+    else if (e == 0) v = ldexpf((float)m, -9);
+    else v = ldexpf((float)(8 + m), e - 10);
+    return (b & 0x80) ? -v : v;
+}
+
+/* row c < d of a cache / q element pointer as float32, into dst (or the row itself for float32) */
+static inline const float *row_f32(const void *base, int64_t off, int kind, int64_t d, const float *fp8,
+                                   float scale, float *dst) {
+    if (kind == 0) return (const float *)base + off;
+    if (kind == 1) {
+        const uint16_t *s = (const uint16_t *)base + off;
+        for (int64_t c = 0; c < d; ++c) dst[c] = bf16_to_f32(s[c]);
+    } else {
+        const uint8_t *s = (const uint8_t *)base + off;
+        for (int64_t c = 0; c < d; ++c) dst[c] = fp8[s[c]] * scale;
+    }
+    return dst;
+}
+
+static inline float dot(const float *a, const float *b, int64_t d) {
+    vec acc = (vec){0};
+    int64_t c = 0;
+    for (; c + LANES <= d; c += LANES) acc += load(a + c) * load(b + c);
+    float tail = 0.0f;
+    for (; c < d; ++c) tail += a[c] * b[c];
+    return lane_sum(acc) + tail;
+}
+
+static inline void axpy(float *y, float w, const float *x, int64_t d) { /* y += w x */
+    int64_t c = 0;
+    for (; c + LANES <= d; c += LANES) store(y + c, load(y + c) + w * load(x + c));
+    for (; c < d; ++c) y[c] += w * x[c];
+}
+
+static void attend(const attn_args *p, int64_t job, float *ws, const float *fp8) {
+    const int64_t n = job / p->hkv, h = job % p->hkv;
+    const int64_t qs = p->qsl[n], len = p->qsl[n + 1] - qs, seq = p->seq_lens[n];
+    if (len == 0 || len > p->max_q) return;
+    const int64_t g = p->hq / p->hkv, rows = len * g, d = p->d, bs = p->block_size;
+    float *qf = ws, *acc = qf + rows * d, *kt = acc + rows * d, *vt = kt + TILE * d;
+    float *sc = vt + d, *mx = sc + rows * TILE, *sum = mx + rows;
+    const float ks = p->cache_kind == 2 ? *p->k_scale : 1.0f, vs = p->cache_kind == 2 ? *p->v_scale : 1.0f;
+    const int32_t *table = p->tables + n * p->max_blocks;
+    for (int64_t r = 0; r < rows; ++r) { /* row r: query r / g, head h * g + r % g */
+        const int64_t off = (qs + r / g) * p->q_tok + (h * g + r % g) * p->q_head;
+        const float *src = row_f32(p->q, off, p->bf16_io, d, fp8, 1.0f, qf + r * d);
+        if (src != qf + r * d) memcpy(qf + r * d, src, d * sizeof(float));
+        memset(acc + r * d, 0, d * sizeof(float));
+        mx[r] = -INFINITY;
+        sum[r] = 0.0f;
+    }
+    const float *krow[TILE];
+    for (int64_t t0 = 0; t0 < seq; t0 += TILE) {
+        const int64_t nt = seq - t0 < TILE ? seq - t0 : TILE;
+        for (int64_t j = 0; j < nt; ++j) {
+            const int64_t pos = t0 + j, blk = table[pos / bs];
+            const int64_t off = blk * p->k_blk + (pos % bs) * p->k_tok + h * p->k_head;
+            krow[j] = row_f32(p->kc, off, p->cache_kind, d, fp8, ks, kt + j * d);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t last = seq - len + r / g; /* the query's position: keys 0 .. last */
+            const int64_t nv = last - t0 + 1 < nt ? last - t0 + 1 : nt;
+            float *s = sc + r * TILE;
+            if (nv <= 0) continue;
+            float tmax = -INFINITY;
+            for (int64_t j = 0; j < nv; ++j) {
+                s[j] = dot(qf + r * d, krow[j], d) * p->scale;
+                tmax = s[j] > tmax ? s[j] : tmax;
+            }
+            const float m = tmax > mx[r] ? tmax : mx[r];
+            if (m == -INFINITY) { for (int64_t j = 0; j < nv; ++j) s[j] = 0.0f; continue; }
+            if (m != mx[r]) {
+                const float corr = expf(mx[r] - m);
+                sum[r] *= corr;
+                for (int64_t c = 0; c < d; ++c) acc[r * d + c] *= corr;
+                mx[r] = m;
+            }
+            for (int64_t j = 0; j < nv; ++j) {
+                s[j] = expf(s[j] - m);
+                sum[r] += s[j];
+            }
+        }
+        for (int64_t j = 0; j < nt; ++j) {
+            const int64_t pos = t0 + j, blk = table[pos / bs];
+            const int64_t off = blk * p->v_blk + (pos % bs) * p->v_tok + h * p->v_head;
+            const float *v = row_f32(p->vc, off, p->cache_kind, d, fp8, vs, vt);
+            for (int64_t r = 0; r < rows; ++r)
+                if (pos <= seq - len + r / g) axpy(acc + r * d, sc[r * TILE + j], v, d);
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t off = (qs + r / g) * p->o_tok + (h * g + r % g) * p->o_head;
+        const float inv = sum[r];
+        if (p->bf16_io) {
+            uint16_t *o = (uint16_t *)p->out + off;
+            for (int64_t c = 0; c < d; ++c) o[c] = f32_to_bf16(acc[r * d + c] / inv);
+        } else {
+            float *o = (float *)p->out + off;
+            for (int64_t c = 0; c < d; ++c) o[c] = acc[r * d + c] / inv;
+        }
+    }
+}
+
+static int64_t check(const attn_args *p) { /* 0, or 1 + the first sequence with a bad value */
+    if (p->n > 0 && p->qsl[0] < 0) return 1;
+    for (int64_t n = 0; n < p->n; ++n) {
+        const int64_t len = (int64_t)p->qsl[n + 1] - p->qsl[n], seq = p->seq_lens[n];
+        if (len < 0 || p->qsl[n + 1] > p->t || seq < len) return n + 1;
+        const int64_t blocks = (seq + p->block_size - 1) / p->block_size;
+        if (blocks > p->max_blocks) return n + 1;
+        if (len == 0 || len > p->max_q) continue;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int32_t blk = p->tables[n * p->max_blocks + b];
+            if (blk < 0 || blk >= p->num_blocks) return n + 1;
+        }
+    }
+    return 0;
+}
+
+void paged_attention_pass(attn_args *p) {
+    p->bad = check(p);
+    p->num_long = 0;
+    if (p->bad) return;
+    for (int64_t n = 0; n < p->n; ++n) p->num_long += p->qsl[n + 1] - p->qsl[n] > p->max_q;
+    const int64_t end = p->n > 0 ? p->qsl[p->n] : 0, item = p->bf16_io ? 2 : 4;
+    for (int64_t t = end; t < p->t; ++t) /* padding rows: zeros */
+        for (int64_t hd = 0; hd < p->hq; ++hd)
+            memset((char *)p->out + (t * p->o_tok + hd * p->o_head) * item, 0, p->d * item);
+    float fp8[256];
+    if (p->cache_kind == 2)
+        for (int i = 0; i < 256; ++i) fp8[i] = e4m3_to_f32((uint8_t)i);
+    const int64_t jobs = p->n * p->hkv, rows = p->max_q * (p->hq / p->hkv), d = p->d;
+    const size_t floats = (size_t)(2 * rows * d + TILE * d + d + rows * TILE + 2 * rows + 16);
+    #pragma omp parallel num_threads(p->nthreads) if (p->nthreads > 1 && jobs > 1)
+    {
+        float *ws = malloc(floats * sizeof(float));
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < jobs; ++job) attend(p, job, ws, fp8);
+        free(ws);
+    }
+}
+"""
+)
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_tok", ctypes.c_int64), ("q_head", ctypes.c_int64),
+        ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
+        ("k_blk", ctypes.c_int64), ("k_tok", ctypes.c_int64), ("k_head", ctypes.c_int64),
+        ("v_blk", ctypes.c_int64), ("v_tok", ctypes.c_int64), ("v_head", ctypes.c_int64),
+        ("cache_kind", ctypes.c_int), ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
+        ("tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int64),
+        ("seq_lens", ctypes.c_void_p), ("qsl", ctypes.c_void_p),
+        ("n", ctypes.c_int64), ("t", ctypes.c_int64), ("hq", ctypes.c_int64), ("hkv", ctypes.c_int64),
+        ("d", ctypes.c_int64), ("block_size", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
+        ("max_q", ctypes.c_int64), ("scale", ctypes.c_float), ("bf16_io", ctypes.c_int),
+        ("out", ctypes.c_void_p), ("o_tok", ctypes.c_int64), ("o_head", ctypes.c_int64),
+        ("nthreads", ctypes.c_int), ("num_long", ctypes.c_int64), ("bad", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+@functools.cache
+def load():
+    """The compiled ``paged_attention_pass``, or None where no C compiler builds it."""
+    return _native.build(_SOURCE, "paged_attention_pass", "paged_attention_pass", _Args)
+
+
+def usable(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether :func:`attend` takes these inputs (already through ``check_paged_attention``): CPU
+    tensors, q float32 or bf16, caches with a unit last stride, and a C build."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if key_cache.dtype not in _CACHE_KIND or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        return False
+    return load() is not None
+
+
+def _ints(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def attend(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, ks, vs, out) -> int:
+    """The pass of the module docstring into ``out`` (unit last stride): the rows of every sequence with
+    at most :data:`MAX_Q` queries, and zeros past ``query_start_loc[N]``. ``ks``, ``vs``: the 0-d float32
+    scales (read for fp8 caches only).
+
+    Returns:
+        How many sequences have more than :data:`MAX_Q` queries (their rows are left for the caller).
+
+    Raises:
+        ValueError: where the indices fail the reference's value checks or name a block outside the cache.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    keep = [tables := _ints(block_tables), lens := _ints(seq_lens), starts := _ints(query_start_loc)]
+    keep += [ks := ks.contiguous(), vs := vs.contiguous()]
+    kind = _CACHE_KIND[key_cache.dtype]
+    args = _Args(
+        q=q.data_ptr(), q_tok=q.stride(0), q_head=q.stride(1),
+        kc=key_cache.data_ptr(), vc=value_cache.data_ptr(),
+        k_blk=key_cache.stride(0), k_tok=key_cache.stride(1), k_head=key_cache.stride(2),
+        v_blk=value_cache.stride(0), v_tok=value_cache.stride(1), v_head=value_cache.stride(2),
+        cache_kind=kind, k_scale=ks.data_ptr(), v_scale=vs.data_ptr(),
+        tables=tables.data_ptr(), max_blocks=tables.shape[1], seq_lens=lens.data_ptr(),
+        qsl=starts.data_ptr(), n=lens.shape[0], t=q.shape[0], hq=q.shape[1], hkv=num_kv_heads,
+        d=head_dim, block_size=block_size, num_blocks=num_blocks, max_q=MAX_Q, scale=scale,
+        bf16_io=int(q.dtype == torch.bfloat16), out=out.data_ptr(), o_tok=out.stride(0),
+        o_head=out.stride(1), nthreads=torch.get_num_threads(),
+    )  # fmt: skip
+    load()(ctypes.byref(args))
+    del keep  # the contiguous copies lived through the call
+    if args.bad:
+        check_paged_attention_values(block_tables, seq_lens, query_start_loc, block_size, q.shape[0])
+        n = args.bad - 1
+        raise ValueError(
+            f"paged_attention: sequence {n} (query_start_loc {query_start_loc[n : n + 2].tolist()}, "
+            f"seq_len {int(seq_lens[n])}) has indices outside the contract or blocks outside the cache's "
+            f"{num_blocks} blocks"
+        )
+    return int(args.num_long)
