@@ -63,6 +63,29 @@ typedef struct {
     int64_t bad;                                    /* set: 0, or 1 + the first sequence failing a check */
 } attn_args;
 
+/* e^x in float32 without a call, so the loops over a tile vectorise: 2^k e^r, k = round(x log2 e) by the
+   1.5 * 2^23 rounding trick, r = x - k ln 2 in two parts, e^r by Cephes' degree-5 polynomial (relative
+   error about 2e-7, the polynomial of the conv pass); 0 below -87.336 (e^-inf = 0), inf past 88.376 */
+static inline float exp_f32(float x) {
+    const float kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;
+    float q = 1.9875691500e-4f;
+    q = q * r + 1.3981999507e-3f;
+    q = q * r + 8.3334519073e-3f;
+    q = q * r + 4.1665795894e-2f;
+    q = q * r + 1.6666665459e-1f;
+    q = q * r + 5.0000001201e-1f;
+    const float er = q * (r * r) + r + 1.0f;
+    const int32_t bits = ((int32_t)kf + 127) * 8388608;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    const float e = er * scale;
+    return x > 88.3762626647949f ? __builtin_inff() : x < -87.3365447505531f ? 0.0f : e;
+}
+
+typedef uint16_t u16v __attribute__((vector_size(32), aligned(2)));  /* 16 bf16 at any address */
+typedef uint32_t u32v __attribute__((vector_size(64)));
+
 static float e4m3_to_f32(uint8_t b) { /* exact: sign, 4 exponent bits (bias 7), 3 mantissa bits */
     const int e = (b >> 3) & 15, m = b & 7;
     float v;
@@ -78,7 +101,14 @@ static inline const float *row_f32(const void *base, int64_t off, int kind, int6
     if (kind == 0) return (const float *)base + off;
     if (kind == 1) {
         const uint16_t *s = (const uint16_t *)base + off;
-        for (int64_t c = 0; c < d; ++c) dst[c] = bf16_to_f32(s[c]);
+        int64_t c = 0;
+        for (; c + LANES <= d; c += LANES) { /* 16 at a time: widen, shift into the top half */
+            const u32v w = __builtin_convertvector(*(const u16v *)(s + c), u32v) << 16;
+            vec f;
+            memcpy(&f, &w, sizeof f);
+            store(dst + c, f);
+        }
+        for (; c < d; ++c) dst[c] = bf16_to_f32(s[c]);
     } else {
         const uint8_t *s = (const uint8_t *)base + off;
         for (int64_t c = 0; c < d; ++c) dst[c] = fp8[s[c]] * scale;
@@ -86,30 +116,73 @@ static inline const float *row_f32(const void *base, int64_t off, int kind, int6
     return dst;
 }
 
-static inline float dot(const float *a, const float *b, int64_t d) {
-    vec acc = (vec){0};
-    int64_t c = 0;
-    for (; c + LANES <= d; c += LANES) acc += load(a + c) * load(b + c);
-    float tail = 0.0f;
-    for (; c < d; ++c) tail += a[c] * b[c];
-    return lane_sum(acc) + tail;
+/* s[j] = (q . k_j) * scale for j < nk: four keys at a time (four independent sums), each sum 16 lanes then
+   the lane tree, plus the tail past the last whole vector */
+static inline void scores(const float *q, const float *const *k, int64_t nk, int64_t d, float scale, float *s) {
+    const int64_t dv = d - d % LANES;
+    int64_t j = 0;
+    for (; j + 4 <= nk; j += 4) {
+        vec a0 = (vec){0}, a1 = (vec){0}, a2 = (vec){0}, a3 = (vec){0};
+        for (int64_t c = 0; c < dv; c += LANES) {
+            const vec x = load(q + c);
+            a0 += x * load(k[j] + c);
+            a1 += x * load(k[j + 1] + c);
+            a2 += x * load(k[j + 2] + c);
+            a3 += x * load(k[j + 3] + c);
+        }
+        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t c = dv; c < d; ++c)
+            for (int i = 0; i < 4; ++i) t[i] += q[c] * k[j + i][c];
+        s[j] = (lane_sum(a0) + t[0]) * scale;
+        s[j + 1] = (lane_sum(a1) + t[1]) * scale;
+        s[j + 2] = (lane_sum(a2) + t[2]) * scale;
+        s[j + 3] = (lane_sum(a3) + t[3]) * scale;
+    }
+    for (; j < nk; ++j) {
+        vec a0 = (vec){0};
+        for (int64_t c = 0; c < dv; c += LANES) a0 += load(q + c) * load(k[j] + c);
+        float t = 0.0f;
+        for (int64_t c = dv; c < d; ++c) t += q[c] * k[j][c];
+        s[j] = (lane_sum(a0) + t) * scale;
+    }
 }
 
-static inline void axpy(float *y, float w, const float *x, int64_t d) { /* y += w x */
+/* a += sum_{j < nv} w_j v_j, a's chunk of 8 vectors held in registers over the keys */
+static inline void accumulate(float *a, const float *w, const float *const *v, int64_t nv, int64_t d) {
     int64_t c = 0;
-    for (; c + LANES <= d; c += LANES) store(y + c, load(y + c) + w * load(x + c));
-    for (; c < d; ++c) y[c] += w * x[c];
+    for (; c + 8 * LANES <= d; c += 8 * LANES) {
+        vec x[8];
+        for (int i = 0; i < 8; ++i) x[i] = load(a + c + i * LANES);
+        for (int64_t j = 0; j < nv; ++j) {
+            const float *vj = v[j] + c;
+            for (int i = 0; i < 8; ++i) x[i] += w[j] * load(vj + i * LANES);
+        }
+        for (int i = 0; i < 8; ++i) store(a + c + i * LANES, x[i]);
+    }
+    for (; c + LANES <= d; c += LANES) {
+        vec x = load(a + c);
+        for (int64_t j = 0; j < nv; ++j) x += w[j] * load(v[j] + c);
+        store(a + c, x);
+    }
+    for (; c < d; ++c) {
+        float x = a[c];
+        for (int64_t j = 0; j < nv; ++j) x += w[j] * v[j][c];
+        a[c] = x;
+    }
 }
 
-static void attend(const attn_args *p, int64_t job, float *ws, const float *fp8) {
+/* one job: sequence job / Hkv, KV head job % Hkv; d a constant in the specialised copies below */
+static inline __attribute__((always_inline)) void attend_d(const attn_args *p, int64_t job, float *ws,
+                                                           const float *fp8, const int64_t d) {
     const int64_t n = job / p->hkv, h = job % p->hkv;
     const int64_t qs = p->qsl[n], len = p->qsl[n + 1] - qs, seq = p->seq_lens[n];
     if (len == 0 || len > p->max_q) return;
-    const int64_t g = p->hq / p->hkv, rows = len * g, d = p->d, bs = p->block_size;
+    const int64_t g = p->hq / p->hkv, rows = len * g, bs = p->block_size;
     float *qf = ws, *acc = qf + rows * d, *kt = acc + rows * d, *vt = kt + TILE * d;
-    float *sc = vt + d, *mx = sc + rows * TILE, *sum = mx + rows;
+    float *sc = vt + TILE * d, *mx = sc + TILE, *sum = mx + rows;
     const float ks = p->cache_kind == 2 ? *p->k_scale : 1.0f, vs = p->cache_kind == 2 ? *p->v_scale : 1.0f;
     const int32_t *table = p->tables + n * p->max_blocks;
+    const int64_t item = p->cache_kind == 0 ? 4 : p->cache_kind == 1 ? 2 : 1;
     for (int64_t r = 0; r < rows; ++r) { /* row r: query r / g, head h * g + r % g */
         const int64_t off = (qs + r / g) * p->q_tok + (h * g + r % g) * p->q_head;
         const float *src = row_f32(p->q, off, p->bf16_io, d, fp8, 1.0f, qf + r * d);
@@ -118,57 +191,65 @@ static void attend(const attn_args *p, int64_t job, float *ws, const float *fp8)
         mx[r] = -INFINITY;
         sum[r] = 0.0f;
     }
-    const float *krow[TILE];
+    const float *krow[TILE], *vrow[TILE];
     for (int64_t t0 = 0; t0 < seq; t0 += TILE) {
         const int64_t nt = seq - t0 < TILE ? seq - t0 : TILE;
-        for (int64_t j = 0; j < nt; ++j) {
-            const int64_t pos = t0 + j, blk = table[pos / bs];
-            const int64_t off = blk * p->k_blk + (pos % bs) * p->k_tok + h * p->k_head;
-            krow[j] = row_f32(p->kc, off, p->cache_kind, d, fp8, ks, kt + j * d);
+        for (int64_t j = 0; j < nt; ++j) { /* the tile's key and value rows, each read once */
+            const int64_t pos = t0 + j, blk = table[pos / bs], o = pos % bs;
+            if (pos + TILE < seq) { /* the same row of the next tile on its way */
+                const int64_t nb = table[(pos + TILE) / bs], no = (pos + TILE) % bs;
+                const char *k = (const char *)p->kc + (nb * p->k_blk + no * p->k_tok + h * p->k_head) * item;
+                const char *v = (const char *)p->vc + (nb * p->v_blk + no * p->v_tok + h * p->v_head) * item;
+                for (int64_t b = 0; b < d * item; b += 64) {
+                    __builtin_prefetch(k + b);
+                    __builtin_prefetch(v + b);
+                }
+            }
+            krow[j] = row_f32(p->kc, blk * p->k_blk + o * p->k_tok + h * p->k_head, p->cache_kind, d, fp8,
+                              ks, kt + j * d);
+            vrow[j] = row_f32(p->vc, blk * p->v_blk + o * p->v_tok + h * p->v_head, p->cache_kind, d, fp8,
+                              vs, vt + j * d);
         }
         for (int64_t r = 0; r < rows; ++r) {
-            const int64_t last = seq - len + r / g; /* the query's position: keys 0 .. last */
+            const int64_t last = seq - len + r / g; /* the query's position: it sees keys 0 .. last */
             const int64_t nv = last - t0 + 1 < nt ? last - t0 + 1 : nt;
-            float *s = sc + r * TILE;
             if (nv <= 0) continue;
+            scores(qf + r * d, krow, nv, d, p->scale, sc);
             float tmax = -INFINITY;
-            for (int64_t j = 0; j < nv; ++j) {
-                s[j] = dot(qf + r * d, krow[j], d) * p->scale;
-                tmax = s[j] > tmax ? s[j] : tmax;
-            }
+            for (int64_t j = 0; j < nv; ++j) tmax = sc[j] > tmax ? sc[j] : tmax;
             const float m = tmax > mx[r] ? tmax : mx[r];
-            if (m == -INFINITY) { for (int64_t j = 0; j < nv; ++j) s[j] = 0.0f; continue; }
+            if (m == -INFINITY) continue; /* every score so far -inf: nothing to add */
+            float *a = acc + r * d;
             if (m != mx[r]) {
-                const float corr = expf(mx[r] - m);
+                const float corr = exp_f32(mx[r] - m);
                 sum[r] *= corr;
-                for (int64_t c = 0; c < d; ++c) acc[r * d + c] *= corr;
+                for (int64_t c = 0; c < d; ++c) a[c] *= corr;
                 mx[r] = m;
             }
-            for (int64_t j = 0; j < nv; ++j) {
-                s[j] = expf(s[j] - m);
-                sum[r] += s[j];
-            }
-        }
-        for (int64_t j = 0; j < nt; ++j) {
-            const int64_t pos = t0 + j, blk = table[pos / bs];
-            const int64_t off = blk * p->v_blk + (pos % bs) * p->v_tok + h * p->v_head;
-            const float *v = row_f32(p->vc, off, p->cache_kind, d, fp8, vs, vt);
-            for (int64_t r = 0; r < rows; ++r)
-                if (pos <= seq - len + r / g) axpy(acc + r * d, sc[r * TILE + j], v, d);
+            float tsum = 0.0f;
+            for (int64_t j = 0; j < nv; ++j) sc[j] = exp_f32(sc[j] - m);
+            for (int64_t j = 0; j < nv; ++j) tsum += sc[j];
+            sum[r] += tsum;
+            accumulate(a, sc, vrow, nv, d);
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t off = (qs + r / g) * p->o_tok + (h * g + r % g) * p->o_head;
-        const float inv = sum[r];
+        const float *a = acc + r * d, total = sum[r];
         if (p->bf16_io) {
             uint16_t *o = (uint16_t *)p->out + off;
-            for (int64_t c = 0; c < d; ++c) o[c] = f32_to_bf16(acc[r * d + c] / inv);
+            for (int64_t c = 0; c < d; ++c) o[c] = f32_to_bf16(a[c] / total);
         } else {
             float *o = (float *)p->out + off;
-            for (int64_t c = 0; c < d; ++c) o[c] = acc[r * d + c] / inv;
+            for (int64_t c = 0; c < d; ++c) o[c] = a[c] / total;
         }
     }
 }
+
+static void attend_64(const attn_args *p, int64_t job, float *ws, const float *fp8) { attend_d(p, job, ws, fp8, 64); }
+static void attend_128(const attn_args *p, int64_t job, float *ws, const float *fp8) { attend_d(p, job, ws, fp8, 128); }
+static void attend_256(const attn_args *p, int64_t job, float *ws, const float *fp8) { attend_d(p, job, ws, fp8, 256); }
+static void attend_any(const attn_args *p, int64_t job, float *ws, const float *fp8) { attend_d(p, job, ws, fp8, p->d); }
 
 static int64_t check(const attn_args *p) { /* 0, or 1 + the first sequence with a bad value */
     if (p->n > 0 && p->qsl[0] < 0) return 1;
@@ -199,7 +280,9 @@ void paged_attention_pass(attn_args *p) {
     if (p->cache_kind == 2)
         for (int i = 0; i < 256; ++i) fp8[i] = e4m3_to_f32((uint8_t)i);
     const int64_t jobs = p->n * p->hkv, rows = p->max_q * (p->hq / p->hkv), d = p->d;
-    const size_t floats = (size_t)(2 * rows * d + TILE * d + d + rows * TILE + 2 * rows + 16);
+    const size_t floats = (size_t)(2 * rows * d + 2 * TILE * d + TILE + 2 * rows + 16);
+    void (*attend)(const attn_args *, int64_t, float *, const float *) =
+        d == 64 ? attend_64 : d == 128 ? attend_128 : d == 256 ? attend_256 : attend_any;
     #pragma omp parallel num_threads(p->nthreads) if (p->nthreads > 1 && jobs > 1)
     {
         float *ws = malloc(floats * sizeof(float));
