@@ -10,8 +10,9 @@ blocks of vLLM's hybrid page (``[block, token, head, K | V]``, keys and values v
 block padded as vLLM pads it to the GDN state's page), blocks shuffled; ``N`` sequences (``--ns``) of
 ``k + 1`` queries each (``--ks``; k = 1: an MTP verify), every sequence with ``--contexts`` tokens in the
 cache, bf16 (``--dtypes``). The forms alternate call by call on the same inputs, so the machine's load hits
-them alike; the median of ``--reps`` calls after one warm-up call is reported, with the largest difference
-of the outputs.
+them alike; each call is timed in CPU seconds of the process (``time.process_time``: the time other
+processes take from the shared cores does not count; with several threads, their sum), the median of
+``--reps`` calls after one warm-up call is reported, with the largest difference of the outputs.
 
     uv run --no-sync python benchmarks/cpu_paged_attention.py --threads 1 \
         --out benchmarks/results/cpu_paged_attention.json
@@ -62,10 +63,10 @@ def measure(cpu, forms, reps, threads, dtype_name, k_spec, n, context) -> dict:
     outs = {}
     for rep in range(reps + 1):
         for f in forms:
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             outs[f] = call(f, cpu, args)
             if rep:  # the first call of each warms up
-                times[f].append(time.perf_counter() - t0)
+                times[f].append(time.process_time() - t0)
     med = {f: statistics.median(times[f]) for f in forms}
     row = {"threads": threads, "dtype": dtype_name, "k": k_spec, "n": n, "context": context}
     row.update({f"{f}_ms": round(med[f] * 1e3, 3) for f in forms})
@@ -81,7 +82,7 @@ def measure(cpu, forms, reps, threads, dtype_name, k_spec, n, context) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--ns", type=int, nargs="+", default=[16, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--ks", type=int, nargs="+", default=[1])
@@ -117,7 +118,7 @@ def main() -> None:
             "load_average_after": os.getloadavg(),
             "torch": torch.__version__,
             "reps": opts.reps,
-            "columns": "median ms per call; torch_over_native > 1: the C pass faster than the torch path",
+            "columns": "median CPU ms per call (process time); torch_over_native > 1: the C pass faster than the torch path",
         }
         opts.out.parent.mkdir(parents=True, exist_ok=True)
         opts.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")

@@ -3,13 +3,15 @@
 For each sequence ``n`` with ``1 <= q_len <= MAX_Q`` new queries and each KV head ``h`` (one OpenMP job,
 the ``N * Hkv`` jobs split over ``torch.get_num_threads()`` threads), the ``q_len * group`` query rows of
 that KV head are converted to float32 once, then the sequence's block table is walked in tiles of
-``TILE`` key positions: each key row is read once from the cache in place (any block / token / head
-strides, unit last stride; float32, bf16, or e4m3 times its per-tensor scale, all converted exactly to
-float32), scored against every query row that sees it (causal: key position <= query position), and the
-tile's values accumulated under an online softmax in float32 (per row: running max, rescale by
-``e^{old max - new max}``, running sum). The output ``acc / sum`` is written in q's dtype (bf16 rounded to
-nearest even, as torch rounds). The same float32 math as the reference up to the order of the sums and the
-exponential (the C library's ``expf``); no fast-math flag.
+``TILE`` key positions (the next tile's rows prefetched meanwhile): each key and value row is read once
+from the cache in place (any block / token / head strides, unit last stride; float32, bf16, or e4m3 times
+its per-tensor scale, all converted exactly to float32), each key scored against every query row that sees
+it (causal: key position <= query position; four keys per pass over a query row), and the tile's values
+accumulated under an online softmax in float32 (per row: running max, rescale by ``e^{old max - new max}``,
+running sum; the row's accumulator held in registers over the tile's values). The output ``acc / sum`` is
+written in q's dtype (bf16 rounded to nearest even, as torch rounds). The same float32 math as the
+reference up to the order of the sums and the exponential (a polynomial, relative error about 2e-7, so the
+tile's loop vectorises); no fast-math flag.
 
 The pass reads ``query_start_loc``, ``seq_lens`` and the block table itself (no host list of them is
 built) and checks them first (the reference's value checks, plus block ids inside the cache): on a bad
