@@ -62,7 +62,8 @@ typedef struct {
     void *out; int64_t o_tok, o_head;               /* [T, Hq, D], unit last stride */
     int nthreads;
     int64_t num_long;                               /* set: sequences with more than max_q queries */
-    int64_t bad;                                    /* set: 0, or 1 + the first sequence failing a check */
+    int64_t bad;                                    /* set: 0, 1 + the first sequence failing a check, or
+                                                       -1 where a thread had no workspace */
 } attn_args;
 
 /* e^x in float32 without a call, so the loops over a tile vectorise: 2^k e^r, k = round(x log2 e) by the
@@ -289,7 +290,10 @@ void paged_attention_pass(attn_args *p) {
     {
         float *ws = malloc(floats * sizeof(float));
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t job = 0; job < jobs; ++job) attend(p, job, ws, fp8);
+        for (int64_t job = 0; job < jobs; ++job) {
+            if (ws) attend(p, job, ws, fp8);
+            else p->bad = -1; /* no workspace: reported, nothing computed */
+        }
         free(ws);
     }
 }
@@ -364,6 +368,8 @@ def attend(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, s
     )  # fmt: skip
     load()(ctypes.byref(args))
     del keep  # the contiguous copies lived through the call
+    if args.bad < 0:
+        raise MemoryError("paged_attention: the C pass could not allocate its per-thread workspace")
     if args.bad:
         check_paged_attention_values(block_tables, seq_lens, query_start_loc, block_size, q.shape[0])
         n = args.bad - 1
