@@ -1,11 +1,16 @@
 """Paged attention for CPUs: the reference's contract and float32 softmax, sequences batched.
 
+Sequences with at most :data:`.cpu_native.MAX_Q` new queries (decode, MTP verify) go through one C pass
+(:mod:`.cpu_native`: per sequence and KV head, each cached key and value row read once in place, online
+softmax in float32) where a C compiler builds it; that pass also checks the indices and zeroes the padding
+rows. The rest (longer prompt chunks, or every sequence where there is no C build or q is float16) takes
+the torch path below.
+
 The reference attends one sequence at a time (a dozen small ops per sequence, so a decode batch of
-hundreds of sequences, or a step with dozens of short prompts, is mostly per-op overhead). Here the
-sequences with at most :data:`BATCHED_MAX_Q` new queries (decode, MTP verify, prompt chunks of up to
-that many tokens) go in groups: each group's keys and values are gathered once into ``[n, S, Hkv, D]``
-(S = the group's longest sequence), its queries padded to ``[n, Qmax, Hkv, group, D]``, and one masked
-softmax covers the group (a key is seen by a query iff its position is <= the query's; padded keys and
+hundreds of sequences, or a step with dozens of short prompts, is mostly per-op overhead). The torch path
+takes the sequences with at most :data:`BATCHED_MAX_Q` new queries in groups: each group's keys and values
+are gathered once into ``[n, S, Hkv, D]`` (S = the group's longest sequence), its queries padded to
+``[n, Qmax, Hkv, group, D]``, and one masked softmax covers the group (a key is seen by a query iff its position is <= the query's; padded keys and
 queries are masked out). A group holds about :data:`KV_BLOCK_BYTES` of float32 keys, values and scores,
 so its temporaries stay cache-sized. Longer prompt chunks take the reference's per-sequence path.
 """
@@ -16,6 +21,7 @@ import torch
 
 from atom_kernels.ops._checks import FP8_DTYPES
 from atom_kernels.ops._fp8_math import scale_tensor
+from atom_kernels.ops.paged_attention import cpu_native
 from atom_kernels.ops.paged_attention.checks import check_paged_attention, check_paged_attention_values
 from atom_kernels.ops.paged_attention.reference import _load
 
@@ -157,19 +163,36 @@ def paged_attention(
     check_paged_attention(
         q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, out
     )
-    block_size, num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
-    check_paged_attention_values(block_tables, seq_lens, query_start_loc, block_size, q.shape[0])
     ks, vs = scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device)
+    args = (q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, ks, vs)
+    if cpu_native.usable(q, key_cache, value_cache):
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        if cpu_native.attend(*args, out) == 0:  # the C pass wrote every row
+            return out
+        _attend_torch(out, *args, skip_q=cpu_native.MAX_Q)
+        return out
+    block_size = key_cache.shape[1]
+    check_paged_attention_values(block_tables, seq_lens, query_start_loc, block_size, q.shape[0])
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device) if out is None else out.zero_()
+    _attend_torch(out, *args, skip_q=0)
+    return out
+
+
+def _attend_torch(
+    out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, ks, vs, skip_q
+) -> None:
+    """The torch path into ``out`` for the sequences with more than ``skip_q`` queries: grouped up to
+    :data:`BATCHED_MAX_Q` queries, one at a time beyond."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     q_lens = [starts[n + 1] - starts[n] for n in range(len(lens))]
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device) if out is None else out.zero_()
     kv_bytes_per_token = 2 * num_kv_heads * head_dim * 4
     score_bytes = q.shape[1] * 4  # per (query, key) pair: one float32 score per query head
     batch: list[int] = []
     batch_tokens = 0
     batch_q = 0
     for n, seq_len in enumerate(lens):
-        if q_lens[n] == 0:
+        if q_lens[n] <= skip_q:
             continue
         if q_lens[n] > BATCHED_MAX_Q:
             _attend_one(
@@ -201,4 +224,3 @@ def paged_attention(
         _attend_group(
             out, q, key_cache, value_cache, block_tables, batch, starts, q_lens, lens, scale, ks, vs
         )
-    return out
