@@ -16,7 +16,7 @@ runner, ``model_state`` under Model Runner V2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
 import numpy as np
@@ -44,17 +44,6 @@ class AtomGDNAttentionMetadata(GDNAttentionMetadata):
 
     step: GDNStepMeta | None = None
     common: CommonAttentionMetadata | None = field(default=None, repr=False)
-
-
-def _with_record(md: GDNAttentionMetadata) -> AtomGDNAttentionMetadata:
-    """``md``'s fields in an :class:`AtomGDNAttentionMetadata` (no record yet): a shallow copy of the
-    instance's attributes, as ``dataclasses.replace`` would make without re-running ``__init__`` over vLLM's
-    thirty-odd fields (the metadata is built every step)."""
-    out = AtomGDNAttentionMetadata.__new__(AtomGDNAttentionMetadata)
-    out.__dict__.update(md.__dict__)
-    out.step = None
-    out.common = None
-    return out
 
 
 class StepBuffers:
@@ -250,10 +239,10 @@ class AtomGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             num_decode_draft_tokens_cpu,
             fast_build,
         )
-        out = _with_record(md)
-        out.step = gdn_step_from_vllm(md, common_attn_metadata, self.step_buffers)
-        out.common = common_attn_metadata
-        return out
+        step = gdn_step_from_vllm(md, common_attn_metadata, self.step_buffers)
+        return AtomGDNAttentionMetadata(
+            **{f.name: getattr(md, f.name) for f in fields(md)}, step=step, common=common_attn_metadata
+        )
 
     def update_block_table(
         self, metadata: AtomGDNAttentionMetadata, blk_table: torch.Tensor, slot_mapping: torch.Tensor
@@ -267,9 +256,7 @@ class AtomGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
                 "update_block_table: the metadata was not made by AtomGDNAttentionMetadataBuilder.build"
             )
         md = super().update_block_table(metadata, blk_table, slot_mapping)
-        # vLLM's update_block_table returns a new object (dataclasses.replace): its record is set in place
-        md.step = gdn_step_from_vllm(md, metadata.common, self.step_buffers)
-        return md
+        return replace(md, step=gdn_step_from_vllm(md, metadata.common, self.step_buffers))
 
 
 class AtomGDNAttentionBackend(GDNAttentionBackend):
