@@ -3,7 +3,9 @@
 One engine per (impl, mode) runs a warm-up job, then one profiled job: ``--concurrency`` requests at once
 (prompts.json's prompts, cycled), greedy, ``--max-tokens`` each. The worker's profiler table (self CPU time
 per op, vLLM's ``profiler_config``) is written under ``--out-dir`` and its top rows are printed with the
-wall time of the profiled job (profiling slows it; compare the shares, not the wall times).
+wall time of the profiled job (profiling slows it; compare the shares, not the wall times), then the decode
+steps' self time per region (each custom op, the compiled graph, the rest of the step, the work between steps
+such as the MTP draft) from the worker's trace (``profile_regions.py``).
 
     uv run --no-sync python benchmarks/vllm_worker_profile.py --modes eager compiled --k 1 --concurrency 16
 """
@@ -29,6 +31,7 @@ def top_rows(table: str, n: int) -> list[str]:
 
 def main() -> None:
     from _harness import run
+    from profile_regions import load, regions, report
     from vllm_spec_decode import _concurrency_prompts, _model_dir, _prompts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -90,6 +93,8 @@ def main() -> None:
             )
             for t in tables:
                 print("\n".join(top_rows(t.read_text(), args.rows)), flush=True)
+            for trace in sorted(prof_dir.glob("*.pt.trace.json*")):
+                print(f"-- {trace.name}\n{report(regions(load(trace)), args.rows)}", flush=True)
             (out_dir / f"{tag}.jobs.json").write_text(
                 json.dumps(
                     {k: {kk: vv for kk, vv in v.items() if kk != "token_ids"} for k, v in r["jobs"].items()}

@@ -46,14 +46,17 @@ def apply() -> bool:
     @functools.wraps(sample)
     def _sample(self, *args, **kwargs):
         gens = self.input_batch.generators
-        self._atom_pre_sample_states = {i: gens[i].get_state() for i in _discarded(self) if i in gens}
+        # a batch without seeded requests (the usual one) has nothing to save: no host work per step
+        self._atom_pre_sample_states = (
+            {i: gens[i].get_state() for i in _discarded(self) if i in gens} if gens else {}
+        )
         return sample(self, *args, **kwargs)
 
     @functools.wraps(bookkeeping)
     def _bookkeeping_sync(self, *args, **kwargs):
         gens = self.input_batch.generators
         states = getattr(self, "_atom_pre_sample_states", {})
-        held = {i: gens.pop(i) for i in _discarded(self) if i in gens}
+        held = {i: gens.pop(i) for i in _discarded(self) if i in gens} if gens else {}
         try:
             return bookkeeping(self, *args, **kwargs)
         finally:
