@@ -5,7 +5,7 @@ VNNI) layout on every call; at decode and verify row counts that reorder is most
 linear asks :func:`pack_linear_weight` for a packed copy once, after loading, and passes it to
 :func:`linear` as ``packed``: the product is ``mkldnn::_linear_pointwise`` on the packed weight (the call
 inductor's weight freezing makes), bit-equal to ``F.linear`` (same oneDNN kernel, float32 accumulation,
-one rounding; ``test_kernels_linear.py``).
+one rounding; ``test_kernels_linear_cpu.py``).
 
 The packed weight is an opaque ``torch._mkldnn`` tensor that inductor cannot lower an op on, so the product
 runs behind the operator ``atom_kernels::linear_packed`` (a fake implementation gives the output's shape):
