@@ -46,6 +46,7 @@ from atom_models.generation_config import with_generation_eos
 from atom_models.loader import load_mtp, load_target
 from atom_models.moe import hold_float32_experts
 from atom_models.parallel import SINGLE_PROCESS, ParallelContext, TPLayout
+from atom_models.parallel.linear import hold_packed_linears
 from atom_models.qwen3_next import Qwen3NextForCausalLM
 from atom_models.qwen3_next_mtp import Qwen3NextMTP
 
@@ -229,10 +230,12 @@ class LLMEngine:
         load_target(engine.target, ckpt_dir, dequantize_fp8=engine.dequantize_fp8)
         if engine.mtp is not None:
             load_mtp(engine.mtp, ckpt_dir, dequantize_fp8=engine.dequantize_fp8)
-        # CPU expert backends take float32 weights: converted once here rather than on every call
+        # CPU expert backends take float32 weights, the cpu linears packed bf16 weights: made once here
+        # rather than on every call
         for model in (engine.target, engine.mtp):
             if model is not None:
                 hold_float32_experts(model, engine.kernels)
+                hold_packed_linears(model, engine.kernels)
         return engine
 
     # ---- requests ------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from atom_kernels.ops.linear import PACKED_WEIGHT_BACKENDS, pack_linear_weight
 from torch import nn
 
 from atom_models.parallel.context import ParallelContext
@@ -47,6 +48,9 @@ class Linear(nn.Module):
     ``shard``: this rank's part of a sharded linear (None: the whole weight on every rank). ``kernels``: an
     ``atom_kernels.Kernels`` whose ``linear`` op computes the product (e.g. a one-launch GEMV at decode
     sizes); None: ``torch.nn.functional.linear``.
+
+    ``packed``: the weight packed once by the kernels (:meth:`hold_packed`, after loading), passed to
+    ``kernels.linear`` with ``weight``; None: the weight as it is.
     """
 
     def __init__(
@@ -67,9 +71,25 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
+        self.packed: torch.Tensor | None = None
+
+    def hold_packed(self, kernels) -> int:
+        """Hold the (loaded) weight packed by ``kernels``' ``linear`` backend, for every later call, where
+        that backend takes packed weights (:data:`~atom_kernels.ops.linear.PACKED_WEIGHT_BACKENDS`) and
+        packs this one; the product is the same. Call again after the weight changes. Returns the bytes
+        the packed copy adds (0: nothing packed)."""
+        if kernels.backends.get("linear") not in PACKED_WEIGHT_BACKENDS:
+            return 0
+        packed = pack_linear_weight(self.weight)
+        if packed is None:
+            return 0
+        self.kernels, self.packed = kernels, packed
+        return self.weight.numel() * self.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = local_bias(self.bias, self.shard)
+        if self.packed is not None:
+            return finish(self.kernels.linear(x, self.weight, bias, packed=self.packed), self.shard)
         if self.kernels is None:
             return finish(F.linear(x, self.weight, bias), self.shard)
         return finish(self.kernels.linear(x, self.weight, bias), self.shard)
@@ -79,6 +99,12 @@ class Linear(nn.Module):
         if self.shard is not None and self.shard.is_sharded:
             s += f", {self.shard.kind}-parallel {list(self.shard.ranges)} of {list(self.shard.parts)}"
         return s
+
+
+def hold_packed_linears(model: nn.Module, kernels) -> int:
+    """:meth:`Linear.hold_packed` on every :class:`Linear` of ``model``; call once, after the weights are
+    loaded. Returns the bytes added (0 where ``kernels``' ``linear`` backend takes no packed weights)."""
+    return sum(m.hold_packed(kernels) for m in model.modules() if isinstance(m, Linear))
 
 
 def column_parallel_linear(

@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 from atom_core import ConfigError
-from atom_models import CheckpointError, Qwen3NextMTP, checkpoint_files, hold_float32_experts, load_mtp
+from atom_models import (
+    CheckpointError,
+    Qwen3NextMTP,
+    checkpoint_files,
+    hold_float32_experts,
+    hold_packed_linears,
+    load_mtp,
+)
 from atom_models.engine.model_runner import materialize
 from atom_models.folded_shared import sources
 from atom_models.loader import convert_mtp_fp8
@@ -190,5 +197,6 @@ class AtomQwen3NextMTP(nn.Module):
         start_vllm_load_clock(weights)
         load_mtp(self.model, ckpt)
         hold_float32_experts(self.model, self.cores.kernels)  # as the target's (models/target.py)
+        hold_packed_linears(self.model, self.cores.kernels)  # its own linears; the lm_head is the target's
         log_rank_memory("ATOM Qwen3-Next MTP draft", self.model.layout, self, self.cores, self.vllm_config)
         return all_parameter_names(self)

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar, Literal
 
 import torch
-from atom_models import Qwen3NextForCausalLM, hold_float32_experts, load_target
+from atom_models import Qwen3NextForCausalLM, hold_float32_experts, hold_packed_linears, load_target
 from atom_models.engine.model_runner import materialize
 from atom_models.loader import check_files, convert_target_fp8
 from torch import nn
@@ -127,6 +127,8 @@ class AtomQwen3NextForCausalLM(nn.Module):
         load_target(self.atom, ckpt)
         # the cpu experts' float32 products: float32 copies of the loaded weights, made once
         hold_float32_experts(self.atom, self.cores.kernels)
+        # the cpu linears' bf16 weights in oneDNN's packed layout, made once
+        hold_packed_linears(self.atom, self.cores.kernels)
         log_rank_memory("ATOM Qwen3-Next", self.atom.layout, self, self.cores, self.vllm_config)
         return all_parameter_names(self)
 

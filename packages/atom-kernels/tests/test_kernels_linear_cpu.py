@@ -1,0 +1,109 @@
+"""The cpu backend's ``linear`` on a weight packed once (``pack_linear_weight``): bit-equal to ``F.linear`` (the
+reference) in bf16 at every row count, bias or not, leading dims, strided and empty inputs, eager and
+compiled (Dynamo traces ``atom_kernels::linear_packed`` as one call); which weights are packed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from atom_kernels import registry
+from atom_kernels.ops.linear import PACKED_WEIGHT_BACKENDS, pack_linear_weight
+from atom_kernels.ops.linear.cpu import PACK_MIN_ROWS
+from atom_kernels.testing import randn
+
+CPU = torch.device("cpu")
+
+
+def cpu_linear():
+    return registry.resolve("linear", CPU, torch.bfloat16, "cpu").fn
+
+
+def weights(n: int, k: int, bias: bool, seed: int = 0):
+    w = randn(n, k, seed=seed, dtype=torch.bfloat16, device=CPU, scale=k**-0.5)
+    b = randn(n, seed=seed + 1, dtype=torch.bfloat16, device=CPU) if bias else None
+    return w, b
+
+
+def test_cpu_backend_takes_packed_weights():
+    assert "cpu" in PACKED_WEIGHT_BACKENDS
+    assert registry.resolve("linear", CPU, torch.bfloat16).backend == "cpu"
+
+
+@pytest.mark.parametrize("m", [1, 2, 16, 33, 256, 512])
+@pytest.mark.parametrize("n,k", [(16, 256), (256, 512), (1536, 256), (4096, 256), (512, 2048)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_bit_equal(m, n, k, bias):
+    """bf16: the packed product is ``F.linear``'s bit for bit (measured: every case)."""
+    w, b = weights(n, k, bias, seed=m + n + k)
+    packed = pack_linear_weight(w)
+    assert packed is not None and packed.is_mkldnn
+    x = randn(m, k, seed=m, dtype=torch.bfloat16, device=CPU)
+    y = cpu_linear()(x, w, b, packed=packed)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert torch.equal(y, F.linear(x, w, b))
+
+
+def test_packed_linear_leading_dims_strided_and_empty():
+    w, b = weights(256, 512, True)
+    packed = pack_linear_weight(w)
+    fn = cpu_linear()
+    x3 = randn(3, 5, 512, seed=1, dtype=torch.bfloat16, device=CPU)
+    assert torch.equal(fn(x3, w, b, packed=packed), F.linear(x3, w, b))
+    wide = randn(7, 1024, seed=2, dtype=torch.bfloat16, device=CPU)
+    strided = wide[:, ::2]  # a column-strided view
+    assert torch.equal(fn(strided, w, b, packed=packed), F.linear(strided, w, b))
+    rows = randn(9, 512, seed=3, dtype=torch.bfloat16, device=CPU)[::2]  # row-strided
+    assert torch.equal(fn(rows, w, None, packed=packed), F.linear(rows, w))
+    empty = fn(x3[:, :0], w, b, packed=packed)
+    assert empty.shape == (3, 0, 256) and empty.dtype == torch.bfloat16
+
+
+def test_packed_linear_checks_its_inputs():
+    w, b = weights(256, 512, True)
+    packed = pack_linear_weight(w)
+    x = randn(2, 512, seed=1, dtype=torch.bfloat16, device=CPU)
+    with pytest.raises(ValueError, match="linear: weight must have dtype float32"):
+        cpu_linear()(x.float(), w, b, packed=packed)
+    with pytest.raises(ValueError, match=r"linear: bias must have shape \[N=256\]"):
+        cpu_linear()(x, w, b[:4], packed=packed)
+
+
+def test_which_weights_are_packed():
+    """bf16 2-D CPU weights of at least PACK_MIN_ROWS rows; float32 (exact path: F.linear, MKL), fewer rows
+    (F.linear's matrix-vector product is faster there) and other ranks are left to F.linear."""
+    assert pack_linear_weight(weights(PACK_MIN_ROWS, 64, False)[0]) is not None
+    assert pack_linear_weight(weights(PACK_MIN_ROWS - 1, 64, False)[0]) is None
+    assert pack_linear_weight(weights(64, 64, False)[0].float()) is None
+    assert pack_linear_weight(weights(64, 64, False)[0][None]) is None
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_packed_linear_compiles(dynamic):
+    """Under torch.compile (fullgraph) the op is one traced call: the compiled function's outputs are the
+    eager ones at every row count it is called with."""
+    w, b = weights(256, 512, True, seed=4)
+    packed = pack_linear_weight(w)
+    fn = cpu_linear()
+
+    def f(x):
+        return torch.relu(fn(x, w, b, packed=packed)) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    for m in (16, 1, 3, 64):
+        x = randn(m, 512, seed=m, dtype=torch.bfloat16, device=CPU)
+        assert torch.equal(compiled(x), f(x))
+
+
+def test_packed_linear_op_fake_shape():
+    """The op's fake implementation gives the real output's shape, dtype and strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    w, _ = weights(256, 512, False)
+    packed = pack_linear_weight(w)
+    x = randn(4, 3, 512, seed=1, dtype=torch.bfloat16, device=CPU)
+    real = torch.ops.atom_kernels.linear_packed(x, packed, None, 256)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = torch.ops.atom_kernels.linear_packed(mode.from_tensor(x), packed, None, 256)
+    assert fake.shape == real.shape and fake.dtype == real.dtype and fake.stride() == real.stride()
