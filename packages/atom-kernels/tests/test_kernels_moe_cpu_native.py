@@ -4,7 +4,9 @@ The bundled model's shapes (8 routed experts top-2 plus the shared expert as 2 p
 token's row, H = 256, I = 64) and a larger one whose H and I are no multiple of the C pass's 16 / 32
 lanes (48 experts top-6, H = 392, I = 72), T = 1 .. 300, float32 or bf16 tokens, weights in x.dtype or as
 float32 copies held by their owner, slots held elsewhere (-1 ids), row-strided tokens, int32 ids, 1 or 2
-threads. The cpu backend's ``moe_experts`` must run the C pass (a spy counts the calls).
+threads. bf16 tokens with bf16 weights take AMX tiles at the bundled shapes where the CPU has them, and
+AVX512-BF16 dot products at the larger one. The cpu backend's ``moe_experts`` must run the C pass (a spy
+counts the calls).
 """
 
 from __future__ import annotations

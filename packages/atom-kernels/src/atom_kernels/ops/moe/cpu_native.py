@@ -18,9 +18,12 @@ products are float32 sums of x.dtype operands, in one of three forms chosen from
 
 - float32 weights (a float32 model, or float32 copies of bf16 weights held by their owner): float32
   fused multiply-adds, 16 lanes, each dot product's lanes summed in a fixed pairwise tree;
-- bf16 tokens and bf16 weights on a CPU with AVX512-BF16: ``vdpbf16ps`` (a bf16 x bf16 product is exact in
-  float32; pairs of products accumulate into 16 float32 lanes; the instruction treats bf16 subnormals as
-  zero), so no float32 copy of the weights is needed;
+- bf16 tokens and bf16 weights on a CPU with AMX, H and I multiples of 32: AMX tiles, ``tdpbf16ps`` on
+  blocks of 16 outputs x 16 pairs x 32 channels (the pairs' channels packed in pairs per call, the weights
+  read in place), the process asking the kernel for the tile state (``arch_prctl``) as torch and vLLM do;
+- bf16 tokens and bf16 weights elsewhere on a CPU with AVX512-BF16: ``vdpbf16ps``;
+  (both: a bf16 x bf16 product is exact in float32, pairs of products accumulate into float32 lanes,
+  bf16 subnormals count as zero) so no float32 copy of the weights is needed;
 - bf16 weights elsewhere: each weight converted to float32 as it is loaded (exact), then as the first.
 
 ``silu(g) = g / (1 + e^{-g})`` with ``e^x`` a polynomial of this module (about 2e-7 relative error, so the
@@ -201,10 +204,63 @@ GEMM(gemm_ff, block_ff, float, float)
 GEMM(gemm_fb, block_fb, float, uint16_t)
 GEMM(gemm_bb, block_bb, uint16_t, uint16_t)
 
-/* one job: pairs order[s0 .. s0 + n) of expert e; buf holds ROWS * (H + 3I) floats */
-static void expert_rows(const moe_args *p, int64_t e, int64_t s0, int64_t n, float *buf) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_cfg;
+static int amx_permitted(void) { /* asks the kernel for the tile data state (per process; repeatable) */
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+static void amx_config(void) { /* three tiles of 16 rows x 64 bytes, in this thread */
+    tile_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 3; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    _tile_loadconfig(&cfg);
+}
+/* c[r * ldc + o] = a_r . w_o for r < m, o < n (kd a multiple of 32, n of 16), by blocks of c^T: tile 0
+   (16 outputs x 16 rows, float32) += tile 1 (16 weight rows x 32 channels) . tile 2 (the 16 rows' channel
+   pairs, rows past m zero); vnni holds kd / 2 x 16 pairs */
+static void gemm_amx(const uint16_t *a, int64_t lda, int64_t m, const uint16_t *w, int64_t n, int64_t kd,
+                     float *c, int64_t ldc, uint32_t *vnni) {
+    float blk[16][16];
+    for (int64_t r0 = 0; r0 < m; r0 += 16) {
+        const int64_t mr = m - r0 < 16 ? m - r0 : 16;
+        for (int64_t t = 0; t < 16; ++t) {
+            if (t < mr) {
+                const uint16_t *row = a + (r0 + t) * lda;
+                for (int64_t kk = 0; kk < kd / 2; ++kk) memcpy(vnni + kk * 16 + t, row + 2 * kk, 4);
+            } else {
+                for (int64_t kk = 0; kk < kd / 2; ++kk) vnni[kk * 16 + t] = 0;
+            }
+        }
+        for (int64_t o0 = 0; o0 < n; o0 += 16) {
+            _tile_zero(0);
+            for (int64_t k0 = 0; k0 < kd; k0 += 32) {
+                _tile_loadd(1, w + o0 * kd + k0, kd * 2);
+                _tile_loadd(2, vnni + k0 / 2 * 16, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, blk, 64);
+            for (int64_t t = 0; t < mr; ++t)
+                for (int o = 0; o < 16; ++o) c[(r0 + t) * ldc + o0 + o] = blk[o][t];
+        }
+    }
+}
+#else
+#define HAVE_AMX 0
+static int amx_permitted(void) { return 0; }
+static void amx_config(void) {}
+static void gemm_amx(const uint16_t *a, int64_t lda, int64_t m, const uint16_t *w, int64_t n, int64_t kd,
+                     float *c, int64_t ldc, uint32_t *vnni) {}
+#endif
+
+/* one job: pairs order[s0 .. s0 + n) of expert e; buf holds ROWS * (H + 3I) floats, then the AMX pairs */
+static void expert_rows(const moe_args *p, int64_t e, int64_t s0, int64_t n, float *buf, int amx) {
     const int64_t H = p->h, I = p->inter, K = p->k;
-    const int bb = p->x_bf16 && p->w_bf16 && HAVE_DPBF16; /* bf16 operands straight into dpbf16 */
+    const int bb = p->x_bf16 && p->w_bf16 && (HAVE_DPBF16 || amx); /* bf16 operands straight in */
+    uint32_t *vnni = (uint32_t *)(buf + ROWS * (H + 3 * I));
     float *hbuf = buf;                 /* [ROWS, 2I] */
     float *xs = hbuf + ROWS * 2 * I;   /* [ROWS, H] float32, or bf16 in its first half */
     float *act = xs + ROWS * H;        /* [ROWS, I] float32, or bf16 in its first half */
@@ -220,7 +276,8 @@ static void expert_rows(const moe_args *p, int64_t e, int64_t s0, int64_t n, flo
         }
     }
     const int64_t w13_off = e * 2 * I * H, w2_off = e * H * I;
-    if (bb) gemm_bb(xs16, H, n, (const uint16_t *)p->w13 + w13_off, 2 * I, H, hbuf, 2 * I);
+    if (amx) gemm_amx(xs16, H, n, (const uint16_t *)p->w13 + w13_off, 2 * I, H, hbuf, 2 * I, vnni);
+    else if (bb) gemm_bb(xs16, H, n, (const uint16_t *)p->w13 + w13_off, 2 * I, H, hbuf, 2 * I);
     else if (p->w_bf16) gemm_fb(xs, H, n, (const uint16_t *)p->w13 + w13_off, 2 * I, H, hbuf, 2 * I);
     else gemm_ff(xs, H, n, (const float *)p->w13 + w13_off, 2 * I, H, hbuf, 2 * I);
     for (int64_t r = 0; r < n; ++r) {
@@ -233,7 +290,8 @@ static void expert_rows(const moe_args *p, int64_t e, int64_t s0, int64_t n, flo
         }
     }
     float *y = p->y + s0 * H;
-    if (bb) gemm_bb(act16, I, n, (const uint16_t *)p->w2 + w2_off, H, I, y, H);
+    if (amx) gemm_amx(act16, I, n, (const uint16_t *)p->w2 + w2_off, H, I, y, H, vnni);
+    else if (bb) gemm_bb(act16, I, n, (const uint16_t *)p->w2 + w2_off, H, I, y, H);
     else if (p->w_bf16) gemm_fb(act, I, n, (const uint16_t *)p->w2 + w2_off, H, I, y, H);
     else gemm_ff(act, I, n, (const float *)p->w2 + w2_off, H, I, y, H);
     for (int64_t r = 0; r < n; ++r) {
@@ -296,10 +354,14 @@ int moe_experts(moe_args *p) {
     }
     free(fill);
     const int64_t jobs = job_first[E];
+    /* AMX tiles for bf16 x bf16 where the shapes fit them (H and I multiples of 32) */
+    const int amx = HAVE_AMX && p->x_bf16 && p->w_bf16 && H % 32 == 0 && I % 32 == 0 && amx_permitted();
+    const int64_t floats = ROWS * (H + 3 * I) + 8 * (H > I ? H : I) + H;
     int failed = 0;
     #pragma omp parallel num_threads(p->nthreads) if (p->nthreads > 1)
     {
-        float *buf = malloc((ROWS * (H + 3 * I) + H) * sizeof(float));
+        float *buf = malloc(floats * sizeof(float));
+        if (amx) amx_config();
         if (!buf) {
             #pragma omp atomic write
             failed = 1;
@@ -311,10 +373,13 @@ int moe_experts(moe_args *p) {
             while (job_first[e + 1] <= j) ++e;
             const int64_t s0 = first[e] + (j - job_first[e]) * ROWS;
             const int64_t n = first[e + 1] - s0 < ROWS ? first[e + 1] - s0 : ROWS;
-            expert_rows(p, e, s0, n, buf);
+            expert_rows(p, e, s0, n, buf, amx);
         }
+        #if HAVE_AMX
+        if (amx) _tile_release();
+        #endif
         #pragma omp for schedule(static)
-        for (int64_t t = 0; t < p->t; ++t) if (buf) token_sum(p, t, buf + ROWS * (H + 3 * I));
+        for (int64_t t = 0; t < p->t; ++t) if (buf) token_sum(p, t, buf + floats - H);
         free(buf);
     }
     free(first);
@@ -323,6 +388,7 @@ int moe_experts(moe_args *p) {
 }
 
 int moe_has_dpbf16(void) { return HAVE_DPBF16; }
+int moe_has_amx(void) { return HAVE_AMX && amx_permitted(); }
 """
 )
 
@@ -354,6 +420,17 @@ def has_dpbf16() -> bool:
     if load() is None:
         return False
     fn = cpu_native.build(_SOURCE, "moe_experts", "moe_has_dpbf16", _Args)  # the same cached library
+    fn.argtypes, fn.restype = [], ctypes.c_int
+    return bool(fn())
+
+
+@functools.cache
+def has_amx() -> bool:
+    """Whether the build multiplies bf16 tokens by bf16 weights with AMX tiles (where H and I are multiples
+    of 32), the process allowed to use them."""
+    if load() is None:
+        return False
+    fn = cpu_native.build(_SOURCE, "moe_experts", "moe_has_amx", _Args)  # the same cached library
     fn.argtypes, fn.restype = [], ctypes.c_int
     return bool(fn())
 
