@@ -10,7 +10,8 @@ stock's and the largest difference to the torch forms.
 Linears (the projections' ``[N, K]``), per row count M: ``F.linear`` (what the model calls, ``aten::mm``),
 oneDNN's ``mkldnn::_linear_pointwise`` on a weight packed once (``mkldnn::_reorder_linear_weight``), and
 stock's ``onednn_mm`` on its handle; each checked bit-equal to ``F.linear``.
-Every form of one shape is timed in turn, round-robin (median), so the ratios are side by side.
+Every form of one shape is timed in turn, round-robin (median of the wall time, ``ms``, and of this thread's
+CPU time, ``cpu_ms``), so the ratios are side by side.
 
     uv run --no-sync python benchmarks/cpu_experts_linears.py [--out benchmarks/results/cpu_experts_linears.json]
 """
@@ -34,16 +35,24 @@ LINEARS = {
 }
 
 
-def _medians(fns: dict, reps: int) -> dict:
+def _medians(fns: dict, reps: int) -> tuple[dict, dict]:
+    """Median wall and thread-CPU milliseconds of each form, the forms timed in turn (the CPU time counts
+    only while this thread runs: on a loaded machine it is the steadier of the two)."""
     for f in fns.values():
         f()
-    ts: dict = {k: [] for k in fns}
+    wall: dict = {k: [] for k in fns}
+    cpu: dict = {k: [] for k in fns}
     for _ in range(reps):
         for k, f in fns.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             f()
-            ts[k].append(time.perf_counter() - t0)
-    return {k: round(sorted(v)[len(v) // 2] * 1e3, 4) for k, v in ts.items()}
+            wall[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.thread_time() - c0)
+
+    def med(ts: dict) -> dict:
+        return {k: round(sorted(v)[len(v) // 2] * 1e3, 4) for k, v in ts.items()}
+
+    return med(wall), med(cpu)
 
 
 def _expert_row(t: int, gen, w13, w2, packed, stock_ops) -> dict:
@@ -81,7 +90,7 @@ def _expert_row(t: int, gen, w13, w2, packed, stock_ops) -> dict:
             k: float((fns[k]() != out).float().mean())
             for k in ("C routed only, float32 weights held", "C routed only, bf16 weights")
         }
-    row["ms"] = _medians(fns, 40 if t <= 512 else 8)
+    row["ms"], row["cpu_ms"] = _medians(fns, 40 if t <= 512 else 8)
     return row
 
 
@@ -112,7 +121,7 @@ def _linear_row(name: str, w, packed, handle, rows_m: int, gen, stock_ops) -> di
     ref = F.linear(x, w)
     equal = {k2: torch.equal(f(), ref) for k2, f in fns.items() if k2 != "F.linear"}
     row = {"linear": name, "N": n, "K": k, "M": rows_m, "bit-equal to F.linear": equal}
-    row["ms"] = _medians(fns, 40 if rows_m <= 512 else 8)
+    row["ms"], row["cpu_ms"] = _medians(fns, 40 if rows_m <= 512 else 8)
     return row
 
 
