@@ -14,7 +14,7 @@ verify sizes their dispatch and temporaries cost more than the arithmetic. Here 
 
 (the reference's float32 expressions and rounding points; each token's slots summed in the order the
 reference's ``index_add_`` per expert sums them, so the result does not depend on the thread count). The
-products are float32 sums of x.dtype operands, in one of three forms chosen from the dtypes:
+products are float32 sums of x.dtype operands, in one of four forms chosen from the dtypes and shapes:
 
 - float32 weights (a float32 model, or float32 copies of bf16 weights held by their owner): float32
   fused multiply-adds, 16 lanes, each dot product's lanes summed in a fixed pairwise tree;
@@ -31,7 +31,8 @@ loop vectorises) where torch uses its vectorised ``exp``: the activation may dif
 in the last float32 bit, and so by one x.dtype ulp where that bit decides the rounding.
 
 Built and cached like :mod:`atom_kernels.ops.gated_delta_rule.cpu_native` (no C compiler: the torch
-forms run). Tokens may have any row stride (unit channel stride); ids int64 or int32.
+forms run). Tokens with a unit channel stride are read at any row stride (others are copied first);
+ids int64 or int32.
 """
 
 from __future__ import annotations
