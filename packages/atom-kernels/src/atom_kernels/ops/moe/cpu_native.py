@@ -19,8 +19,8 @@ products are float32 sums of x.dtype operands, in one of four forms chosen from 
 - float32 weights (a float32 model, or float32 copies of bf16 weights held by their owner): float32
   fused multiply-adds, 16 lanes, each dot product's lanes summed in a fixed pairwise tree;
 - bf16 tokens and bf16 weights on a CPU with AMX, H and I multiples of 32: AMX tiles, ``tdpbf16ps`` on
-  blocks of 16 outputs x 16 pairs x 32 channels (the pairs' channels packed in pairs per call, the weights
-  read in place), the process asking the kernel for the tile state (``arch_prctl``) as torch and vLLM do;
+  blocks of 16 outputs x 16 pairs x 32 channels, four blocks in flight (the pairs' channels packed in
+  pairs per call, the weights read in place), the process asking the kernel for the tile state (``arch_prctl``) as torch and vLLM do;
 - bf16 tokens and bf16 weights elsewhere on a CPU with AVX512-BF16: ``vdpbf16ps``;
   (both: a bf16 x bf16 product is exact in float32, pairs of products accumulate into float32 lanes,
   bf16 subnormals count as zero) so no float32 copy of the weights is needed;
@@ -213,39 +213,64 @@ typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; u
 static int amx_permitted(void) { /* asks the kernel for the tile data state (per process; repeatable) */
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 }
-static void amx_config(void) { /* three tiles of 16 rows x 64 bytes, in this thread */
+static void amx_config(void) { /* eight tiles of 16 rows x 64 bytes, in this thread */
     tile_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 3; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
     _tile_loadconfig(&cfg);
 }
-/* c[r * ldc + o] = a_r . w_o for r < m, o < n (kd a multiple of 32, n of 16), by blocks of c^T: tile 0
-   (16 outputs x 16 rows, float32) += tile 1 (16 weight rows x 32 channels) . tile 2 (the 16 rows' channel
-   pairs, rows past m zero); vnni holds kd / 2 x 16 pairs */
+/* c[r * ldc + o] = a_r . w_o for r < m, o < n (kd a multiple of 32, n of 16), by blocks of c^T of 16 outputs
+   x 16 rows: tiles 0-3 (float32, outputs o0 / o0 + 16 x rows r0 / r0 + 16) += tiles 4-5 (16 weight rows x 32
+   channels) . tiles 6-7 (16 rows' channel pairs, rows past m zero); four independent sums in flight, each
+   over the channels in order. vnni holds kd / 2 x 32 pairs. */
 static void gemm_amx(const uint16_t *a, int64_t lda, int64_t m, const uint16_t *w, int64_t n, int64_t kd,
                      float *c, int64_t ldc, uint32_t *vnni) {
     float blk[16][16];
-    for (int64_t r0 = 0; r0 < m; r0 += 16) {
-        const int64_t mr = m - r0 < 16 ? m - r0 : 16;
-        for (int64_t t = 0; t < 16; ++t) {
+    for (int64_t r0 = 0; r0 < m; r0 += 32) {
+        const int64_t mr = m - r0 < 32 ? m - r0 : 32;
+        const int two_r = mr > 16;
+        for (int64_t t = 0; t < 32; ++t) {
             if (t < mr) {
                 const uint16_t *row = a + (r0 + t) * lda;
-                for (int64_t kk = 0; kk < kd / 2; ++kk) memcpy(vnni + kk * 16 + t, row + 2 * kk, 4);
+                for (int64_t kk = 0; kk < kd / 2; ++kk) memcpy(vnni + kk * 32 + t, row + 2 * kk, 4);
             } else {
-                for (int64_t kk = 0; kk < kd / 2; ++kk) vnni[kk * 16 + t] = 0;
+                for (int64_t kk = 0; kk < kd / 2; ++kk) vnni[kk * 32 + t] = 0;
             }
         }
-        for (int64_t o0 = 0; o0 < n; o0 += 16) {
+        for (int64_t o0 = 0; o0 < n; o0 += 32) {
+            const int two_o = o0 + 16 < n;
             _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
             for (int64_t k0 = 0; k0 < kd; k0 += 32) {
-                _tile_loadd(1, w + o0 * kd + k0, kd * 2);
-                _tile_loadd(2, vnni + k0 / 2 * 16, 64);
-                _tile_dpbf16ps(0, 1, 2);
+                _tile_loadd(4, w + o0 * kd + k0, kd * 2);
+                _tile_loadd(6, vnni + k0 / 2 * 32, 128);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two_r) {
+                    _tile_loadd(7, vnni + k0 / 2 * 32 + 16, 128);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (two_o) {
+                    _tile_loadd(5, w + (o0 + 16) * kd + k0, kd * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two_r) _tile_dpbf16ps(3, 5, 7);
+                }
             }
-            _tile_stored(0, blk, 64);
-            for (int64_t t = 0; t < mr; ++t)
-                for (int o = 0; o < 16; ++o) c[(r0 + t) * ldc + o0 + o] = blk[o][t];
+            for (int q = 0; q < 4; ++q) {
+                const int64_t ob = o0 + (q >> 1) * 16, rb = (q & 1) * 16;
+                if (ob >= n || rb >= mr) continue;
+                switch (q) {
+                case 0: _tile_stored(0, blk, 64); break;
+                case 1: _tile_stored(1, blk, 64); break;
+                case 2: _tile_stored(2, blk, 64); break;
+                default: _tile_stored(3, blk, 64); break;
+                }
+                const int64_t rows = mr - rb < 16 ? mr - rb : 16;
+                for (int64_t t = 0; t < rows; ++t)
+                    for (int o = 0; o < 16; ++o) c[(r0 + rb + t) * ldc + ob + o] = blk[o][t];
+            }
         }
     }
 }
@@ -357,7 +382,7 @@ int moe_experts(moe_args *p) {
     const int64_t jobs = job_first[E];
     /* AMX tiles for bf16 x bf16 where the shapes fit them (H and I multiples of 32) */
     const int amx = HAVE_AMX && p->x_bf16 && p->w_bf16 && H % 32 == 0 && I % 32 == 0 && amx_permitted();
-    const int64_t floats = ROWS * (H + 3 * I) + 8 * (H > I ? H : I) + H;
+    const int64_t floats = ROWS * (H + 3 * I) + 16 * (H > I ? H : I) + H;
     int failed = 0;
     #pragma omp parallel num_threads(p->nthreads) if (p->nthreads > 1)
     {
