@@ -1,14 +1,17 @@
 """The bundled model's routed experts and dense linears on one CPU thread, bf16, beside stock vLLM's CPU kernels.
 
-Experts (8 routed top-2 + the shared expert as 2 pseudo-experts, H = 256, I = 64), per token count T:
-``atom_kernels.ops.moe.cpu.moe_experts`` with the weights as bf16 (converted to float32 on every call) and as
-float32 copies held by the caller (what the plugin passes), the conversion alone, and stock's
+Experts (8 routed top-2 + the shared expert as 2 pseudo-experts, H = 256, I = 64, bf16 tokens), per token
+count T: ``atom_kernels.ops.moe.cpu.moe_experts`` (the C pass, ``moe.cpu_native``) and its torch forms
+(``cpu.torch_forms``, the fallback), each with the weights as float32 copies held by the caller and as bf16
+(the C pass: AVX512-BF16 dot products; the torch forms: converted on every call), and stock's
 ``_C::cpu_fused_moe`` (AMX, prepacked weights; routed experts only: stock runs its shared expert as separate
-linears), with the fraction of output elements that differ from ours.
+linears) beside ours on the routed experts alone, with the fraction of output elements that differ from
+stock's and the largest difference to the torch forms.
 Linears (the projections' ``[N, K]``), per row count M: ``F.linear`` (what the model calls, ``aten::mm``),
 oneDNN's ``mkldnn::_linear_pointwise`` on a weight packed once (``mkldnn::_reorder_linear_weight``), and
 stock's ``onednn_mm`` on its handle; each checked bit-equal to ``F.linear``.
-Every form of one shape is timed in turn, round-robin (median), so the ratios are side by side.
+Every form of one shape is timed in turn, round-robin (median of the wall time, ``ms``, and of this thread's
+CPU time, ``cpu_ms``), so the ratios are side by side.
 
     uv run --no-sync python benchmarks/cpu_experts_linears.py [--out benchmarks/results/cpu_experts_linears.json]
 """
@@ -32,16 +35,24 @@ LINEARS = {
 }
 
 
-def _medians(fns: dict, reps: int) -> dict:
+def _medians(fns: dict, reps: int) -> tuple[dict, dict]:
+    """Median wall and thread-CPU milliseconds of each form, the forms timed in turn (the CPU time counts
+    only while this thread runs: on a loaded machine it is the steadier of the two)."""
     for f in fns.values():
         f()
-    ts: dict = {k: [] for k in fns}
+    wall: dict = {k: [] for k in fns}
+    cpu: dict = {k: [] for k in fns}
     for _ in range(reps):
         for k, f in fns.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             f()
-            ts[k].append(time.perf_counter() - t0)
-    return {k: round(sorted(v)[len(v) // 2] * 1e3, 4) for k, v in ts.items()}
+            wall[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.thread_time() - c0)
+
+    def med(ts: dict) -> dict:
+        return {k: round(sorted(v)[len(v) // 2] * 1e3, 4) for k, v in ts.items()}
+
+    return med(wall), med(cpu)
 
 
 def _expert_row(t: int, gen, w13, w2, packed, stock_ops) -> dict:
@@ -53,25 +64,33 @@ def _expert_row(t: int, gen, w13, w2, packed, stock_ops) -> dict:
     logits = torch.randn(t, e + 1, generator=gen).bfloat16()
     weights, ids = reference.moe_router(logits, 2, True, num_shared=m)
     fns = {
-        "bf16 weights": lambda: cpu.moe_experts(x, weights, ids, w13, w2),
-        "float32 weights held": lambda: cpu.moe_experts(x, weights, ids, w13f, w2f),
-        "conversion alone": lambda: (w13.float(), w2.float()),
+        "C, float32 weights held": lambda: cpu.moe_experts(x, weights, ids, w13f, w2f),
+        "C, bf16 weights": lambda: cpu.moe_experts(x, weights, ids, w13, w2),
+        "torch forms, float32 weights held": lambda: cpu.torch_forms(x, weights, ids, w13f, w2f),
+        "torch forms, bf16 weights": lambda: cpu.torch_forms(x, weights, ids, w13, w2),
     }
     row: dict = {"T": t}
+    torch_out = fns["torch forms, float32 weights held"]()
+    row["max abs difference to the torch forms"] = {
+        k: float((fns[k]().float() - torch_out.float()).abs().max()) for k in list(fns)[:2]
+    }
     if packed is not None:  # routed experts only, both sides
         out = torch.empty_like(x)
         rw, rid = weights[:, :2].contiguous(), ids[:, :2].int().contiguous()
-        fns["ours, routed only"] = lambda: cpu.moe_experts(x, rw, rid.long(), w13f[:e], w2f[:e])
+        fns["C routed only, float32 weights held"] = lambda: cpu.moe_experts(x, rw, rid, w13f[:e], w2f[:e])
+        fns["C routed only, bf16 weights"] = lambda: cpu.moe_experts(x, rw, rid, w13[:e], w2[:e])
+        fns["torch forms routed only, float32 weights held"] = lambda: cpu.torch_forms(
+            x, rw, rid.long(), w13f[:e], w2f[:e]
+        )
         fns["stock cpu_fused_moe, routed only"] = lambda: stock_ops.cpu_fused_moe(
             out, x, packed[0], packed[1], None, None, rw, rid, "silu", "amx"
         )
         fns["stock cpu_fused_moe, routed only"]()
-        ours = cpu.moe_experts(x, rw, rid.long(), w13f[:e], w2f[:e])
-        row["routed: fraction of elements not bit-equal to stock"] = float((ours != out).float().mean())
-    row["bit-equal (bf16 vs float32 weights)"] = torch.equal(
-        fns["bf16 weights"](), fns["float32 weights held"]()
-    )
-    row["ms"] = _medians(fns, 40 if t <= 512 else 8)
+        row["routed: fraction of elements not bit-equal to stock"] = {
+            k: float((fns[k]() != out).float().mean())
+            for k in ("C routed only, float32 weights held", "C routed only, bf16 weights")
+        }
+    row["ms"], row["cpu_ms"] = _medians(fns, 40 if t <= 512 else 8)
     return row
 
 
@@ -84,7 +103,7 @@ def experts(stock_ops) -> list[dict]:
         None if stock_ops is None else [stock_ops.cpu_prepack_moe_weight(w[:e], "amx") for w in (w13, w2)]
     )
     rows = []
-    for t in (2, 32, 512, 4096):
+    for t in (1, 2, 16, 32, 64, 512, 4096):
         rows.append(_expert_row(t, gen, w13, w2, packed, stock_ops))
         print(json.dumps(rows[-1]))
     return rows
@@ -102,7 +121,7 @@ def _linear_row(name: str, w, packed, handle, rows_m: int, gen, stock_ops) -> di
     ref = F.linear(x, w)
     equal = {k2: torch.equal(f(), ref) for k2, f in fns.items() if k2 != "F.linear"}
     row = {"linear": name, "N": n, "K": k, "M": rows_m, "bit-equal to F.linear": equal}
-    row["ms"] = _medians(fns, 40 if rows_m <= 512 else 8)
+    row["ms"], row["cpu_ms"] = _medians(fns, 40 if rows_m <= 512 else 8)
     return row
 
 

@@ -386,7 +386,7 @@ def test_bad_inputs(impl, device):
 
 @pytest.mark.parametrize("tokens", [1, 2, 32, 96, 512])
 def test_moe_experts_cpu_forms_bit_equal(tokens):
-    """The cpu backend's forms (dense at T = 1..96 here, the sorted loop at 512) at the bundled model's
+    """The cpu backend's torch forms (dense at T = 1..96 here, the sorted loop at 512) at the bundled model's
     shapes (8 routed experts top-2 + 2 shared pseudo-experts, H = 256, I = 64), bf16: bit-equal to the
     reference's per-expert loop, with the weights as bf16 or as float32 copies held by the caller. (In
     float32 the dense form's one ``[T, H] x [H, E * 2I]`` matmul sums some outputs in another order than
@@ -403,12 +403,12 @@ def test_moe_experts_cpu_forms_bit_equal(tokens):
     weights, ids = reference.moe_router(logits, top_k, True, num_shared=m)
     ids[::3, 1] = -1  # slots held elsewhere contribute zero in every form
     expected = reference.moe_experts(x, weights, ids, w13, w2)
-    assert torch.equal(cpu.moe_experts(x, weights, ids, w13, w2), expected)
-    assert torch.equal(cpu.moe_experts(x, weights, ids, w13.float(), w2.float()), expected)
+    assert torch.equal(cpu.torch_forms(x, weights, ids, w13, w2), expected)
+    assert torch.equal(cpu.torch_forms(x, weights, ids, w13.float(), w2.float()), expected)
 
 
 def test_moe_experts_cpu_dense_form_only_for_few_experts_a_slot(monkeypatch):
-    """The cpu backend runs every expert on every token only where that is within ``MAX_PADDING`` times the
+    """The cpu backend's torch forms run every expert on every token only where that is within ``MAX_PADDING`` times the
     routed work: 64 experts top-2 at T = 4 take another form (same result as the reference)."""
     from atom_kernels.ops.moe import cpu, reference
 
@@ -421,6 +421,6 @@ def test_moe_experts_cpu_dense_form_only_for_few_experts_a_slot(monkeypatch):
     for num_experts in (64, 4 * 2):  # 64 > MAX_PADDING * K = 8: not dense; 8 experts: dense
         w13 = randn(num_experts, 16, 32, seed=52, dtype=torch.float32, device=cpu_dev)
         w2 = randn(num_experts, 32, 8, seed=53, dtype=torch.float32, device=cpu_dev)
-        got = cpu.moe_experts(x, weights, ids % num_experts, w13, w2)
+        got = cpu.torch_forms(x, weights, ids % num_experts, w13, w2)
         torch.testing.assert_close(got, reference.moe_experts(x, weights, ids % num_experts, w13, w2))
     assert calls == [1]

@@ -262,14 +262,14 @@ def test_step_copies_no_full_vocabulary_logits_for_greedy(engines, greedy_cases,
 def test_bf16_engine_holds_float32_experts_with_the_same_tokens(model_dir, greedy_cases):
     """A bf16 CPU engine built by ``from_pretrained`` holds its experts' weights in float32 once (the CPU
     expert backends take float32 weights) and emits the tokens of an engine that converts on every call."""
-    from atom_kernels.ops.moe import FLOAT32_WEIGHT_BACKENDS
+    from atom_kernels.ops.moe import prefers_float32_weights
     from atom_models.engine.engine import load_mtp, load_target
     from atom_models.moe import Experts
 
     cfg = EngineConfig(num_speculative_tokens=1, max_model_len=256, max_num_seqs=4)
     held = LLMEngine.from_pretrained(model_dir, cfg, dtype=torch.bfloat16)
-    if held.kernels.backends.get("moe_experts") not in FLOAT32_WEIGHT_BACKENDS:
-        pytest.skip(f"moe_experts backend {held.kernels.backends.get('moe_experts')} takes bf16 weights")
+    if not prefers_float32_weights(held.kernels.backends.get("moe_experts", "")):
+        pytest.skip(f"moe_experts backend {held.kernels.backends.get('moe_experts')} runs on bf16 weights")
     per_call = LLMEngine(held.config, cfg, dtype=torch.bfloat16)
     load_target(per_call.target, model_dir)
     load_mtp(per_call.mtp, model_dir)

@@ -151,24 +151,30 @@ def test_fp8_folded_shared_expert_equals_the_unfused_one(kernels):
 
 @pytest.mark.parametrize("tokens", [3, 200])
 def test_hold_float32_experts_bit_equal(tokens):
-    """bf16 block on the cpu kernels: float32 copies of the experts' weights made once
+    """bf16 block on the reference kernels: float32 copies of the experts' weights made once
     (``hold_float32_experts``) give the bit-identical output, add 2 bytes a weight, and are held only where
-    the bound ``moe_experts`` backend takes float32 weights (a second call adds nothing)."""
+    the bound ``moe_experts`` backend prefers them (a second call adds nothing; the cpu backend only
+    where its C pass cannot multiply bf16 weights itself)."""
+    from atom_kernels.ops.moe import prefers_float32_weights
     from atom_models import hold_float32_experts
 
     cfg = _config(hidden=64, inter=16, shared=32, experts=8, top_k=2)
-    cpu = select_kernels("cpu", torch.bfloat16)
-    block = SparseMoeBlock(cfg, cpu, dtype=torch.bfloat16)
+    ref = select_kernels("cpu", torch.bfloat16, backend="reference")
+    block = SparseMoeBlock(cfg, ref, dtype=torch.bfloat16)
     _randomize(block, 5)
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
     with torch.no_grad():
         before = block(x)
         n = block.experts.w13.numel() + block.experts.w2.numel()
-        assert hold_float32_experts(block, cpu) == 2 * n
+        assert hold_float32_experts(block, ref) == 2 * n
         assert block.experts.w13.dtype == block.experts.w2.dtype == torch.float32
-        assert hold_float32_experts(block, cpu) == 0
+        assert hold_float32_experts(block, ref) == 0
         assert torch.equal(block(x), before)
-    other = dict(cpu.backends, moe_experts="triton")  # a backend without float32 weights: left as they are
-    fresh = SparseMoeBlock(cfg, cpu, dtype=torch.bfloat16)
+    other = dict(ref.backends, moe_experts="triton")  # a backend without float32 weights: left as they are
+    fresh = SparseMoeBlock(cfg, ref, dtype=torch.bfloat16)
     assert hold_float32_experts(fresh, type("K", (), {"backends": other})()) == 0
     assert fresh.experts.w13.dtype == torch.bfloat16
+    cpu = select_kernels("cpu", torch.bfloat16)
+    on_cpu = SparseMoeBlock(cfg, cpu, dtype=torch.bfloat16)
+    held = hold_float32_experts(on_cpu, cpu)
+    assert held == (2 * n if prefers_float32_weights("cpu") else 0)

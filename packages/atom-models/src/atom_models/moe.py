@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from atom_core import Qwen3NextConfig
-from atom_kernels.ops.moe import FLOAT32_WEIGHT_BACKENDS, experts_fp8_tickets, local_expert_ids
+from atom_kernels.ops.moe import experts_fp8_tickets, local_expert_ids, prefers_float32_weights
 from torch import nn
 
 from atom_models.modules import GatedMLP, Linear
@@ -68,7 +68,7 @@ class Experts(nn.Module):
 
     def hold_float32(self) -> int:
         """Replace ``w13`` and ``w2`` by float32 copies of their (loaded) values, for a ``moe_experts``
-        backend in :data:`~atom_kernels.ops.moe.FLOAT32_WEIGHT_BACKENDS`: the products are the same, and
+        backend that :func:`~atom_kernels.ops.moe.prefers_float32_weights`: the products are the same, and
         the per-call conversion is gone. Returns the bytes this adds (already float32: 0)."""
         added = 0
         for name in ("w13", "w2"):
@@ -81,9 +81,9 @@ class Experts(nn.Module):
 
 def hold_float32_experts(model: nn.Module, kernels) -> int:
     """:meth:`Experts.hold_float32` on every :class:`Experts` of ``model`` where ``kernels`` binds
-    ``moe_experts`` to a backend that takes float32 weights; call once, after the weights are loaded.
-    Returns the bytes added (0 where the backend does not take them)."""
-    if kernels.backends.get("moe_experts") not in FLOAT32_WEIGHT_BACKENDS:
+    ``moe_experts`` to a backend that :func:`~atom_kernels.ops.moe.prefers_float32_weights`; call once,
+    after the weights are loaded. Returns the bytes added (0 where the backend does not hold them)."""
+    if not prefers_float32_weights(kernels.backends.get("moe_experts", "")):
         return 0
     return sum(m.hold_float32() for m in model.modules() if isinstance(m, Experts))
 

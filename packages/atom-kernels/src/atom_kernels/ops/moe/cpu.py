@@ -1,4 +1,8 @@
-"""Routed experts for CPUs: the reference's contract and rounding points, experts batched.
+"""Routed experts for CPUs: the reference's contract and rounding points.
+
+Where a C compiler builds it, :mod:`.cpu_native` runs the whole op in one C call (float32 or bf16 tokens,
+float32 or bf16 weights); the torch forms below are the fallback (no compiler, other dtypes) and the
+spec that the C pass is tested against.
 
 The products are float32 sums of x.dtype operands (the reference's, and stock vLLM's CPU kernel's, rounding
 points: the activation and the result only). CPU torch has no x.dtype x x.dtype -> float32 matmul, so the
@@ -34,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from atom_kernels.ops._checks import values_checkable
-from atom_kernels.ops.moe import reference
+from atom_kernels.ops.moe import cpu_native, reference
 from atom_kernels.ops.moe.checks import check_moe_experts
 
 MAX_PADDING = 4
@@ -52,6 +56,15 @@ def moe_experts(
     """:func:`atom_kernels.ops.moe.reference.moe_experts` (same contract; -1 ids contribute zero), and
     ``w13`` / ``w2`` may be float32 copies of x.dtype weights (module docstring)."""
     check_moe_experts(x, weights, ids, w13, w2, float32_weights=True)
+    if cpu_native.usable(x, w13):
+        return cpu_native.moe_experts(x, weights, ids, w13, w2)
+    return torch_forms(x, weights, ids, w13, w2)
+
+
+def torch_forms(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """The torch forms of the module docstring (operands checked by the caller)."""
     num_experts = w13.shape[0]
     flat_ids = ids.reshape(-1).long()
     if flat_ids.numel() and values_checkable(flat_ids):
