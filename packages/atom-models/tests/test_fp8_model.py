@@ -162,47 +162,6 @@ def test_gdn_output_norm_goes_into_the_fp8_out_proj(fp8_dir, kernels32):
     assert torch.equal(fused, two)
 
 
-def test_input_norm_goes_into_the_fp8_first_projection(fp8_dir, kernels32):
-    """Every decoder layer whose token mixer's first projection is one FP8 weight (GDN ``in_proj_qkvz``,
-    attention ``qkv_proj``) calls ``rms_norm_fp8_linear`` once and not ``rms_norm`` before its mixer;
-    ``Fp8Linear.forward_rms_norm`` equals the norm followed by the layer's ``fp8_linear`` (reference: bit
-    for bit), and without a residual starts the float32 residual stream at ``x``."""
-    target, _ = _build(fp8_dir, kernels32)
-    load_target(target, fp8_dir)
-    calls: list[str] = []
-
-    def spy(name):
-        fn = getattr(kernels32, name)
-        return lambda *a, **kw: calls.append(name) or fn(*a, **kw)
-
-    kern = dataclasses.replace(
-        kernels32, rms_norm_fp8_linear=spy("rms_norm_fp8_linear"), rms_norm=spy("rms_norm")
-    )
-    layers = list(target.model.layers)
-    mixers = [getattr(layer, "linear_attn", None) or layer.self_attn for layer in layers]
-    fused = [m.takes_input_norm for m in mixers]
-    assert all(fused[i] for i, layer in enumerate(layers) if hasattr(layer, "linear_attn")), fused
-    for layer, mixer in zip(layers, mixers):
-        layer.input_layernorm.kernels = kern
-        proj = mixer.in_proj_qkvz if hasattr(layer, "linear_attn") else mixer.qkv_proj
-        proj.kernels = kern
-    ids = torch.tensor([3, 14, 15, 92, 65])
-    with torch.no_grad():
-        target(ids, torch.arange(ids.shape[0]))
-    expected = ["rms_norm_fp8_linear" if f else "rms_norm" for f in fused]
-    assert calls == expected, calls
-    proj, norm = mixers[0].in_proj_qkvz, layers[0].input_layernorm
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(4, proj.in_features, generator=gen)
-    res = torch.randn(4, proj.in_features, generator=gen)
-    y, normed, h = proj.forward_rms_norm(x, norm, res)
-    n2, h2 = kernels32.rms_norm(x, norm.weight, norm.eps, res)
-    assert torch.equal(normed, n2) and torch.equal(h, h2) and torch.equal(y, proj(n2))
-    y, normed, h = proj.forward_rms_norm(x, norm, None)
-    n2 = kernels32.rms_norm(x, norm.weight, norm.eps)
-    assert torch.equal(normed, n2) and torch.equal(h, x.float()) and torch.equal(y, proj(n2))
-
-
 def test_scale_that_does_not_fit_its_fp8_parameter_is_named(fp8_dir, tmp_path, kernels32):
     name = "model.layers.3.self_attn.k_proj.weight_scale_inv"  # [256, 256] weight: scales [2, 2]
 

@@ -8,14 +8,12 @@ and the same numbers through the op as through the direct call.
    ``torch.compile(fullgraph=True)`` the op stays one opaque call, and with this step's metadata (the op
    finds it, as in vLLM, through the forward context) it writes what ``run(md, ...)`` returns, with zeros in
    the padding rows after the real tokens.
-3. ``fp8_linear``, ``gated_norm_fp8_linear``, ``rms_norm_fp8_linear`` and ``moe_experts_fp8``, and where Triton
-   binds them ``linear`` and ``moe_gate_router`` (launch plans chosen on the host from the token count) go
-   through ``vllm::atom_fp8_linear`` / ``vllm::atom_gated_norm_fp8_linear`` / ``vllm::atom_rms_norm_fp8_linear``
-   (``vllm::atom_add_rms_norm_fp8_linear`` with a residual) / ``vllm::atom_moe_experts_fp8`` /
-   ``vllm::atom_linear`` / ``vllm::atom_moe_gate_router``: the same numbers as the kernels called directly,
-   fake impls with the real outputs' shapes and dtypes (``torch.library.opcheck``), and one opaque call in a
-   ``fullgraph`` Dynamo graph (GDN's ``in_proj_ba``, an ``Fp8Linear``, the gated norm + FP8 ``out_proj``, the
-   input norm + FP8 first projection), so that the plan is not frozen
+3. ``fp8_linear``, ``gated_norm_fp8_linear`` and ``moe_experts_fp8``, and where Triton binds them ``linear`` and
+   ``moe_gate_router`` (launch plans chosen on the host from the token count) go through ``vllm::atom_fp8_linear``
+   / ``vllm::atom_gated_norm_fp8_linear`` / ``vllm::atom_moe_experts_fp8`` / ``vllm::atom_linear`` /
+   ``vllm::atom_moe_gate_router``: the same numbers as the kernels called directly, fake impls with the real
+   outputs' shapes and dtypes (``torch.library.opcheck``), and one opaque call in a ``fullgraph`` Dynamo graph
+   (GDN's ``in_proj_ba``, an ``Fp8Linear``, the gated norm + FP8 ``out_proj``), so that the plan is not frozen
    at the traced token count. On other backends ``linear`` and ``moe_gate_router`` are traced as plain torch
    (no opaque call).
 4. ``rms_norm``, ``gated_rms_norm``, ``rope`` and ``silu_and_mul`` go through their ops only where Triton
@@ -34,7 +32,7 @@ from atom_core import Qwen3NextConfig  # noqa: E402
 from atom_kernels import select_kernels  # noqa: E402
 from atom_kernels.ops.moe import experts_fp8_tickets  # noqa: E402
 from atom_models.gdn import GatedDeltaNet  # noqa: E402
-from atom_models.modules import Fp8Linear, RMSNorm  # noqa: E402
+from atom_models.modules import Fp8Linear  # noqa: E402
 from atom_models.moe import Fp8Experts, SparseMoeBlock  # noqa: E402
 from atom_models.testing import normal_parameters_, tiny_config  # noqa: E402
 from atom_vllm_plugin.layers import attention as attention_mod  # noqa: E402
@@ -217,23 +215,6 @@ def test_gated_norm_fp8_linear_op_equals_the_kernel(m):
     assert not tickets.any()
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 70])
-def test_rms_norm_fp8_linear_op_equals_the_kernel(m):
-    kern = select_kernels("cpu", torch.float32, backend="reference")
-    ops = custom_ops.compilable_kernels(kern)
-    x, w, scale_inv, bias, tickets = _fp8_case(m)
-    g = torch.Generator().manual_seed(m)
-    res, norm_w = torch.randn(m, 256, generator=g), 0.1 * torch.randn(256, generator=g)
-    for b in (bias, None):
-        for r in (res, None):
-            want = kern.rms_norm_fp8_linear(x, norm_w, 1e-6, w, scale_inv, (128, 128), b, r, tickets=tickets)
-            got = ops.rms_norm_fp8_linear(x, norm_w, 1e-6, w, scale_inv, (128, 128), b, r, tickets=tickets)
-            assert len(got) == len(want) == (2 if r is None else 3) and got[0].shape == (m, 200)
-            for a, e in zip(got, want):
-                torch.testing.assert_close(a, e, rtol=0, atol=0)
-    assert not tickets.any()
-
-
 @pytest.mark.parametrize(("t", "renormalize", "num_shared"), [(1, True, 1), (2, False, 0), (9, True, 2)])
 def test_gate_router_op_equals_the_kernel(t, renormalize, num_shared):
     kern = select_kernels("cpu", torch.float32, backend="reference")
@@ -310,13 +291,6 @@ def test_fake_impls_match_the_real_outputs():
         ),
     ]:
         torch.library.opcheck(torch.ops.vllm.atom_gated_norm_fp8_linear.default, args, test_utils=fp8_utils)
-    res, norm_w = torch.randn(3, 256), 0.1 * torch.randn(256)
-    for args in [(x, norm_w, 1e-6, w, scale_inv, [128, 128], bias, tickets),
-                 (x.reshape(3, 1, -1), norm_w, 1e-6, w, scale_inv, [128, 128], None, None)]:  # fmt: skip
-        torch.library.opcheck(torch.ops.vllm.atom_rms_norm_fp8_linear.default, args, test_utils=fp8_utils)
-    for args in [(x, res, norm_w, 1e-6, w, scale_inv, [128, 128], bias, tickets),
-                 (x, res.to(torch.float32), norm_w, 1e-6, w, scale_inv, [128, 128], None, None)]:  # fmt: skip
-        torch.library.opcheck(torch.ops.vllm.atom_add_rms_norm_fp8_linear.default, args, test_utils=fp8_utils)
     gate = torch.randn(10, 256)
     for args in [(x, gate, 8, 2, True, 1, tickets[:1]), (x, gate, 9, 3, False, 0, None)]:
         torch.library.opcheck(torch.ops.vllm.atom_moe_gate_router.default, args)
@@ -434,45 +408,6 @@ def test_gated_norm_fp8_linear_is_one_opaque_call_in_the_compiled_graph():
     (gm,) = graphs
     calls = _calls(gm)
     assert calls.count(torch.ops.vllm.atom_gated_norm_fp8_linear) == 1, calls
-    assert not layer.tickets.any()
-
-
-def test_rms_norm_fp8_linear_is_one_opaque_call_in_the_compiled_graph():
-    """``Fp8Linear.forward_rms_norm`` (the input norm + FP8 first projection) traces to one call of
-    ``vllm::atom_add_rms_norm_fp8_linear``, and to ``vllm::atom_rms_norm_fp8_linear`` without a residual."""
-    torch.manual_seed(0)
-    kern = select_kernels("cpu", torch.float32, backend="reference")
-    layer = Fp8Linear(256, 200, (128, 128), custom_ops.compilable_kernels(kern), dtype=torch.float32)
-    _, w, scale_inv, _, _ = _fp8_case(1)
-    with torch.no_grad():
-        layer.weight.copy_(w)
-        layer.weight_scale_inv.copy_(scale_inv)
-    direct = Fp8Linear(256, 200, (128, 128), kern, dtype=torch.float32)
-    direct.load_state_dict(layer.state_dict())
-    norm = RMSNorm(256, 1e-6, kern, dtype=torch.float32)
-    with torch.no_grad():
-        norm.weight.copy_(0.1 * torch.randn(256))
-
-    def first(layer, x, res):
-        y, normed, h = layer.forward_rms_norm(x, norm, res)
-        return y * 2.0, normed, h
-
-    for with_res, op in ((True, "atom_add_rms_norm_fp8_linear"), (False, "atom_rms_norm_fp8_linear")):
-        torch._dynamo.reset()
-        graphs: list = []
-        compiled = torch.compile(
-            lambda x, res, with_res=with_res: first(layer, x, res if with_res else None),
-            fullgraph=True,
-            backend=_capturing(graphs),
-            dynamic=True,
-        )
-        for m in (64, 2, 5):
-            x, res = torch.randn(m, 256), torch.randn(m, 256)
-            for a, e in zip(compiled(x, res), first(direct, x, res if with_res else None)):
-                torch.testing.assert_close(a, e, rtol=0, atol=0)
-        (gm,) = graphs
-        calls = _calls(gm)
-        assert calls.count(getattr(torch.ops.vllm, op)) == 1, calls
     assert not layer.tickets.any()
 
 

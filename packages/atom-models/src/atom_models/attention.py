@@ -6,7 +6,7 @@ import torch
 from atom_core import Qwen3NextConfig
 from torch import nn
 
-from atom_models.modules import RMSNorm, column_parallel_linear, row_parallel_linear, takes_input_norm
+from atom_models.modules import RMSNorm, column_parallel_linear, row_parallel_linear
 from atom_models.parallel import SINGLE_PROCESS, ParallelContext, TPLayout
 
 
@@ -65,27 +65,10 @@ class Qwen3NextAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps, kernels, dtype=dtype)
         self.core = core
 
-    @property
-    def takes_input_norm(self) -> bool:
-        """Whether :meth:`forward_normed` folds the layer's input norm into ``qkv_proj`` (FP8, one weight)."""
-        return takes_input_norm(self.qkv_proj)
-
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx) -> torch.Tensor:
-        return self._attend(positions, self.qkv_proj(hidden_states), ctx)
-
-    def forward_normed(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, ctx
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward(positions, normed, ctx)`` of ``normed, h = norm(x, residual)`` with the norm folded into
-        the FP8 ``qkv_proj`` (``Fp8Linear.forward_rms_norm``; needs :attr:`takes_input_norm`). Returns
-        ``(output, h)``."""
-        qkv, _, h = self.qkv_proj.forward_rms_norm(x, norm, residual)
-        return self._attend(positions, qkv, ctx), h
-
-    def _attend(self, positions: torch.Tensor, qkv: torch.Tensor, ctx) -> torch.Tensor:
-        t = qkv.shape[0]
+        t = hidden_states.shape[0]
         d = self.head_dim
-        qg, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        qg, k, v = self.qkv_proj(hidden_states).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         qg = qg.view(t, self.num_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:]
         k = k.view(t, self.num_kv_heads, d)

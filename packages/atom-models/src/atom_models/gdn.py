@@ -9,13 +9,7 @@ from torch import nn
 
 from atom_models.gdn_meta import GDNWeights
 from atom_models.gdn_state import GDNGeometry
-from atom_models.modules import (
-    Fp8Linear,
-    RMSNorm,
-    column_parallel_linear,
-    row_parallel_linear,
-    takes_input_norm,
-)
+from atom_models.modules import Fp8Linear, column_parallel_linear, row_parallel_linear
 from atom_models.parallel import SINGLE_PROCESS, ParallelContext, TPLayout
 
 
@@ -119,26 +113,11 @@ class GatedDeltaNet(nn.Module):
             dt_bias=self.dt_bias,
         )
 
-    @property
-    def takes_input_norm(self) -> bool:
-        """Whether :meth:`forward_normed` folds the layer's input norm into ``in_proj_qkvz`` (FP8)."""
-        return takes_input_norm(self.in_proj_qkvz)
-
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx) -> torch.Tensor:
-        return self._mix(self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states), ctx)
-
-    def forward_normed(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, ctx
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward(positions, normed, ctx)`` of ``normed, h = norm(x, residual)`` with the norm folded into
-        the FP8 ``in_proj_qkvz`` (``Fp8Linear.forward_rms_norm``; needs :attr:`takes_input_norm`);
-        ``in_proj_ba`` takes the normed rows that launch returns. Returns ``(output, h)``."""
-        qkvz, normed, h = self.in_proj_qkvz.forward_rms_norm(x, norm, residual)
-        return self._mix(qkvz, self.in_proj_ba(normed), ctx), h
-
-    def _mix(self, qkvz: torch.Tensor, ba: torch.Tensor, ctx) -> torch.Tensor:
-        t = qkvz.shape[0]
-        mixed_qkv, z, b, a = self.split_projections(qkvz, ba)
+        t = hidden_states.shape[0]
+        mixed_qkv, z, b, a = self.split_projections(
+            self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
+        )
         o = self.core(mixed_qkv, b, a, self.gdn_weights(), ctx)
         if isinstance(self.out_proj, Fp8Linear) and self.out_proj.takes_gated_norm:
             return self.out_proj.forward_gated_norm(o, z, self.norm.weight, self.norm.eps)

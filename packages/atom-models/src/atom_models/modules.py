@@ -20,15 +20,7 @@ from atom_models.parallel.linear import (
 )
 from atom_models.parallel.shard import COLUMN, LinearShard
 
-__all__ = [
-    "column_parallel_linear",
-    "Fp8Linear",
-    "GatedMLP",
-    "Linear",
-    "RMSNorm",
-    "row_parallel_linear",
-    "takes_input_norm",
-]
+__all__ = ["column_parallel_linear", "Fp8Linear", "GatedMLP", "Linear", "RMSNorm", "row_parallel_linear"]
 
 
 class Fp8Linear(nn.Module):
@@ -120,8 +112,7 @@ class Fp8Linear(nn.Module):
 
     @property
     def takes_gated_norm(self) -> bool:
-        """Whether :meth:`forward_gated_norm` and :meth:`forward_rms_norm` apply (one weight, no per-part
-        split)."""
+        """Whether :meth:`forward_gated_norm` applies (one weight, no per-part split)."""
         return self.part_spans is None
 
     def forward_gated_norm(
@@ -146,24 +137,6 @@ class Fp8Linear(nn.Module):
         )
         return finish(y, self.shard)
 
-    def forward_rms_norm(
-        self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``normed, h = norm(x, residual)``, then ``forward(normed)``, through ``kernels.rms_norm_fp8_linear``
-        (the residual add and the norm folded into this linear: one launch at decode sizes). Returns ``(y,
-        normed, h)``; without ``residual`` (the first layer) ``h`` is ``x`` in float32 (the residual stream
-        starts there). Needs :attr:`takes_gated_norm` (one weight, no per-part split)."""
-        if self.part_spans is not None:
-            raise ValueError("Fp8Linear.forward_rms_norm: a weight split into parts is not supported")
-        args = (x, norm.weight, norm.eps, self.weight, self.weight_scale_inv, self.block)
-        bias = local_bias(self.bias, self.shard)
-        if residual is None:
-            y, normed = self.kernels.rms_norm_fp8_linear(*args, bias, tickets=self.tickets)
-            h = x.float()
-        else:
-            y, normed, h = self.kernels.rms_norm_fp8_linear(*args, bias, residual, tickets=self.tickets)
-        return finish(y, self.shard), normed, h
-
     def extra_repr(self) -> str:
         s = (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -172,12 +145,6 @@ class Fp8Linear(nn.Module):
         if self.shard is not None and self.shard.is_sharded:
             s += f", {self.shard.kind}-parallel {list(self.shard.ranges)} of {list(self.shard.parts)}"
         return s
-
-
-def takes_input_norm(proj: nn.Module) -> bool:
-    """Whether ``proj`` (a token mixer's first projection) takes the layer's input norm
-    (:meth:`Fp8Linear.forward_rms_norm`): an FP8 linear with one weight. Other linears follow the norm."""
-    return isinstance(proj, Fp8Linear) and proj.takes_gated_norm
 
 
 class RMSNorm(nn.Module):

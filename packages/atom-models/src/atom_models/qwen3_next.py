@@ -75,18 +75,15 @@ class Qwen3NextDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None, ctx
     ):
-        mixer = self.linear_attn if self.layer_type == LINEAR_ATTENTION else self.self_attn
-        if mixer.takes_input_norm:  # an FP8 first projection: the residual add and the norm fold into it
-            hidden_states, residual = mixer.forward_normed(
-                positions, hidden_states, residual, self.input_layernorm, ctx
-            )
+        if residual is None:  # the residual stream is float32: its sums are not rounded to bf16
+            residual = hidden_states.float()
+            hidden_states = self.input_layernorm(hidden_states)
         else:
-            if residual is None:  # the residual stream is float32: its sums are not rounded to bf16
-                residual = hidden_states.float()
-                hidden_states = self.input_layernorm(hidden_states)
-            else:
-                hidden_states, residual = self.input_layernorm(hidden_states, residual)
-            hidden_states = mixer(positions, hidden_states, ctx)
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if self.layer_type == LINEAR_ATTENTION:
+            hidden_states = self.linear_attn(positions, hidden_states, ctx)
+        else:
+            hidden_states = self.self_attn(positions, hidden_states, ctx)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

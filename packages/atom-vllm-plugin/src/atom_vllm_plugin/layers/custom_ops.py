@@ -22,10 +22,6 @@ plan. They go through ops of their own, so that the plan is chosen from the toke
 - ``vllm::atom_gated_norm_fp8_linear(o, z, norm_weight, eps, w_fp8, scale_inv, block, bias, tickets)``: the
   GDN output's gated RMS norm and its FP8 ``out_proj`` (one launch at decode-sized ``T``, else the norm and
   ``fp8_linear``);
-- ``vllm::atom_rms_norm_fp8_linear(x, norm_weight, eps, w_fp8, scale_inv, block, bias, tickets)`` -> ``(y,
-  normed)`` and ``vllm::atom_add_rms_norm_fp8_linear(x, residual, ...)`` -> ``(y, normed, x + residual)``: the
-  decoder layer's input norm and the FP8 first projection of its token mixer (one launch at decode-sized
-  ``T``, else the norm and ``fp8_linear``);
 - ``vllm::atom_moe_gate_router(x, gate_weight, num_experts, top_k, renormalize, num_shared, tickets)``: the
   router's Linear + top-k (one fused launch at decode-sized ``T``) -> ``(weights, ids)``;
 - ``vllm::atom_moe_experts(x, weights, ids, w13, w2)`` / ``vllm::atom_moe_experts_fp8(x, weights, ids, w13,
@@ -129,7 +125,7 @@ def atom_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _kernels(x).linear(x, weight, bias)
 
 
-# ``tickets`` (the FP8 linears, moe_gate_router, moe_experts_fp8): int32 counters the kernels take atomically and return to zero
+# ``tickets`` (fp8_linear, gated_norm_fp8_linear, moe_gate_router, moe_experts_fp8): int32 counters the kernels take atomically and return to zero
 # within the launch, so the op leaves them as it found them. They are not declared mutated: that would make
 # functionalisation clone them (a copy and a zeroed buffer per call) and give the graph a write-back.
 def atom_fp8_linear(
@@ -156,37 +152,6 @@ def atom_gated_norm_fp8_linear(
 ) -> torch.Tensor:
     return _kernels(o).gated_norm_fp8_linear(
         o, z, norm_weight, eps, w_fp8, scale_inv, tuple(block), bias, tickets=tickets
-    )
-
-
-def atom_rms_norm_fp8_linear(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    w_fp8: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block: list[int],
-    bias: torch.Tensor | None,
-    tickets: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernels(x).rms_norm_fp8_linear(
-        x, norm_weight, eps, w_fp8, scale_inv, tuple(block), bias, tickets=tickets
-    )
-
-
-def atom_add_rms_norm_fp8_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    w_fp8: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block: list[int],
-    bias: torch.Tensor | None,
-    tickets: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels(x).rms_norm_fp8_linear(
-        x, norm_weight, eps, w_fp8, scale_inv, tuple(block), bias, residual, tickets=tickets
     )
 
 
@@ -294,19 +259,6 @@ def _gated_norm_fp8_linear_op(
     )
 
 
-def _rms_norm_fp8_linear_op(
-    x, norm_weight, eps, w_fp8, scale_inv, block=(128, 128), bias=None, residual=None, *, tickets=None
-):
-    blk = [int(block[0]), int(block[1])]
-    if residual is None:
-        return torch.ops.vllm.atom_rms_norm_fp8_linear(
-            x, norm_weight, float(eps), w_fp8, scale_inv, blk, bias, tickets
-        )
-    return torch.ops.vllm.atom_add_rms_norm_fp8_linear(
-        x, residual, norm_weight, float(eps), w_fp8, scale_inv, blk, bias, tickets
-    )
-
-
 def _gate_router_op(x, gate_weight, num_experts, top_k, renormalize, num_shared=0, *, tickets=None):
     return torch.ops.vllm.atom_moe_gate_router(
         x, gate_weight, int(num_experts), int(top_k), bool(renormalize), int(num_shared), tickets
@@ -329,8 +281,7 @@ host from the token count); on other backends plain torch that the compiled grap
 
 
 def compilable_kernels(kernels):
-    """``kernels`` with ``fp8_linear``, ``gated_norm_fp8_linear``, ``rms_norm_fp8_linear``, the routed
-    experts and, where Triton
+    """``kernels`` with ``fp8_linear``, ``gated_norm_fp8_linear``, the routed experts and, where Triton
     implements them, the elementwise ops, ``linear`` and ``moe_gate_router`` going through the opaque ops
     above (same backend underneath)."""
     import dataclasses
@@ -344,7 +295,6 @@ def compilable_kernels(kernels):
         **triton_ops,
         fp8_linear=_fp8_linear_op,
         gated_norm_fp8_linear=_gated_norm_fp8_linear_op,
-        rms_norm_fp8_linear=_rms_norm_fp8_linear_op,
         moe_experts=_experts_op,
         moe_experts_fp8=_experts_fp8_op,
     )
@@ -384,22 +334,6 @@ _OPS = (
         atom_gated_norm_fp8_linear,
         None,
         lambda o, w_fp8, **_: o.new_empty((*o.shape[:-2], w_fp8.shape[0])),
-    ),
-    (
-        "atom_rms_norm_fp8_linear",
-        atom_rms_norm_fp8_linear,
-        None,
-        lambda x, w_fp8, **_: (x.new_empty((*x.shape[:-1], w_fp8.shape[0])), x.new_empty(x.shape)),
-    ),
-    (
-        "atom_add_rms_norm_fp8_linear",
-        atom_add_rms_norm_fp8_linear,
-        None,
-        lambda x, residual, w_fp8, **_: (
-            x.new_empty((*x.shape[:-1], w_fp8.shape[0])),
-            x.new_empty(x.shape),
-            residual.new_empty(x.shape),
-        ),
     ),
     (
         "atom_moe_gate_router",
