@@ -51,6 +51,8 @@ def main() -> None:
             tag = f"{impl}_{mode}_k{args.k}_c{args.concurrency}"
             prof_dir = (out_dir / tag).resolve()
             prof_dir.mkdir(parents=True, exist_ok=True)
+            for stale in [*prof_dir.glob("*.pt.trace.json*"), *prof_dir.glob("*profiler_out*.txt")]:
+                stale.unlink()  # a run into a used folder reads only its own traces and tables
             spec = {
                 "model": str(_model_dir()),
                 "plugin": impl == "atom",
