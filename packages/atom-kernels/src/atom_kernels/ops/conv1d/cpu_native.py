@@ -38,26 +38,9 @@ _SOURCE = (
 #define MAX_COLS 64
 #define BLOCK 256
 
-/* e^x in float32 without a call (so the silu loop vectorises): 2^k e^r, k = round(x log2 e) by the
-   1.5 * 2^23 rounding trick, r = x - k ln 2 in two parts, e^r by Cephes' degree-5 polynomial (relative
-   error about 2e-7); overflow to inf past 88.376, underflow to 0 below -87.336 */
-static inline float exp_f32(float x) {
-    const float kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float er = p * (r * r) + r + 1.0f;
-    const int32_t ki = (int32_t)kf;
-    const int32_t bits = (ki + 127) * 8388608;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    const float e = er * scale;
-    return x > 88.3762626647949f ? __builtin_inff() : x < -87.3365447505531f ? 0.0f : e;
-}
+"""
+    + cpu_native.EXP_PRELUDE
+    + r"""
 
 """
     + cpu_native.BF16_PRELUDE

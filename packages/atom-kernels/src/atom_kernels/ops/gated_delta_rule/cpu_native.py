@@ -79,6 +79,30 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 """The C kernels' scalar bf16 conversions (after ``<stdint.h>``): bf16 -> float32 exactly, float32 -> bf16
 rounded to nearest even as torch rounds (NaN stays NaN)."""
 
+EXP_PRELUDE = r"""
+/* e^x in float32 without a call, so loops over it vectorise: 2^k e^r, k = round(x log2 e) by the
+   1.5 * 2^23 rounding trick, r = x - k ln 2 in two parts, e^r by Cephes' degree-5 polynomial (relative
+   error about 2e-7); overflow to inf past 88.376, underflow to 0 below -87.336 (e^-inf = 0) */
+static inline float exp_f32(float x) {
+    const float kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float er = p * (r * r) + r + 1.0f;
+    const int32_t bits = ((int32_t)kf + 127) * 8388608;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    const float e = er * scale;
+    return x > 88.3762626647949f ? __builtin_inff() : x < -87.3365447505531f ? 0.0f : e;
+}
+"""
+"""The C kernels' vectorisable float32 exponential ``exp_f32`` (after ``<stdint.h>`` and ``<string.h>``):
+the same operations in every kernel that includes it; each kernel's own floating-point pragmas apply."""
+
 _SOURCE = (
     r"""
 #include <stdint.h>

@@ -66,25 +66,9 @@ typedef struct {
                                                        -1 where a thread had no workspace */
 } attn_args;
 
-/* e^x in float32 without a call, so the loops over a tile vectorise: 2^k e^r, k = round(x log2 e) by the
-   1.5 * 2^23 rounding trick, r = x - k ln 2 in two parts, e^r by Cephes' degree-5 polynomial (relative
-   error about 2e-7, the polynomial of the conv pass); 0 below -87.336 (e^-inf = 0), inf past 88.376 */
-static inline float exp_f32(float x) {
-    const float kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;
-    float q = 1.9875691500e-4f;
-    q = q * r + 1.3981999507e-3f;
-    q = q * r + 8.3334519073e-3f;
-    q = q * r + 4.1665795894e-2f;
-    q = q * r + 1.6666665459e-1f;
-    q = q * r + 5.0000001201e-1f;
-    const float er = q * (r * r) + r + 1.0f;
-    const int32_t bits = ((int32_t)kf + 127) * 8388608;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    const float e = er * scale;
-    return x > 88.3762626647949f ? __builtin_inff() : x < -87.3365447505531f ? 0.0f : e;
-}
+"""
+    + _native.EXP_PRELUDE
+    + r"""
 
 typedef uint16_t u16v __attribute__((vector_size(32), aligned(2)));  /* 16 bf16 at any address */
 typedef uint32_t u32v __attribute__((vector_size(64)));
