@@ -9,10 +9,14 @@ import torch
 import torch.nn.functional as F
 from atom_kernels import registry
 from atom_kernels.ops.linear import PACKED_WEIGHT_BACKENDS, pack_linear_weight
-from atom_kernels.ops.linear.cpu import PACK_MIN_ROWS
+from atom_kernels.ops.linear.cpu import PACK_MIN_ROWS, packing_available
 from atom_kernels.testing import randn
 
 CPU = torch.device("cpu")
+needs_packing = pytest.mark.skipif(
+    not packing_available(),
+    reason="oneDNN has no bf16 linear on this CPU (needs AVX512BW/VL/DQ or AVX-NE-CONVERT)",
+)
 
 
 def cpu_linear():
@@ -30,6 +34,7 @@ def test_cpu_backend_takes_packed_weights():
     assert registry.resolve("linear", CPU, torch.bfloat16).backend == "cpu"
 
 
+@needs_packing
 @pytest.mark.parametrize("m", [1, 2, 16, 33, 256, 512])
 @pytest.mark.parametrize("n,k", [(16, 256), (256, 512), (1536, 256), (4096, 256), (512, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -44,6 +49,7 @@ def test_packed_linear_bit_equal(m, n, k, bias):
     assert torch.equal(y, F.linear(x, w, b))
 
 
+@needs_packing
 def test_packed_linear_leading_dims_strided_and_empty():
     w, b = weights(256, 512, True)
     packed = pack_linear_weight(w)
@@ -59,6 +65,7 @@ def test_packed_linear_leading_dims_strided_and_empty():
     assert empty.shape == (3, 0, 256) and empty.dtype == torch.bfloat16
 
 
+@needs_packing
 def test_packed_linear_checks_its_inputs():
     w, b = weights(256, 512, True)
     packed = pack_linear_weight(w)
@@ -71,13 +78,16 @@ def test_packed_linear_checks_its_inputs():
 
 def test_which_weights_are_packed():
     """bf16 2-D CPU weights of at least PACK_MIN_ROWS rows; float32 (exact path: F.linear, MKL), fewer rows
-    (F.linear's matrix-vector product is faster there) and other ranks are left to F.linear."""
-    assert pack_linear_weight(weights(PACK_MIN_ROWS, 64, False)[0]) is not None
+    (F.linear's matrix-vector product is faster there), other ranks and every weight on a CPU without bf16
+    oneDNN are left to F.linear."""
+    packed = pack_linear_weight(weights(PACK_MIN_ROWS, 64, False)[0])
+    assert (packed is not None) == packing_available()
     assert pack_linear_weight(weights(PACK_MIN_ROWS - 1, 64, False)[0]) is None
     assert pack_linear_weight(weights(64, 64, False)[0].float()) is None
     assert pack_linear_weight(weights(64, 64, False)[0][None]) is None
 
 
+@needs_packing
 @pytest.mark.parametrize("dynamic", [True, None])
 def test_packed_linear_compiles(dynamic):
     """Under torch.compile (fullgraph) the op is one traced call: the compiled function's outputs are the
@@ -96,6 +106,7 @@ def test_packed_linear_compiles(dynamic):
         assert torch.equal(compiled(x), f(x))
 
 
+@needs_packing
 def test_packed_linear_op_fake_shape():
     """The op's fake implementation gives the real output's shape, dtype and strides."""
     from torch._subclasses.fake_tensor import FakeTensorMode
