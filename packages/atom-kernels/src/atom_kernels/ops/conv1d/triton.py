@@ -272,22 +272,26 @@ def _conv_update_tile_kernel(
     if W < BW:
         m_s = m_s & (o_w < W)[None, :]
     hist = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
-    p_x = x_ptr + n * s_xn + o_c * s_xc
+    # Per-channel values (x, weights, bias, outputs) go one channel per lane, as the tile's rows do (no
+    # vector hint), so that they combine with the history columns taken out of the tile in registers,
+    # without an exchange between threads; repeated reads of x and the weights hit L1.
+    o_l = tl.max_contiguous(o_c, 1)
+    p_x = x_ptr + n * s_xn + o_l * s_xc
     # outputs: out_q = bias + sum_i w_i * seq[q + i], seq = history (K - 1 columns from `off`) ++ x_0..x_{Q-1}
     for q in tl.static_range(Q):
         acc = tl.zeros([BC], dtype=tl.float32)
         if HAS_BIAS:
-            acc += tl.load(b_ptr + o_c, mask=m_c, other=0.0).to(tl.float32)
+            acc += tl.load(b_ptr + o_l, mask=m_c, other=0.0).to(tl.float32)
         for i in tl.static_range(K):
             if q + i < K - 1:
                 v = tl.sum(tl.where(o_w[None, :] == off + q + i, hist, 0.0), 1)
             else:
                 v = tl.load(p_x + (q + i - (K - 1)) * s_xq, mask=m_c, other=0.0).to(tl.float32)
-            wi = tl.load(w_ptr + o_c * s_wc + i * s_wk, mask=m_c, other=0.0).to(tl.float32)
+            wi = tl.load(w_ptr + o_l * s_wc + i * s_wk, mask=m_c, other=0.0).to(tl.float32)
             acc += v * wi
         if SILU:
             acc = acc * tl.sigmoid(acc)
-        tl.store(out_ptr + n * s_on + q * s_oq + o_c * s_oc, acc.to(out_ptr.dtype.element_ty), mask=m_c)
+        tl.store(out_ptr + n * s_on + q * s_oq + o_l * s_oc, acc.to(out_ptr.dtype.element_ty), mask=m_c)
     # new history: seq[1:] left-aligned into columns [0, K - 2 + Q)
     new = tl.zeros([BC, BW], dtype=tl.float32)
     for r in tl.static_range(K - 2 + Q):
