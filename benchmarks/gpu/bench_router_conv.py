@@ -6,9 +6,10 @@
   (cuBLAS) and ``moe_gate_router`` (what the model runs: the fused launch up to its ``FUSED_MAX_T``, else
   the Linear + ``moe_router`` with the default variant) for context. ``same``: ids and weight bits equal.
 - ``conv``: ``causal_conv1d_update`` over ``N = M / Q`` sequences (C = 8192 channels, width 4, bf16 state
-  ``[S, C, K - 2 + Q]``), ``variant="columns"`` against ``variant="tile"`` on a channel-major state, and
-  ``"columns"`` on the transposed state (vLLM's ``[S, W, C]`` buffer, which the tile kernel does not
-  take). ``same``: outputs and states bit-equal after one call from the same state.
+  ``[S, C, K - 2 + Q]``), ``variant="columns"`` against ``variant="tile"``, on a channel-major state (the
+  standalone engine's, and the plugin's with ``VLLM_SSM_CONV_STATE_LAYOUT=DS``) and on the transposed
+  one (``[S, W, C]``: vLLM's default buffer, what the plugin runs). ``same``: outputs and states
+  bit-equal after one call from the same state.
 
 Times are CUDA-graph replays (``common.time_ms(graph=True)``, medians), as a graphed step pays them.
 ``default``: the variant each op picks at that M without the argument (the size thresholds
@@ -87,25 +88,29 @@ def conv_rows(ms_list, qs, device, ceil, rep_ms) -> list[dict]:
             acc = None if q == 1 else torch.ones(n, dtype=torch.int32, device=device)
             major = torch.randn(n + 1, CONV_C, width, device=device, generator=g).to(torch.bfloat16)
             trans = major.transpose(1, 2).contiguous().transpose(1, 2)  # vLLM's [S, W, C] buffer
-            outs, states = [], []
-            for variant in ("columns", "tile"):
-                s = major.clone()
-                outs.append(conv.causal_conv1d_update(x, weight, None, s, idx, acc, variant=variant))
-                states.append(s)
-            same = torch.equal(outs[0], outs[1]) and torch.equal(states[0], states[1])
+            same = {}
+            for label, pool in (("", major), (" [S, W, C]", trans)):
+                outs, states = [], []
+                for variant in ("columns", "tile"):
+                    s = pool.clone()
+                    outs.append(conv.causal_conv1d_update(x, weight, None, s, idx, acc, variant=variant))
+                    states.append(s)
+                same[label] = torch.equal(outs[0], outs[1]) and torch.equal(states[0], states[1])
             nbytes = 2 * (2 * x.numel() + n * CONV_C * (CONV_K - 1) + n * CONV_C * width)
             default = "tile" if n * q >= conv.CONV_TILE_MIN_TOKENS else "columns"
             case = f"conv Q={q} M={n * q}"
-            for variant, state in (("columns", major), ("tile", major), ("columns [S, W, C]", trans)):
-                v = variant.split()[0]
-                ms = common.time_ms(lambda v=v, state=state: conv.causal_conv1d_update(x, weight, None, state, idx,
-                                                                                      acc, variant=v),
-                                    graph=True, rep_ms=rep_ms)  # fmt: skip
-                rows.append(common.row(bench="router_conv", case=case, impl=f"conv {variant}", ms=ms, ceil=ceil,
-                                       nbytes=nbytes, same=same,
-                                       default=v == default and state is major))  # fmt: skip
-            print(f"{case}: columns {rows[-3]['ms'] * 1e3:.2f} us, tile {rows[-2]['ms'] * 1e3:.2f} us, "
-                  f"[S, W, C] columns {rows[-1]['ms'] * 1e3:.2f} us, same {same}", flush=True)  # fmt: skip
+            times = []
+            for label, state in (("", major), (" [S, W, C]", trans)):
+                for v in ("columns", "tile"):
+                    ms = common.time_ms(lambda v=v, state=state: conv.causal_conv1d_update(x, weight, None, state, idx,
+                                                                                          acc, variant=v),
+                                        graph=True, rep_ms=rep_ms)  # fmt: skip
+                    times.append(ms * 1e3)
+                    rows.append(common.row(bench="router_conv", case=case, impl=f"conv {v}{label}", ms=ms, ceil=ceil,
+                                           nbytes=nbytes, same=same[label],
+                                           default=v == (default if not label else "columns")))  # fmt: skip
+            print(f"{case}: [S, C, W] columns {times[0]:.2f} / tile {times[1]:.2f} us, [S, W, C] columns "
+                  f"{times[2]:.2f} / tile {times[3]:.2f} us, same {same}", flush=True)  # fmt: skip
     return rows
 
 

@@ -220,11 +220,13 @@ def test_moe_router_variants_agree(device, dtype, num_experts, num_shared):
     ("q_len", "state_width", "with_bias", "accepted"),
     [(2, 4, True, True), (1, 3, False, False), (3, 7, True, True)],
 )
-def test_conv_update_tile_equals_columns(device, q_len, state_width, with_bias, accepted):
-    """``causal_conv1d_update``'s channel-major tile kernel gives the column-wise kernel's outputs and
-    state bit for bit (float32 and a bf16 state): 80B's Q = 2 window, the k = 0 window (W = 3, not a power
-    of two), a state wider than the write (columns past it untouched), C not a multiple of the tile, a
-    padding slot. A transposed ([S, W, C]) state is refused by the tile kernel."""
+@pytest.mark.parametrize("transposed", [False, True])
+def test_conv_update_tile_equals_columns(device, q_len, state_width, with_bias, accepted, transposed):
+    """``causal_conv1d_update``'s tile kernels give the column-wise kernel's outputs and state bit for bit
+    (float32 and bf16), on a channel-major state and on a transposed one (vLLM's ``[S, W, C]`` buffer):
+    80B's Q = 2 window, the k = 0 window (W = 3, not a power of two), a state wider than the write (columns
+    past it untouched), C not a multiple of the tile, a padding slot. A state with neither unit stride is
+    refused by the tile kernels."""
     conv = triton_module("causal_conv1d_update", device, torch.float32, "conv1d")
     n, channels, width = 6, 600, 4
     for dtype in (torch.float32, torch.bfloat16):
@@ -232,6 +234,8 @@ def test_conv_update_tile_equals_columns(device, q_len, state_width, with_bias, 
         weight = randn(channels, width, seed=61, dtype=dtype, device=device)
         bias = randn(channels, seed=62, dtype=dtype, device=device) if with_bias else None
         pool = randn(n + 2, channels, state_width, seed=63, dtype=dtype, device=device)
+        if transposed:
+            pool = pool.transpose(1, 2).contiguous().transpose(1, 2)
         slots = torch.tensor([4, 0, -1, 7, 2, 5], dtype=torch.int32, device=device)
         acc = None
         if accepted:
@@ -241,8 +245,11 @@ def test_conv_update_tile_equals_columns(device, q_len, state_width, with_bias, 
             p = pool.clone()
             outs.append(conv.causal_conv1d_update(x, weight, bias, p, slots, acc, "silu", variant=variant))
             pools.append(p)
-        assert torch.equal(outs[0], outs[1]), f"outputs differ ({dtype}, Q={q_len}, W={state_width})"
-        assert torch.equal(pools[0], pools[1]), f"states differ ({dtype}, Q={q_len}, W={state_width})"
-    with pytest.raises(ValueError, match="channel-major"):
-        conv.causal_conv1d_update(x, weight, bias, pool.transpose(1, 2).contiguous().transpose(1, 2), slots,
-                                  acc, "silu", variant="tile")  # fmt: skip
+        what = f"{dtype}, Q={q_len}, W={state_width}, transposed={transposed}"
+        assert torch.equal(outs[0], outs[1]), f"outputs differ ({what})"
+        assert torch.equal(pools[0], pools[1]), f"states differ ({what})"
+    strided = torch.zeros(n + 2, state_width, 2 * channels, dtype=dtype, device=device)[:, :, ::2].transpose(
+        1, 2
+    )
+    with pytest.raises(ValueError, match="channel-contiguous"):
+        conv.causal_conv1d_update(x, weight, bias, strided, slots, acc, "silu", variant="tile")

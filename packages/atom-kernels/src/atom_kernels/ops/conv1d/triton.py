@@ -11,9 +11,9 @@ starting at ``num_accepted - 1``; slots < 0 read zeros and write nothing.
   history another program still reads.
 - ``causal_conv1d_update``: one program per (sequence, channel block) reads the history and the Q new
   inputs, writes the Q outputs and the shifted window ``(history ++ x)[1:]`` left-aligned. A barrier
-  separates the reads of the old window from the in-place writes. For a channel-major state (a channel's
-  ``W`` columns adjacent) from ``CONV_TILE_MIN_TOKENS`` tokens, the tile kernel does the same with each
-  channel's window moved as one vector (see ``CONV_TILE_MIN_TOKENS``).
+  separates the reads of the old window from the in-place writes. The tile kernels of ``triton_tiles`` do
+  the same with each program's windows read and written once as a register tile (the default for a
+  channel-major state from ``CONV_TILE_MIN_TOKENS`` tokens; ``variant=`` picks either).
 
 Value checks (``cu_seqlens`` from 0 to T, slot and ``num_accepted`` ranges; ``atom_kernels.ops._checks``)
 read the data, so they run only for CPU tensors (Triton's interpreter): on a GPU they would synchronise
@@ -30,19 +30,7 @@ import triton.language as tl
 from atom_kernels.ops._checks import check_cu_seqlens_values, check_num_accepted_values, check_slot_values
 from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.conv1d.checks import check_causal_conv1d_update, check_causal_conv1d_varlen
-
-# causal_conv1d_update with a channel-major state ([S, C, W], a channel's W columns adjacent: 8 bytes at
-# W = 4, bf16). The column-wise kernel reads each window column as its own strided load (lanes 2 bytes
-# apart in every 8: a quarter of each sector used per instruction, the window re-read for every tap and
-# output) and writes the new window column by column the same way; the tile kernel moves each channel's
-# window with one vector load and one vector store. From CONV_TILE_MIN_TOKENS tokens (N * Q) the tile
-# kernel runs: the per-op comparison with stock vLLM (docs/performance.md) measured the column-wise
-# kernel ahead of stock up to 16 tokens and behind from 128, so the old kernel keeps the small sizes until
-# benchmarks/gpu/bench_router_conv.py measures the crossover.
-CONV_TILE_MIN_TOKENS = 64
-# Channels per program of the tile kernel: 4 per thread at 4 warps (an 80B layer's 8192 channels in 16
-# programs per sequence), twice the column-wise kernel's 256, for more bytes in flight per program.
-TILE_BC = 512
+from atom_kernels.ops.conv1d.triton_tiles import CONV_TILE_MIN_TOKENS, state_layout, update_tiles
 
 
 @triton.jit
@@ -244,69 +232,6 @@ def _conv_update_kernel(
     tl.store(p_s + o_r[:, None] * s_sw, new, mask=m_rs)
 
 
-@triton.jit
-def _conv_update_tile_kernel(
-    x_ptr, w_ptr, b_ptr, state_ptr, idx_ptr, acc_ptr, out_ptr, C, s_xn, s_xq, s_xc, s_wc, s_wk, s_ss, s_on,
-    s_oq, s_oc, K: tl.constexpr, Q: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_ACC: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr = False,
-):  # fmt: skip
-    """``_conv_update_kernel`` for a channel-major state (``[S, C, W]`` contiguous per slot: a channel's
-    ``W`` columns adjacent, channel stride ``W``). The slot's ``[BC, W]`` block is one contiguous range,
-    read once as a ``[BC, BW]`` tile (each thread a channel's whole window, a vector load) and written back
-    the same way; the history columns come out of the tile in registers (a masked sum over the window).
-    ``W`` is a compile-time constant so that the tile's row stride (and its alignment) is known."""
-    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
-    n = tl.program_id(0).to(tl.int64)
-    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
-    m_c = o_c < C
-    slot = tl.load(idx_ptr + n).to(tl.int64)
-    off = 0
-    if HAS_ACC:
-        off = tl.load(acc_ptr + n) - 1
-    # channels whose history is read and written: only a real slot (a bound, not `mask & scalar`: Triton
-    # 3.9's interpreter turns a tensor & scalar bool into int32, which tl.load rejects)
-    live = o_c < tl.where(slot >= 0, C, 0)
-    o_w = tl.arange(0, BW)
-    p_s = state_ptr + slot * s_ss + o_c[:, None] * W + o_w[None, :]
-    m_s = tl.broadcast_to(live[:, None], [BC, BW])  # uniform along the window: the load stays vectorised
-    if W < BW:
-        m_s = m_s & (o_w < W)[None, :]
-    hist = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
-    # Per-channel values (x, weights, bias, outputs) go one channel per lane, as the tile's rows do (no
-    # vector hint), so that they combine with the history columns taken out of the tile in registers,
-    # without an exchange between threads; repeated reads of x and the weights hit L1.
-    o_l = tl.max_contiguous(o_c, 1)
-    p_x = x_ptr + n * s_xn + o_l * s_xc
-    # outputs: out_q = bias + sum_i w_i * seq[q + i], seq = history (K - 1 columns from `off`) ++ x_0..x_{Q-1}
-    for q in tl.static_range(Q):
-        acc = tl.zeros([BC], dtype=tl.float32)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + o_l, mask=m_c, other=0.0).to(tl.float32)
-        for i in tl.static_range(K):
-            if q + i < K - 1:
-                v = tl.sum(tl.where(o_w[None, :] == off + q + i, hist, 0.0), 1)
-            else:
-                v = tl.load(p_x + (q + i - (K - 1)) * s_xq, mask=m_c, other=0.0).to(tl.float32)
-            wi = tl.load(w_ptr + o_l * s_wc + i * s_wk, mask=m_c, other=0.0).to(tl.float32)
-            acc += v * wi
-        if SILU:
-            acc = acc * tl.sigmoid(acc)
-        tl.store(out_ptr + n * s_on + q * s_oq + o_l * s_oc, acc.to(out_ptr.dtype.element_ty), mask=m_c)
-    # new history: seq[1:] left-aligned into columns [0, K - 2 + Q)
-    new = tl.zeros([BC, BW], dtype=tl.float32)
-    for r in tl.static_range(K - 2 + Q):
-        if r + 1 < K - 1:
-            v = tl.sum(tl.where(o_w[None, :] == off + r + 1, hist, 0.0), 1)
-        else:
-            v = tl.load(p_x + (r + 1 - (K - 1)) * s_xq, mask=m_c, other=0.0).to(tl.float32)
-        new = tl.where(o_w[None, :] == r, v[:, None], new)
-    m_n = tl.broadcast_to(live[:, None], [BC, BW])
-    if K - 2 + Q < BW:
-        m_n = m_n & (o_w < K - 2 + Q)[None, :]
-    tl.debug_barrier()  # all reads of the old history before any write
-    tl.store(p_s, new.to(state_ptr.dtype.element_ty), mask=m_n)
-
-
 def causal_conv1d_varlen(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -396,9 +321,10 @@ def causal_conv1d_update(
 ) -> torch.Tensor:
     """See :func:`atom_kernels.ops.conv1d.reference.causal_conv1d_update` (same contract).
 
-    ``variant``: ``"tile"`` (``_conv_update_tile_kernel``; needs a channel-major state, each channel's
-    ``W`` columns contiguous) or ``"columns"`` (``_conv_update_kernel``, any strides); ``None`` picks
-    ``"tile"`` for a channel-major state from ``CONV_TILE_MIN_TOKENS`` tokens (``N * Q``). Both give the
+    ``variant``: ``"tile"`` (``triton_tiles``: a channel-major or channel-contiguous state) or
+    ``"columns"`` (``_conv_update_kernel``, any strides); ``None`` picks ``"tile"`` for a channel-major
+    state from ``CONV_TILE_MIN_TOKENS`` tokens (``N * Q``), else ``"columns"`` (on a channel-contiguous
+    state the column loads are coalesced already, and the tile kernel is not timed yet). Both give the
     same outputs and state; benchmarks time them side by side."""
     check_causal_conv1d_update(x, weight, bias, conv_state, state_indices, num_accepted, activation)
     N, Q, C = x.shape
@@ -408,30 +334,22 @@ def causal_conv1d_update(
         check_slot_values("causal_conv1d_update", "state_indices", state_indices, conv_state.shape[0])
         check_num_accepted_values("causal_conv1d_update", num_accepted, limit, f"W - K + 2 = {limit}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous whatever x's row stride
-    W = conv_state.shape[2]
-    channel_major = conv_state.stride(2) == 1 and conv_state.stride(1) == W
+    layout = state_layout(conv_state)
     if variant is None:
-        variant = "tile" if channel_major and N * Q >= CONV_TILE_MIN_TOKENS else "columns"
+        variant = "tile" if layout == "channel-major" and N * Q >= CONV_TILE_MIN_TOKENS else "columns"
     if variant not in ("tile", "columns"):
         raise ValueError(
             f"causal_conv1d_update (triton): variant must be 'tile', 'columns' or None, got {variant!r}"
         )
-    if variant == "tile" and not channel_major:
+    if variant == "tile" and layout is None:
         raise ValueError(
-            "causal_conv1d_update (triton): variant 'tile' needs a channel-major conv_state (strides "
-            f"(*, W, 1) with W = {W}), got strides {tuple(conv_state.stride())}"
+            "causal_conv1d_update (triton): variant 'tile' needs a channel-major (strides (*, W, 1)) or "
+            f"channel-contiguous (channel stride 1) conv_state, got strides {tuple(conv_state.stride())}"
         )
     if N == 0 or Q == 0:
         return out
     if variant == "tile":
-        _conv_update_tile_kernel[(N, triton.cdiv(C, TILE_BC))](
-            x, weight, bias if bias is not None else x, conv_state, state_indices,
-            num_accepted if num_accepted is not None else state_indices, out, C,
-            x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1), conv_state.stride(0),
-            out.stride(0), out.stride(1), out.stride(2), K=K, Q=Q, W=W, BW=triton.next_power_of_2(W),
-            BC=TILE_BC, HAS_BIAS=bias is not None, HAS_ACC=num_accepted is not None,
-            SILU=activation is not None, num_warps=4, **launch_options(x.device),
-        )  # fmt: skip
+        update_tiles(x, weight, bias, conv_state, state_indices, num_accepted, activation, out, layout)
         return out
     BC = 256
     _conv_update_kernel[(N, triton.cdiv(C, BC))](
