@@ -13,7 +13,9 @@ windows), and write the new window as one tile:
   ``[S, C, W]``): a ``[BW, BC]`` tile of window rows, one channel per lane (each row a coalesced load),
   every thread holding its channels' whole windows.
 
-Semantics, rounding and summation order are the column-wise kernel's (outputs and state bit-equal).
+Semantics, rounding and summation order are the column-wise kernel's: outputs and state bit-equal, but
+for the sign of a zero input written to the state (the column-wise kernel adds a masked 0.0 and writes -0.0
+as +0.0; these kernels keep -0.0, as the reference does).
 """
 
 from __future__ import annotations
