@@ -190,7 +190,10 @@ def units(ours, st, w: Weights, B: int, Q: int, ctx: int, dev: torch.device) -> 
     u["mtp fc (bf16)"] = (lambda: F.linear(torch.cat([x, res], -1), w.fc), None)
     tickets = torch.zeros(1, dtype=torch.int32, device=dev)
     gate_r, gate_s = w.gate[:E], w.gate[E:]
-    u["router"] = (lambda: ours.moe_gate_router(x, w.gate, E, TOP_K, True, 1, tickets=tickets),
+    # ours: the model's folded router (atom_models.moe.router_rows): E + 1 rows padded to 520 with the shared
+    # gate row repeated, so that the Linear's output rows (T > FUSED_MAX_T) stay 16-byte aligned
+    gate_ours = torch.cat([w.gate, gate_s.expand(-(-(E + 1) // 8) * 8 - (E + 1), -1)])
+    u["router"] = (lambda: ours.moe_gate_router(x, gate_ours, E, TOP_K, True, 1, tickets=tickets),
                    lambda: (F.linear(x, gate_r), F.linear(x, gate_s)))  # fmt: skip
 
     # MoE: the same routing on both sides (ours: the shared expert is expert E with weight sigmoid(gate))

@@ -173,6 +173,40 @@ def test_update_equals_sequential_with_resumption(impl, tol, device, dtype, tran
         assert torch.equal(pool[s, :, : K - 2 + qlen], expected_state), f"left-aligned write, seq {i}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("q_len", [1, 1 + SPEC])
+def test_update_many_sequences(impl, tol, device, dtype, transposed, q_len):
+    """64 sequences (a batch at the triton backend's size threshold for its channel-major tile kernel)
+    in shuffled slots, every fifth a padding row (slot -1), num_accepted over its whole range: each output
+    against the float64 oracle of its window, each slot's new window left-aligned, other columns and
+    unused slots untouched."""
+    update = impl("causal_conv1d_update", dtype)
+    n = 64
+    weight = randn(C, K, seed=30, dtype=dtype, device=device)
+    bias = randn(C, seed=31, dtype=dtype, device=device)
+    pool = make_pool(n + 3, dtype, device, seed=32, transposed=transposed)
+    perm = torch.randperm(n + 3, generator=torch.Generator().manual_seed(33))[:n]
+    slots = torch.where(torch.arange(n) % 5 == 4, -1, perm).to(torch.int32)
+    accepted = (torch.arange(n) % (W - K + 2) + 1).to(torch.int32)
+    x = randn(n, q_len, C, seed=34, dtype=dtype, device=device)
+    before = pool.clone()
+    out = update(x, weight, bias, pool, slots.to(device), accepted.to(device), "silu")
+    written = K - 2 + q_len
+    for i in range(n):
+        s, a = int(slots[i]), int(accepted[i])
+        hist = before[s, :, a - 1 : a - 1 + K - 1] if s >= 0 else torch.zeros(C, K - 1, dtype=dtype)
+        assert_close(out[i], conv_oracle(hist, x[i], weight, bias), tol("conv", dtype), f"seq {i} a={a}")
+        if s >= 0:
+            expected = torch.cat([hist.cpu(), x[i].t().cpu()], dim=1)[:, 1:]
+            assert torch.equal(pool[s, :, :written].cpu(), expected), f"left-aligned write, seq {i}"
+            assert torch.equal(pool[s, :, written:], before[s, :, written:]), (
+                f"columns past the write, seq {i}"
+            )
+    unused = sorted(set(range(n + 3)) - {int(s) for s in slots if s >= 0})
+    assert torch.equal(pool[unused], before[unused]), "slots of padding rows and unused slots must not change"
+
+
 def test_update_padding_slot_and_prefill_continuation(impl, tol, device):
     """A padded row (slot -1) writes nothing; prefill + update == one prefill of the longer sequence."""
     varlen, update = impl("causal_conv1d_varlen", torch.float32), impl("causal_conv1d_update", torch.float32)

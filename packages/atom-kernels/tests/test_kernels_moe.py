@@ -29,11 +29,13 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_moe_router(impl, tol, device, dtype, renormalize):
+@pytest.mark.parametrize("num_tokens", [7, 63])
+def test_moe_router(impl, tol, device, dtype, renormalize, num_tokens):
+    """7 and 63 tokens: the triton backend's program per token below and from its size threshold."""
     fn = impl("moe_router", dtype)
-    logits = randn(63, 32, seed=1, dtype=dtype, device=device, scale=2.0)
+    logits = randn(num_tokens, 32, seed=1, dtype=dtype, device=device, scale=2.0)
     weights, ids = fn(logits, 4, renormalize)
-    assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and weights.shape == (63, 4)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and weights.shape == (num_tokens, 4)
     probs = torch.softmax(logits.double().cpu(), -1)
     # bf16 logits hold exact ties, and topk orders tied entries arbitrarily: check that the chosen
     # experts carry the top-k probabilities (as a multiset), and that the weights are theirs.
@@ -49,7 +51,7 @@ def test_moe_router(impl, tol, device, dtype, renormalize):
     if renormalize:
         assert_close(
             weights.sum(-1),
-            torch.ones(63, dtype=torch.float64),
+            torch.ones(num_tokens, dtype=torch.float64),
             tol("router_sum", dtype),
             "renormalised sum",
         )

@@ -172,3 +172,84 @@ def test_moe_expert_count_past_power_of_two(device, num_experts, tokens):
     out = moe.moe_experts(x, weights, ids, w13, w2)
     expected = reference("moe_experts", device, torch.float32)(x, weights, ids, w13, w2)
     assert_close(out, expected, TOL[("moe", torch.float32)], f"moe E={num_experts} T={tokens}")
+
+
+def triton_module(op: str, device: torch.device, dtype: torch.dtype, module: str):
+    """``atom_kernels.ops.<module>.triton``, or skip where the triton backend cannot run ``op``."""
+    try:
+        registry.resolve(op, device, dtype, "triton")
+    except registry.KernelBackendError as exc:
+        pytest.skip(str(exc))
+    if module == "moe":
+        from atom_kernels.ops.moe import triton as mod
+    else:
+        from atom_kernels.ops.conv1d import triton as mod
+    return mod
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_experts", "num_shared"), [(512, 1), (60, 0)])
+def test_moe_router_variants_agree(device, dtype, num_experts, num_shared):
+    """``moe_router``'s one-warp and four-warp programs give the same ids and the same weight bits, on
+    the 80B shape (512 routed + the shared gate) and a non-power-of-two E, with exact ties (a constant row,
+    a row of three values), a NaN, a +inf, a row of -inf but one, and a NaN shared logit. The default
+    picks the one-warp program at ``ROUTER_WARP_MIN_T`` tokens."""
+    moe = triton_module("moe_router", device, dtype, "moe")
+    tokens, top_k = moe.ROUTER_WARP_MIN_T + 3, 10
+    logits = randn(tokens, num_experts + num_shared, seed=50, dtype=dtype, device=device, scale=2.0)
+    logits[1] = 0.5
+    logits[2, :num_experts] = torch.arange(num_experts, device=device).remainder(3).to(dtype)
+    logits[3, 7] = float("nan")
+    logits[4, 11] = float("inf")
+    logits[5] = float("-inf")
+    logits[5, 3] = 1.0
+    if num_shared:
+        logits[6, num_experts] = float("nan")
+    warp = moe.moe_router(logits, top_k, True, num_shared, variant="warp")
+    block = moe.moe_router(logits, top_k, True, num_shared, variant="block")
+    default = moe.moe_router(logits, top_k, True, num_shared)
+    for name, (w, i) in (("warp", warp), ("default", default)):
+        assert torch.equal(i, block[1]), f"{name} ids differ from the four-warp program"
+        assert torch.equal(w.view(torch.int32), block[0].view(torch.int32)), f"{name} weight bits differ"
+    assert set(warp[1][2, :top_k].tolist()) == set(range(2, num_experts, 3)[-top_k:]), "ties: higher index"
+    with pytest.raises(ValueError, match="variant"):
+        moe.moe_router(logits, top_k, True, num_shared, variant="rows")
+
+
+@pytest.mark.parametrize(
+    ("q_len", "state_width", "with_bias", "accepted"),
+    [(2, 4, True, True), (1, 3, False, False), (3, 7, True, True)],
+)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_conv_update_tile_equals_columns(device, q_len, state_width, with_bias, accepted, transposed):
+    """``causal_conv1d_update``'s tile kernels give the column-wise kernel's outputs and state bit for bit
+    (float32 and bf16), on a channel-major state and on a transposed one (vLLM's ``[S, W, C]`` buffer):
+    80B's Q = 2 window, the k = 0 window (W = 3, not a power of two), a state wider than the write (columns
+    past it untouched), C not a multiple of the tile, a padding slot. A state with neither unit stride is
+    refused by the tile kernels."""
+    conv = triton_module("causal_conv1d_update", device, torch.float32, "conv1d")
+    n, channels, width = 6, 600, 4
+    for dtype in (torch.float32, torch.bfloat16):
+        x = randn(n, q_len, channels, seed=60, dtype=dtype, device=device)
+        weight = randn(channels, width, seed=61, dtype=dtype, device=device)
+        bias = randn(channels, seed=62, dtype=dtype, device=device) if with_bias else None
+        pool = randn(n + 2, channels, state_width, seed=63, dtype=dtype, device=device)
+        if transposed:
+            pool = pool.transpose(1, 2).contiguous().transpose(1, 2)
+        slots = torch.tensor([4, 0, -1, 7, 2, 5], dtype=torch.int32, device=device)
+        acc = None
+        if accepted:
+            acc = (torch.arange(n) % (state_width - width + 2) + 1).to(device=device, dtype=torch.int32)
+        outs, pools = [], []
+        for variant in ("tile", "columns"):
+            p = pool.clone()
+            outs.append(conv.causal_conv1d_update(x, weight, bias, p, slots, acc, "silu", variant=variant))
+            pools.append(p)
+        what = f"{dtype}, Q={q_len}, W={state_width}, transposed={transposed}"
+        assert torch.equal(outs[0], outs[1]), f"outputs differ ({what})"
+        assert torch.equal(pools[0], pools[1]), f"states differ ({what})"
+    strided = torch.zeros(n + 2, state_width, 2 * channels, dtype=dtype, device=device)[:, :, ::2].transpose(
+        1, 2
+    )
+    with pytest.raises(ValueError, match="channel-contiguous"):
+        conv.causal_conv1d_update(x, weight, bias, strided, slots, acc, "silu", variant="tile")

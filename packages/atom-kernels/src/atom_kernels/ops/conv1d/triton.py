@@ -11,7 +11,9 @@ starting at ``num_accepted - 1``; slots < 0 read zeros and write nothing.
   history another program still reads.
 - ``causal_conv1d_update``: one program per (sequence, channel block) reads the history and the Q new
   inputs, writes the Q outputs and the shifted window ``(history ++ x)[1:]`` left-aligned. A barrier
-  separates the reads of the old window from the in-place writes.
+  separates the reads of the old window from the in-place writes. The tile kernels of ``triton_tiles`` do
+  the same with each program's windows read and written once as a register tile (the default for a
+  channel-major state from ``CONV_TILE_MIN_TOKENS`` tokens; ``variant=`` picks either).
 
 Value checks (``cu_seqlens`` from 0 to T, slot and ``num_accepted`` ranges; ``atom_kernels.ops._checks``)
 read the data, so they run only for CPU tensors (Triton's interpreter): on a GPU they would synchronise
@@ -28,6 +30,7 @@ import triton.language as tl
 from atom_kernels.ops._checks import check_cu_seqlens_values, check_num_accepted_values, check_slot_values
 from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.conv1d.checks import check_causal_conv1d_update, check_causal_conv1d_varlen
+from atom_kernels.ops.conv1d.triton_tiles import CONV_TILE_MIN_TOKENS, state_layout, update_tiles
 
 
 @triton.jit
@@ -313,8 +316,16 @@ def causal_conv1d_update(
     state_indices: torch.Tensor,
     num_accepted: torch.Tensor | None = None,
     activation: str | None = "silu",
+    *,
+    variant: str | None = None,
 ) -> torch.Tensor:
-    """See :func:`atom_kernels.ops.conv1d.reference.causal_conv1d_update` (same contract)."""
+    """See :func:`atom_kernels.ops.conv1d.reference.causal_conv1d_update` (same contract).
+
+    ``variant``: ``"tile"`` (``triton_tiles``: a channel-major or channel-contiguous state) or
+    ``"columns"`` (``_conv_update_kernel``, any strides); ``None`` picks ``"tile"`` for a channel-major
+    state from ``CONV_TILE_MIN_TOKENS`` tokens (``N * Q``), else ``"columns"`` (on a channel-contiguous
+    state the column loads are coalesced already, and the tile kernel is not timed yet). Both give the
+    same outputs and state; benchmarks time them side by side."""
     check_causal_conv1d_update(x, weight, bias, conv_state, state_indices, num_accepted, activation)
     N, Q, C = x.shape
     K = weight.shape[1]
@@ -323,7 +334,22 @@ def causal_conv1d_update(
         check_slot_values("causal_conv1d_update", "state_indices", state_indices, conv_state.shape[0])
         check_num_accepted_values("causal_conv1d_update", num_accepted, limit, f"W - K + 2 = {limit}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous whatever x's row stride
+    layout = state_layout(conv_state)
+    if variant is None:
+        variant = "tile" if layout == "channel-major" and N * Q >= CONV_TILE_MIN_TOKENS else "columns"
+    if variant not in ("tile", "columns"):
+        raise ValueError(
+            f"causal_conv1d_update (triton): variant must be 'tile', 'columns' or None, got {variant!r}"
+        )
+    if variant == "tile" and layout is None:
+        raise ValueError(
+            "causal_conv1d_update (triton): variant 'tile' needs a channel-major (strides (*, W, 1)) or "
+            f"channel-contiguous (channel stride 1) conv_state, got strides {tuple(conv_state.stride())}"
+        )
     if N == 0 or Q == 0:
+        return out
+    if variant == "tile":
+        update_tiles(x, weight, bias, conv_state, state_indices, num_accepted, activation, out, layout)
         return out
     BC = 256
     _conv_update_kernel[(N, triton.cdiv(C, BC))](

@@ -44,6 +44,16 @@ from atom_kernels.ops.moe.checks import check_moe_experts, check_moe_router
 # experts at 1-4096 tokens (513 experts, 2 tokens: 6.6 / 6.1 / 7.2 us).
 ALIGN_E_BLOCK = 256
 
+# Token count from which moe_router runs one warp per token (``_moe_router_warp_kernel``) instead of four
+# (``_moe_router_kernel``). The four-warp program pays two block-wide reductions (shared memory and a
+# barrier each) per top-k round, 2 + 2 K in all (22 at top-10), and that serial chain per token is what
+# grows with T (H100, 80B shapes: ~20 us at T = 512); one warp per token does 2 + K warp-shuffle
+# reductions and no barrier. The four-warp program spreads one token over more threads, which can only
+# pay off when few tokens leave most SMs idle; 16 is the smallest count the per-op comparison with stock
+# vLLM measured behind (docs/performance.md), below it the old program stays until
+# benchmarks/gpu/bench_router_conv.py measures the crossover.
+ROUTER_WARP_MIN_T = 16
+
 
 @triton.jit
 def _moe_router_kernel(
@@ -81,6 +91,53 @@ def _moe_router_kernel(
     if NUM_SHARED > 0:  # the shared gate logit sits after the routed ones: sigmoid, one weight per slice
         g = tl.load(logits_ptr + t * stride_l + num_experts).to(tl.float32)
         gate = tl.sigmoid(g)
+        for j in tl.static_range(NUM_SHARED):
+            tl.store(w_ptr + t * row + TOP_K + j, gate)
+            tl.store(ids_ptr + t * row + TOP_K + j, (num_experts + j).to(tl.int64))
+
+
+@triton.jit
+def _moe_router_warp_kernel(
+    logits_ptr, w_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+    E_P2: tl.constexpr, K_P2: tl.constexpr, NUM_SHARED: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """``_moe_router_kernel``'s results from one warp per token (launched with ``num_warps=1``): every
+    reduction stays inside the warp (register shuffles, no shared memory, no barrier), and each of the
+    ``TOP_K`` rounds is one max over a packed int64 key ``(bits of p) << 32 | index`` instead of a max of
+    the values and then a max of the indices holding it."""
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_P2)
+    routed = offs < num_experts
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=routed, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    p = tl.exp(x - m)
+    p = p / tl.sum(p, 0)
+    # Rank key: the bits of p (monotonic for p >= 0), -1 for NaN (below every number: a NaN or +inf
+    # logit makes the whole row NaN, and the ids stay distinct real experts), INT32_MIN for padding lanes
+    # and taken experts; the low half is the index, so equal keys rank the higher index first (as
+    # torch.topk on CPU and _moe_router_kernel).
+    key = tl.where(p == p, p.to(tl.int32, bitcast=True), -1)
+    key = tl.where(routed, key, -(2**31))
+    packed = (key.to(tl.int64) << 32) | offs.to(tl.int64)
+    taken = tl.full([E_P2], -(2**31), tl.int64) << 32
+    slots = tl.arange(0, K_P2)
+    best = tl.zeros([K_P2], tl.int64)
+    for j in tl.static_range(TOP_K):  # descending order: one warp max per round
+        v = tl.max(packed, 0)
+        best = tl.where(slots == j, v, best)
+        packed = tl.where(packed == v, taken, packed)  # packed keys are distinct: exactly one lane
+    top_i = best & 0xFFFFFFFF
+    top_key = (best >> 32).to(tl.int32)
+    top_w = tl.where(top_key >= 0, top_key.to(tl.float32, bitcast=True), float("nan"))
+    if RENORM:
+        top_w = top_w / tl.sum(tl.where(slots < TOP_K, top_w, 0.0), 0)
+    top_w = top_w.to(logits_ptr.dtype.element_ty).to(tl.float32)  # rounded to the logits' dtype
+    row = TOP_K + NUM_SHARED  # output columns per token: routed, then shared
+    tl.store(w_ptr + t * row + slots, top_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + t * row + slots, top_i, mask=slots < TOP_K)
+    if NUM_SHARED > 0:  # the shared gate logit sits after the routed ones: sigmoid, one weight per slice
+        gate = tl.sigmoid(tl.load(logits_ptr + t * stride_l + num_experts).to(tl.float32))
         for j in tl.static_range(NUM_SHARED):
             tl.store(w_ptr + t * row + TOP_K + j, gate)
             tl.store(ids_ptr + t * row + TOP_K + j, (num_experts + j).to(tl.int64))
@@ -290,22 +347,31 @@ def _moe_sum_kernel(
 
 
 def moe_router(
-    logits: torch.Tensor, top_k: int, renormalize: bool, num_shared: int = 0
+    logits: torch.Tensor, top_k: int, renormalize: bool, num_shared: int = 0, *, variant: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax (float32) over the routed experts, top-k, optional renormalisation, and ``num_shared``
-    shared columns (``sigmoid(logits[:, E])``, ids ``E + j``): one launch, one program per token."""
+    shared columns (``sigmoid(logits[:, E])``, ids ``E + j``): one launch, one program per token.
+
+    ``variant``: ``"warp"`` (``_moe_router_warp_kernel``, one warp per token) or ``"block"``
+    (``_moe_router_kernel``, four warps per token); ``None`` picks ``"warp"`` from
+    ``ROUTER_WARP_MIN_T`` tokens. Both give the same ids and weights; benchmarks time them side by side."""
     num_experts = check_moe_router(logits, top_k, renormalize, num_shared)
     num_tokens = logits.shape[0]
+    if variant is None:
+        variant = "warp" if num_tokens >= ROUTER_WARP_MIN_T else "block"
+    if variant not in ("warp", "block"):
+        raise ValueError(f"moe_router (triton): variant must be 'warp', 'block' or None, got {variant!r}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     cols = top_k + num_shared
     weights = torch.empty((num_tokens, cols), dtype=torch.float32, device=logits.device)
     ids = torch.empty((num_tokens, cols), dtype=torch.int64, device=logits.device)
     if num_tokens:
-        _moe_router_kernel[(num_tokens,)](
+        kernel = _moe_router_warp_kernel if variant == "warp" else _moe_router_kernel
+        kernel[(num_tokens,)](
             logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k, RENORM=bool(renormalize),
             E_P2=triton.next_power_of_2(num_experts), K_P2=triton.next_power_of_2(top_k),
-            NUM_SHARED=num_shared, num_warps=4, **launch_options(logits.device),
+            NUM_SHARED=num_shared, num_warps=1 if variant == "warp" else 4, **launch_options(logits.device),
         )  # fmt: skip
     return weights, ids
 
