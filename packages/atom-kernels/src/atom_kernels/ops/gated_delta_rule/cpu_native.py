@@ -47,23 +47,37 @@ MAX_TOKENS = 8
 """Most tokens ``Q`` of one call the C pass takes (longer calls take the torch forms)."""
 
 VECTOR_PRELUDE = r"""
-#define LANES 16
-typedef float vec __attribute__((vector_size(64)));              /* 16 floats: one AVX-512 register */
-typedef float uvec __attribute__((vector_size(64), aligned(4)));  /* the same at any float address */
+#ifdef __AVX512F__
+#define LANES 16  /* one AVX-512 register */
+#else
+#define LANES 8   /* one AVX2 register: 16-float vectors spill and shuffle element by element there */
+#endif
+typedef float vec __attribute__((vector_size(4 * LANES)));
+typedef float uvec __attribute__((vector_size(4 * LANES), aligned(4)));  /* the same at any float address */
+typedef uint16_t bvec __attribute__((vector_size(2 * LANES), aligned(2)));  /* LANES bf16 at any address */
+typedef uint32_t wvec __attribute__((vector_size(4 * LANES)));
 
 static inline vec load(const float *p) { return *(const uvec *)p; }
 static inline void store(float *p, vec v) { *(uvec *)p = v; }
-typedef float half __attribute__((vector_size(32)));
+static inline vec load_bf16(const uint16_t *p) { /* exact: bf16 is the top half of a float32 */
+    return (vec)(__builtin_convertvector(*(const bvec *)p, wvec) << 16);
+}
 typedef float quarter __attribute__((vector_size(16)));
 static inline float lane_sum(vec v) { /* a fixed pairwise tree: halves, quarters, then four lanes */
+#if LANES == 16
+    typedef float half __attribute__((vector_size(32)));
     union { vec v; half h[2]; } a = {v};
     union { half v; quarter q[2]; } b = {a.h[0] + a.h[1]};
+#else
+    union { vec v; quarter q[2]; } b = {v};
+#endif
     const quarter s = b.q[0] + b.q[1];
     return (s[0] + s[2]) + (s[1] + s[3]);
 }
 """
-"""The C passes' shared vector helpers: 16-float vectors, unaligned loads and stores, and a lane sum in a
-fixed pairwise order (so every pass sums in the same order)."""
+"""The C passes' shared vector helpers (after ``<stdint.h>``): ``LANES`` floats a vector (16 with AVX-512,
+8 otherwise), unaligned loads and stores, bf16 loads widened exactly, and a lane sum in a fixed pairwise
+order (so every pass sums in the same order on one machine)."""
 
 BF16_PRELUDE = r"""
 static inline float bf16_to_f32(uint16_t h) { /* exact: bf16 is the top half of a float32 */

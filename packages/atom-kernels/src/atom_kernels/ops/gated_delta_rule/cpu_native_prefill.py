@@ -40,13 +40,14 @@ _SOURCE = (
 #include <math.h>
 #include <stdint.h>
 
-#define MAX_VECS 16                                               /* Dk <= 256 */
+#define MAX_VECS (256 / LANES)                                    /* Dk <= 256 */
 #define ROWS 8                                                    /* rows carried together */
 #define JOB_ROWS 32                                               /* rows per job */
 """
     + VECTOR_PRELUDE
     + r"""
 
+#if LANES == 16
 typedef int32_t ivec __attribute__((vector_size(64)));
 /* out[m] = the lane sum of v[m], m < 8, all at once: pairs of vectors folded halves against halves,
    quarters, pairs of lanes, then lanes (15 shuffles, 8 adds instead of eight trees). */
@@ -67,13 +68,12 @@ static inline void lane_sums8(const vec v[8], float out[8]) {
     y += __builtin_shuffle(y, swap);
     for (int m = 0; m < 8; ++m) out[m] = y[2 * m];
 }
-
-typedef uint16_t hvec __attribute__((vector_size(32)));          /* 16 bf16 */
-typedef uint16_t uhvec __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t uivec __attribute__((vector_size(64)));
-static inline vec load_bf16(const uint16_t *p) { /* exact: bf16 is the top half of a float32 */
-    return (vec)(__builtin_convertvector(*(const uhvec *)p, uivec) << 16);
+#else
+/* out[m] = lane_sum(v[m]), m < 8 */
+static inline void lane_sums8(const vec v[8], float out[8]) {
+    for (int m = 0; m < 8; ++m) out[m] = lane_sum(v[m]);
 }
+#endif
 """
     + BF16_PRELUDE
     + r"""
@@ -106,7 +106,7 @@ static float sum_squares(const void *x, int64_t dk, int bf16) {
     return lane_sum(acc);
 }
 
-/* Rows i0 .. i0 + R - 1 of head h of sequence n, through all of its tokens. NV: Dk / 16 (0: p->dk / 16).
+/* Rows i0 .. i0 + R - 1 of head h of sequence n, through all of its tokens. NV: Dk / LANES (0: p->dk / LANES).
    The state row is kept as is; q and k are read raw and their factors (norms) applied to the scalars:
    s = e s + (u rk_t) k_t,  o_t = rq_t (s . q_t),  s . k_{t+1} = rk_{t+1} (s . kraw_{t+1}). */
 #define ROW_BLOCK(NAME, R, NV, BF, ELEM)                                                                 \
@@ -190,12 +190,12 @@ static void NAME(const prefill_args *p, int64_t n, int64_t h, int64_t i0) {     
             for (int64_t c = 0; c < nv; ++c) store(rows + r * dk + c * LANES, s[r][c]);                  \
 }
 
-ROW_BLOCK(block_128, ROWS, 8, 0, float)
-ROW_BLOCK(row_128, 1, 8, 0, float)
+ROW_BLOCK(block_128, ROWS, 128 / LANES, 0, float)
+ROW_BLOCK(row_128, 1, 128 / LANES, 0, float)
 ROW_BLOCK(block_any, ROWS, 0, 0, float)
 ROW_BLOCK(row_any, 1, 0, 0, float)
-ROW_BLOCK(block_128_bf16, ROWS, 8, 1, uint16_t)
-ROW_BLOCK(row_128_bf16, 1, 8, 1, uint16_t)
+ROW_BLOCK(block_128_bf16, ROWS, 128 / LANES, 1, uint16_t)
+ROW_BLOCK(row_128_bf16, 1, 128 / LANES, 1, uint16_t)
 ROW_BLOCK(block_any_bf16, ROWS, 0, 1, uint16_t)
 ROW_BLOCK(row_any_bf16, 1, 0, 1, uint16_t)
 

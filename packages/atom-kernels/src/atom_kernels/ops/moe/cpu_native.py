@@ -60,13 +60,7 @@ _SOURCE = (
     + cpu_native.VECTOR_PRELUDE
     + cpu_native.BF16_PRELUDE
     + r"""
-typedef uint16_t u16v __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32v __attribute__((vector_size(64)));
-static inline vec load_bf16(const uint16_t *p) { /* 16 bf16 -> float32, exact */
-    const u32v w = __builtin_convertvector(*(const u16v *)p, u32v) << 16;
-    return (vec)w;
-}
-
+#if LANES == 16
 /* lane j of the result = the sum of v[j]'s 16 lanes, by a fixed pairwise tree (four halving steps) */
 typedef int32_t ivec __attribute__((vector_size(64)));
 static inline vec fold(vec a, vec b, ivec lo, ivec hi) {
@@ -87,6 +81,7 @@ static inline vec reduce16(const vec v[16]) {
     for (int i = 0; i < 2; ++i) s2[i] = fold(s4[2 * i], s4[2 * i + 1], c_lo, c_hi);
     return fold(s2[0], s2[1], d_lo, d_hi);
 }
+#endif
 
 /* e^x without a call: 2^k e^r, k = round(x log2 e) (adding and subtracting 1.5 * 2^23), r = x - k ln 2 in
    two parts, e^r a degree-6 polynomial (Taylor coefficients, |r| <= ln2 / 2: relative error about 2e-7);
@@ -125,7 +120,7 @@ typedef struct {
 #define MUL_FB(a, w) ((a) * bf16_to_f32(w))
 #define MUL_BB(a, w) (bf16_to_f32(a) * bf16_to_f32(w))
 
-/* the block's 16 sums (lane r * NR + o: a_r . w_o), plus the products of the channels from i on */
+/* the block's 16 sums (out[r * NR + o] = a_r . w_o), plus the products of the channels from i on */
 #define BLOCK_END(MUL)                                                                                   \
     vec sum = reduce16(acc);                                                                             \
     if (i < kd) {                                                                                        \
@@ -137,11 +132,11 @@ typedef struct {
         }                                                                                                \
         sum += load(tail);                                                                               \
     }                                                                                                    \
-    return sum;
+    store(out, sum);
 
 /* one MR x NR register block over kd channels (row pointers), 16 lanes a product */
 #define BLOCK(NAME, AT, WT, LOADA, LOADW, MUL)                                                           \
-static inline vec NAME(const AT *const a[MR], const WT *const w[NR], int64_t kd) {                       \
+static inline void NAME(const AT *const a[MR], const WT *const w[NR], int64_t kd, float *out) {         \
     vec acc[MR * NR];                                                                                    \
     _Pragma("GCC unroll 16") for (int q = 0; q < MR * NR; ++q) acc[q] = (vec){0};                        \
     int64_t i = 0;                                                                                       \
@@ -159,75 +154,59 @@ static inline vec NAME(const AT *const a[MR], const WT *const w[NR], int64_t kd)
 BLOCK(block_ff, float, float, load, load, MUL_FF)
 BLOCK(block_fb, float, uint16_t, load, load_bf16, MUL_FB)
 #else
-/* Without AVX-512 (AVX2: sixteen 8-float registers) the 16-lane block above spills its 16 accumulators and
-   runs about 20x slower. Here the block's 16 sums are taken two rows at a time (one row where the next is
-   equal to it or past the block), each row's NR dot products in 8-lane vectors (8 accumulators for a pair
-   of rows, each weight vector loaded once for both), each sum's lanes added by a fixed tree, so a row's
-   sums are the same whichever way it is taken; a row equal to the previous one (rows past m repeat the
-   last) is copied, not recomputed. */
-typedef float v8 __attribute__((vector_size(32)));
-typedef float uv8 __attribute__((vector_size(32), aligned(4)));
-typedef uint16_t u16v8 __attribute__((vector_size(16), aligned(2)));
-typedef uint32_t u32v8 __attribute__((vector_size(32)));
-static inline v8 load8(const float *p) { return *(const uv8 *)p; }
-static inline v8 load8_bf16(const uint16_t *p) { /* 8 bf16 -> float32, exact */
-    return (v8)(__builtin_convertvector(*(const u16v8 *)p, u32v8) << 16);
-}
-static inline float sum8(v8 v) { /* halves, then (0 + 2) + (1 + 3) */
-    const quarter lo = {v[0], v[1], v[2], v[3]}, hi = {v[4], v[5], v[6], v[7]};
-    const quarter s = lo + hi;
-    return (s[0] + s[2]) + (s[1] + s[3]);
-}
+/* Without AVX-512 (8-float vectors: AVX2's sixteen registers) a block of 16 accumulators spills. Here the
+   block's 16 sums are taken two rows at a time (one row where the next is equal to it or past the block),
+   each row's NR dot products in 8 accumulators for a pair of rows, each weight vector loaded once for
+   both; a row's sums are the same whichever way it is taken, and a row equal to the previous one (rows
+   past m repeat the last) is copied, not recomputed. */
 #define BLOCK8(NAME, AT, WT, LOADA, LOADW, MUL)                                                          \
-static inline vec NAME(const AT *const a[MR], const WT *const w[NR], int64_t kd) {                       \
-    union { vec v; float f[MR * NR]; } res;                                                              \
+static inline void NAME(const AT *const a[MR], const WT *const w[NR], int64_t kd, float *out) {          \
     for (int r = 0; r < MR;) {                                                                           \
         if (r > 0 && a[r] == a[r - 1]) {                                                                 \
-            for (int o = 0; o < NR; ++o) res.f[r * NR + o] = res.f[(r - 1) * NR + o];                    \
+            for (int o = 0; o < NR; ++o) out[r * NR + o] = out[(r - 1) * NR + o];                        \
             ++r;                                                                                         \
             continue;                                                                                    \
         }                                                                                                \
         const int two = r + 1 < MR && a[r + 1] != a[r];                                                  \
         const AT *const a0p = a[r], *const a1p = a[two ? r + 1 : r];                                     \
-        v8 acc0[NR], acc1[NR];                                                                           \
-        _Pragma("GCC unroll 4") for (int o = 0; o < NR; ++o) acc0[o] = acc1[o] = (v8){0};                \
+        vec acc0[NR], acc1[NR];                                                                          \
+        _Pragma("GCC unroll 4") for (int o = 0; o < NR; ++o) acc0[o] = acc1[o] = (vec){0};               \
         int64_t i = 0;                                                                                   \
         if (two) {                                                                                       \
-            for (; i + 8 <= kd; i += 8) {                                                                \
-                const v8 a0 = LOADA(a0p + i), a1 = LOADA(a1p + i);                                       \
+            for (; i + LANES <= kd; i += LANES) {                                                        \
+                const vec a0 = LOADA(a0p + i), a1 = LOADA(a1p + i);                                      \
                 _Pragma("GCC unroll 4") for (int o = 0; o < NR; ++o) {                                   \
-                    const v8 wv = LOADW(w[o] + i);                                                       \
+                    const vec wv = LOADW(w[o] + i);                                                      \
                     acc0[o] += a0 * wv;                                                                  \
                     acc1[o] += a1 * wv;                                                                  \
                 }                                                                                        \
             }                                                                                            \
         } else {                                                                                         \
-            for (; i + 8 <= kd; i += 8) {                                                                \
-                const v8 a0 = LOADA(a0p + i);                                                            \
+            for (; i + LANES <= kd; i += LANES) {                                                        \
+                const vec a0 = LOADA(a0p + i);                                                           \
                 _Pragma("GCC unroll 4") for (int o = 0; o < NR; ++o) acc0[o] += a0 * LOADW(w[o] + i);    \
             }                                                                                            \
         }                                                                                                \
         for (int o = 0; o < NR; ++o) {                                                                   \
-            float s0 = sum8(acc0[o]), s1 = sum8(acc1[o]);                                                \
+            float s0 = lane_sum(acc0[o]), s1 = lane_sum(acc1[o]);                                        \
             for (int64_t j = i; j < kd; ++j) {                                                           \
                 s0 += MUL(a0p[j], w[o][j]);                                                              \
                 s1 += MUL(a1p[j], w[o][j]);                                                              \
             }                                                                                            \
-            res.f[r * NR + o] = s0;                                                                      \
-            if (two) res.f[(r + 1) * NR + o] = s1;                                                       \
+            out[r * NR + o] = s0;                                                                        \
+            if (two) out[(r + 1) * NR + o] = s1;                                                         \
         }                                                                                                \
         r += 1 + two;                                                                                    \
     }                                                                                                    \
-    return res.v;                                                                                        \
 }
-BLOCK8(block_ff, float, float, load8, load8, MUL_FF)
-BLOCK8(block_fb, float, uint16_t, load8, load8_bf16, MUL_FB)
+BLOCK8(block_ff, float, float, load, load, MUL_FF)
+BLOCK8(block_fb, float, uint16_t, load, load_bf16, MUL_FB)
 #endif
 
 #ifdef __AVX512BF16__
 #define HAVE_DPBF16 1
 /* bf16 x bf16: vdpbf16ps, 32 channels (pairs of products into 16 float32 lanes) an instruction */
-static inline vec block_bb(const uint16_t *const a[MR], const uint16_t *const w[NR], int64_t kd) {
+static inline void block_bb(const uint16_t *const a[MR], const uint16_t *const w[NR], int64_t kd, float *out) {
     vec acc[MR * NR];
     _Pragma("GCC unroll 16") for (int q = 0; q < MR * NR; ++q) acc[q] = (vec){0};
     int64_t i = 0;
@@ -247,7 +226,7 @@ static inline vec block_bb(const uint16_t *const a[MR], const uint16_t *const w[
 BLOCK(block_bb, uint16_t, uint16_t, load_bf16, load_bf16, MUL_BB)
 #else
 #define HAVE_DPBF16 0
-BLOCK8(block_bb, uint16_t, uint16_t, load8_bf16, load8_bf16, MUL_BB)
+BLOCK8(block_bb, uint16_t, uint16_t, load_bf16, load_bf16, MUL_BB)
 #endif
 
 /* c[r * ldc + o] = a_r . w_o for r < m, o < n (rows past the end repeat the last: their results dropped) */
@@ -260,13 +239,14 @@ static void NAME(const AT *a, int64_t lda, int64_t m, const WT *w, int64_t n, in
         for (int64_t r0 = 0; r0 < m; r0 += MR) {                                                         \
             const AT *ar[MR];                                                                            \
             for (int r = 0; r < MR; ++r) ar[r] = a + (r0 + r < m ? r0 + r : m - 1) * lda;                \
-            union { vec v; float f[MR * NR]; } blk = {BLK(ar, wr, kd)};                                  \
+            float blk[MR * NR];                                                                          \
+            BLK(ar, wr, kd, blk);                                                                        \
             if (r0 + MR <= m && o0 + NR <= n)                                                            \
-                for (int r = 0; r < MR; ++r) memcpy(c + (r0 + r) * ldc + o0, blk.f + r * NR, NR * 4);   \
+                for (int r = 0; r < MR; ++r) memcpy(c + (r0 + r) * ldc + o0, blk + r * NR, NR * 4);     \
             else                                                                                         \
                 for (int r = 0; r < MR && r0 + r < m; ++r)                                               \
                     for (int o = 0; o < NR && o0 + o < n; ++o)                                           \
-                        c[(r0 + r) * ldc + o0 + o] = blk.f[r * NR + o];                                  \
+                        c[(r0 + r) * ldc + o0 + o] = blk[r * NR + o];                                    \
         }                                                                                                \
     }                                                                                                    \
 }

@@ -70,9 +70,6 @@ typedef struct {
     + _native.EXP_PRELUDE
     + r"""
 
-typedef uint16_t u16v __attribute__((vector_size(32), aligned(2)));  /* 16 bf16 at any address */
-typedef uint32_t u32v __attribute__((vector_size(64)));
-
 static float e4m3_to_f32(uint8_t b) { /* exact: sign, 4 exponent bits (bias 7), 3 mantissa bits */
     const int e = (b >> 3) & 15, m = b & 7;
     float v;
@@ -89,12 +86,7 @@ static inline const float *row_f32(const void *base, int64_t off, int kind, int6
     if (kind == 1) {
         const uint16_t *s = (const uint16_t *)base + off;
         int64_t c = 0;
-        for (; c + LANES <= d; c += LANES) { /* 16 at a time: widen, shift into the top half */
-            const u32v w = __builtin_convertvector(*(const u16v *)(s + c), u32v) << 16;
-            vec f;
-            memcpy(&f, &w, sizeof f);
-            store(dst + c, f);
-        }
+        for (; c + LANES <= d; c += LANES) store(dst + c, load_bf16(s + c));
         for (; c < d; ++c) dst[c] = bf16_to_f32(s[c]);
     } else {
         const uint8_t *s = (const uint8_t *)base + off;
