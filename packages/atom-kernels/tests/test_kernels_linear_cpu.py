@@ -9,10 +9,15 @@ import torch
 import torch.nn.functional as F
 from atom_kernels import registry
 from atom_kernels.ops.linear import PACKED_WEIGHT_BACKENDS, pack_linear_weight
-from atom_kernels.ops.linear.cpu import PACK_MIN_ROWS
+from atom_kernels.ops.linear import cpu as linear_cpu
+from atom_kernels.ops.linear.cpu import PACK_MIN_ROWS, packing_supported
 from atom_kernels.testing import randn
 
 CPU = torch.device("cpu")
+needs_packing = pytest.mark.skipif(
+    not packing_supported(torch.bfloat16),
+    reason="oneDNN does not pack bf16 linear weights on this CPU (needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)",
+)
 
 
 def cpu_linear():
@@ -30,6 +35,7 @@ def test_cpu_backend_takes_packed_weights():
     assert registry.resolve("linear", CPU, torch.bfloat16).backend == "cpu"
 
 
+@needs_packing
 @pytest.mark.parametrize("m", [1, 2, 16, 33, 256, 512])
 @pytest.mark.parametrize("n,k", [(16, 256), (256, 512), (1536, 256), (4096, 256), (512, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -44,6 +50,7 @@ def test_packed_linear_bit_equal(m, n, k, bias):
     assert torch.equal(y, F.linear(x, w, b))
 
 
+@needs_packing
 def test_packed_linear_leading_dims_strided_and_empty():
     w, b = weights(256, 512, True)
     packed = pack_linear_weight(w)
@@ -59,6 +66,7 @@ def test_packed_linear_leading_dims_strided_and_empty():
     assert empty.shape == (3, 0, 256) and empty.dtype == torch.bfloat16
 
 
+@needs_packing
 def test_packed_linear_checks_its_inputs():
     w, b = weights(256, 512, True)
     packed = pack_linear_weight(w)
@@ -69,6 +77,7 @@ def test_packed_linear_checks_its_inputs():
         cpu_linear()(x, w, b[:4], packed=packed)
 
 
+@needs_packing
 def test_which_weights_are_packed():
     """bf16 2-D CPU weights of at least PACK_MIN_ROWS rows; float32 (exact path: F.linear, MKL), fewer rows
     (F.linear's matrix-vector product is faster there) and other ranks are left to F.linear."""
@@ -78,6 +87,7 @@ def test_which_weights_are_packed():
     assert pack_linear_weight(weights(64, 64, False)[0][None]) is None
 
 
+@needs_packing
 @pytest.mark.parametrize("dynamic", [True, None])
 def test_packed_linear_compiles(dynamic):
     """Under torch.compile (fullgraph) the op is one traced call: the compiled function's outputs are the
@@ -96,6 +106,7 @@ def test_packed_linear_compiles(dynamic):
         assert torch.equal(compiled(x), f(x))
 
 
+@needs_packing
 def test_packed_linear_op_fake_shape():
     """The op's fake implementation gives the real output's shape, dtype and strides."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -107,3 +118,22 @@ def test_packed_linear_op_fake_shape():
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = torch.ops.atom_kernels.linear_packed(mode.from_tensor(x), packed, None, 256)
     assert fake.shape == real.shape and fake.dtype == real.dtype and fake.stride() == real.stride()
+
+
+def test_cpu_without_bf16_packing_packs_nothing(monkeypatch):
+    """Where oneDNN refuses to pack bf16 (it raises on a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT),
+    no weight is packed and nothing raises: the linears run ``F.linear`` on their weights."""
+
+    class Refusing:
+        @staticmethod
+        def _reorder_linear_weight(w):
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+
+    monkeypatch.setattr(linear_cpu.torch.ops, "mkldnn", Refusing)
+    packing_supported.cache_clear()
+    try:
+        assert not packing_supported(torch.bfloat16)
+        assert pack_linear_weight(weights(64, 64, False)[0]) is None
+    finally:
+        monkeypatch.undo()
+        packing_supported.cache_clear()
