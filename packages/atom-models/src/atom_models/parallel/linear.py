@@ -15,6 +15,8 @@ With ``world_size == 1`` both are a plain linear and the collectives are the ide
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 from atom_kernels.ops.linear import PACKED_WEIGHT_BACKENDS, pack_linear_weight
@@ -50,7 +52,11 @@ class Linear(nn.Module):
     sizes); None: ``torch.nn.functional.linear``.
 
     ``packed``: the weight packed once by the kernels (:meth:`hold_packed`, after loading), passed to
-    ``kernels.linear`` with ``weight``; None: the weight as it is.
+    ``kernels.linear`` with ``weight``; None: the weight as it is. ``pack``: whether :meth:`hold_packed` may
+    pack the weight (False for a weight its owner reads directly, never through :meth:`forward`: the MoE
+    router's). Once packed, the original weight may be released (``weight_released``): ``weight`` is then
+    a shape-only stand-in (its dtype, device and ``[out, in]`` shape, one element of storage, so its values
+    mean nothing), which ``kernels.linear`` checks the input against; the product reads only ``packed``.
     """
 
     def __init__(
@@ -61,6 +67,7 @@ class Linear(nn.Module):
         dtype: torch.dtype | None = None,
         shard: LinearShard | None = None,
         kernels=None,
+        pack: bool = True,
     ):
         super().__init__()
         self.in_features = in_features
@@ -71,20 +78,34 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
+        self.pack = pack
         self.packed: torch.Tensor | None = None
+        self.weight_released = False
 
-    def hold_packed(self, kernels) -> int:
+    def hold_packed(self, kernels, release: bool = False) -> int:
         """Hold the (loaded) weight packed by ``kernels``' ``linear`` backend, for every later call, where
         that backend takes packed weights (:data:`~atom_kernels.ops.linear.PACKED_WEIGHT_BACKENDS`) and
-        packs this one; the product is the same. Call again after the weight changes. Returns the bytes
-        the packed copy adds (0: nothing packed)."""
-        if kernels.backends.get("linear") not in PACKED_WEIGHT_BACKENDS:
+        packs this one; the product is the same. ``release``: then drop the original weight (the caller
+        knows nothing else holds it; see the class). Call again after the weight changes (not possible
+        once released: loading into the stand-in raises). Returns the bytes of the packed copy (0: nothing
+        packed, also for a weight already released)."""
+        if (
+            not self.pack
+            or self.weight_released
+            or kernels.backends.get("linear") not in PACKED_WEIGHT_BACKENDS
+        ):
             return 0
         packed = pack_linear_weight(self.weight)
         if packed is None:
             return 0
         self.kernels, self.packed = kernels, packed
-        return self.weight.numel() * self.weight.element_size()
+        nbytes = self.weight.numel() * self.weight.element_size()
+        if release:
+            w = self.weight
+            stand_in = torch.empty((), dtype=w.dtype, device=w.device).expand(w.shape)
+            self.weight = nn.Parameter(stand_in, requires_grad=False)
+            self.weight_released = True
+        return nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = local_bias(self.bias, self.shard)
@@ -103,8 +124,16 @@ class Linear(nn.Module):
 
 def hold_packed_linears(model: nn.Module, kernels) -> int:
     """:meth:`Linear.hold_packed` on every :class:`Linear` of ``model``; call once, after the weights are
-    loaded. Returns the bytes added (0 where ``kernels``' ``linear`` backend takes no packed weights)."""
-    return sum(m.hold_packed(kernels) for m in model.modules() if isinstance(m, Linear))
+    loaded. A packed linear's original weight is released unless ``model`` holds that tensor in another
+    place too (tied embeddings: ``lm_head.weight`` is the embedding's). A linear shared with a model
+    packed before (the MTP draft's lm_head is the target's) is left as that call made it. Returns the
+    bytes of the packed copies made (0 where ``kernels``' ``linear`` backend takes no packed weights)."""
+    holders = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return sum(
+        m.hold_packed(kernels, release=holders[id(m.weight)] == 1)
+        for m in model.modules()
+        if isinstance(m, Linear)
+    )
 
 
 def column_parallel_linear(

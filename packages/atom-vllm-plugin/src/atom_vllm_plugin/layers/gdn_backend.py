@@ -2,9 +2,10 @@
 
 vLLM's model runner passes ``num_accepted_tokens`` / ``num_decode_draft_tokens_cpu`` only to builders that
 are instances of ``GDNAttentionMetadataBuilder``, so our builder subclasses it. After vLLM's own ``build``
-it translates the result ONCE per step into ``atom_models``' :class:`GDNStepMeta` (host work on vLLM's
-CPU copies of the batch layout, one copy into persistent device buffers), which every GDN layer of the
-group then reads without host work. The layers name this backend, so they never reach vLLM's kernels.
+it translates the result into ``atom_models``' :class:`GDNStepMeta`, which every GDN layer of the group
+then reads without host work: the step's layout (``gdn_layout``: host work on vLLM's CPU copies of the
+batch layout, once per step for all GDN groups) plus the group's own state slots, copied into the
+builder's persistent device buffers. The layers name this backend, so they never reach vLLM's kernels.
 
 Deferred-commit verification needs only the request's own slot: ``AtomGDNCore.get_kv_cache_spec`` asks for
 no speculative state blocks, so column 0 of vLLM's spec state indices is the slot (in "align" mode, the
@@ -16,10 +17,9 @@ runner, ``model_state`` under Model Runner V2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
-import numpy as np
 import torch
 from atom_models.gdn_meta import (
     GDNDecodeMeta,
@@ -34,16 +34,24 @@ from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionMetadataBuilder,
 )
 
-from atom_vllm_plugin.layers.host_copy import to_device
+from atom_vllm_plugin.layers.gdn_layout import (
+    DecodeLayout,
+    LayoutCache,
+    PrefillLayout,
+    StepLayout,
+    VerifyLayout,
+    has_spec_rows,
+    step_layout,
+)
 
 
 @dataclass
 class AtomGDNAttentionMetadata(GDNAttentionMetadata):
-    """vLLM's GDN metadata with the GDN pipeline's record for the same step (and the batch layout the
-    record was made from, which :meth:`AtomGDNAttentionMetadataBuilder.update_block_table` reads again)."""
+    """vLLM's GDN metadata with the GDN pipeline's record for the same step (and the step's layout the
+    record was made from, which :meth:`AtomGDNAttentionMetadataBuilder.update_block_table` reuses)."""
 
     step: GDNStepMeta | None = None
-    common: CommonAttentionMetadata | None = field(default=None, repr=False)
+    layout: StepLayout | None = field(default=None, repr=False)
 
 
 class StepBuffers:
@@ -78,82 +86,82 @@ def _padded(buf: torch.Tensor | None, head: torch.Tensor, total: int, pad: int) 
         out = torch.full((total,), pad, dtype=torch.int32, device=head.device)
     else:
         out = buf[:total]
-        out[n:].fill_(pad)
-    out[:n].copy_(head, non_blocking=True)
+        if n < total:
+            out[n:].fill_(pad)
+    (out if n == total else out[:n]).copy_(head, non_blocking=True)
     return out
 
 
-def _decode_meta(md: GDNAttentionMetadata, bufs: StepBuffers | None) -> GDNDecodeMeta:
-    """The ``num_decodes`` one-token rows at the front of the batch. A full graph's padded batch counts its
-    zero-length padding rows among them (vLLM gives them the null block): their slot becomes ``PAD_SLOT``."""
-    n = md.num_decodes
-    slots = md.non_spec_state_indices_tensor[:n].to(torch.int32)
-    qsl = md.non_spec_query_start_loc
-    if qsl is not None and qsl.shape[0] > n:
-        slots = torch.where(qsl[1 : n + 1] > qsl[:n], slots, PAD_SLOT)
-    return GDNDecodeMeta(n, _padded(None if bufs is None else bufs.slots, slots, n, PAD_SLOT))
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
-def _verify_meta(
-    md: GDNAttentionMetadata, m: CommonAttentionMetadata, bufs: StepBuffers | None
+def _decode_part(lay: DecodeLayout, slots: torch.Tensor, bufs: StepBuffers | None) -> GDNDecodeMeta:
+    """The decode part with this group's ``slots`` (vLLM's state index of each decode row, in row order):
+    padding rows get ``PAD_SLOT``."""
+    n = lay.num_rows
+    buf = None if bufs is None else bufs.slots
+    if lay.real_mask is not None:
+        return GDNDecodeMeta(
+            n, _padded(buf, _int32(torch.where(lay.real_mask, slots[:n], PAD_SLOT)), n, PAD_SLOT)
+        )
+    return GDNDecodeMeta(n, _padded(buf, _int32(slots[: lay.real_rows]), n, PAD_SLOT))
+
+
+def _verify_part(
+    lay: VerifyLayout, slots: torch.Tensor, accepted: torch.Tensor, bufs: StepBuffers | None
 ) -> GDNVerifyMeta:
-    """The spec rows of ``md`` (the first ``num_spec_decodes`` rows flagged in ``spec_sequence_masks_cpu``)
-    as one verify part of ``Q = max(lens)`` tokens; ragged or scattered rows get gather/scatter indices.
-
-    A uniform batch (every row ``Q`` tokens, in order from row 0, nothing else) keeps the zero-length
-    padding rows of a full graph's padded batch (``m.num_actual_tokens == m.num_reqs * Q``) as verify rows
-    with slot ``PAD_SLOT`` and ``num_accepted = 1``: the record then has the captured batch's shape.
-    """
-    n = md.num_spec_decodes
-    dev = md.spec_state_indices_tensor.device
-    qsl = m.query_start_loc_cpu.numpy().astype(np.int64)
-    mask = md.spec_sequence_masks_cpu.numpy().astype(bool)
-    rows = np.arange(mask.shape[0])[mask][:n]
-    starts = qsl[rows]
-    lens = qsl[rows + 1] - starts
-    q_len = int(max(int(lens.max()), 1))
-    slots = md.spec_state_indices_tensor[:n, 0].to(torch.int32)
-    accepted = md.num_accepted_tokens[:n].to(torch.int32)
+    """The verify part with this group's ``slots`` (vLLM's spec state indices: column 0 of the first
+    ``num_seqs`` rows) and ``accepted`` (at least ``num_seqs`` rows; rows from ``num_seqs`` on are taken as
+    given where there are ``total`` of them, else padded with 1)."""
+    n, total = lay.num_seqs, lay.total
+    slots = _int32(slots[:n, 0])
+    accepted = _int32(accepted[:total] if accepted.shape[0] >= total else accepted[:n])
     b_slots = None if bufs is None else bufs.slots
     b_acc = None if bufs is None else bufs.num_accepted
-    if bool((lens == q_len).all()) and bool((starts == starts[0] + q_len * np.arange(n)).all()):
-        total = n
-        only_verify = md.num_prefills == 0 and md.num_decodes == 0 and starts[0] == 0
-        if only_verify and m.num_reqs > n and m.num_actual_tokens == m.num_reqs * q_len:
-            total = m.num_reqs
+    if lay.gather is None:
         slots, accepted = _padded(b_slots, slots, total, PAD_SLOT), _padded(b_acc, accepted, total, 1)
-        return GDNVerifyMeta(total, q_len, slots, accepted, token_start=int(starts[0]))
-    slots, accepted = _put(b_slots, slots), _put(b_acc, accepted)
-    col = np.arange(q_len)[None, :]
-    gather = starts[:, None] + np.minimum(col, np.maximum(lens - 1, 0)[:, None])
-    scatter = np.where(col < lens[:, None], starts[:, None] + col, -1)
-    gather_t = to_device(gather.reshape(-1), dev)
-    scatter_t = to_device(scatter.reshape(-1), dev)
+        return GDNVerifyMeta(total, lay.q_len, slots, accepted, token_start=lay.token_start)
+    gather, scatter = lay.gather, lay.scatter
     if bufs is not None:
-        gather_t, scatter_t = _put(bufs.gather, gather_t), _put(bufs.scatter, scatter_t)
-    return GDNVerifyMeta(n, q_len, slots, accepted, gather_index=gather_t, scatter_index=scatter_t)
+        gather, scatter = _put(bufs.gather, gather), _put(bufs.scatter, scatter)
+    slots, accepted = _put(b_slots, slots), _put(b_acc, accepted)
+    return GDNVerifyMeta(n, lay.q_len, slots, accepted, gather_index=gather, scatter_index=scatter)
 
 
-def _prefill_context_lens(
-    md: GDNAttentionMetadata, m: CommonAttentionMetadata, spec_rows: bool
-) -> np.ndarray:
-    """Tokens each prefill row had before this step (int32, in the prefill part's order): vLLM's host upper
-    bound of ``seq_lens`` is exact for prefill rows. Both of vLLM's runners pass it (vLLM's own GDN builder
-    requires it too); reading the device ``seq_lens`` instead would stall the step on the device."""
-    qsl = m.query_start_loc_cpu.numpy().astype(np.int64)
-    nr = qsl.shape[0] - 1
-    if m.seq_lens_cpu_upper_bound is None:
-        raise ValueError(
-            "GDN metadata of a prompt chunk needs CommonAttentionMetadata.seq_lens_cpu_upper_bound (the host "
-            "copy of seq_lens that vLLM's model runners pass)"
-        )
-    seq = m.seq_lens_cpu_upper_bound[:nr].numpy().astype(np.int64)
-    ctx = seq - (qsl[1:] - qsl[:-1])
-    if spec_rows:
-        rows = np.arange(nr)[~md.spec_sequence_masks_cpu.numpy().astype(bool)[:nr]]
-    else:
-        rows = np.arange(md.num_decodes, md.num_decodes + md.num_prefills)
-    return ctx[rows[: md.num_prefills]].astype(np.int32)
+def _prefill_part(md: GDNAttentionMetadata, lay: PrefillLayout) -> GDNPrefillMeta:
+    n = md.num_prefills
+    token_index = None
+    if has_spec_rows(md):
+        token_index = md.non_spec_token_indx[: md.num_prefill_tokens].long()
+    return GDNPrefillMeta(
+        num_seqs=n,
+        num_tokens=md.num_prefill_tokens,
+        cu_seqlens=_int32(md.prefill_query_start_loc[: n + 1]),
+        state_indices=_int32(md.prefill_state_indices[:n]),
+        has_initial_state=md.prefill_has_initial_state[:n],
+        token_start=md.num_decode_tokens,
+        token_index=token_index,
+        context_lens=lay.context_lens,
+        resume_pending=lay.resume_pending,
+    )
+
+
+def step_record(
+    lay: StepLayout, md: GDNAttentionMetadata, bufs: StepBuffers | None, accepted: torch.Tensor | None = None
+) -> GDNStepMeta:
+    """The record of the step ``lay`` describes, with the state slots of vLLM's metadata ``md`` of one
+    group: its decode / verify tensors in ``bufs``. ``accepted``: the verify rows' accepted counts (default
+    vLLM's ``md.num_accepted_tokens``)."""
+    prefill = None if lay.prefill is None else _prefill_part(md, lay.prefill)
+    decodes: tuple[GDNDecodeMeta, ...] = ()
+    if lay.decode is not None:
+        decodes = (_decode_part(lay.decode, md.non_spec_state_indices_tensor, bufs),)
+    verifies: tuple[GDNVerifyMeta, ...] = ()
+    if lay.verify is not None:
+        acc = md.num_accepted_tokens if accepted is None else accepted
+        verifies = (_verify_part(lay.verify, md.spec_state_indices_tensor, acc, bufs),)
+    return GDNStepMeta(prefill=prefill, decodes=decodes, verifies=verifies)
 
 
 def gdn_step_from_vllm(
@@ -166,32 +174,15 @@ def gdn_step_from_vllm(
     rows (verifications) it counts every other row as a prefill (a one-token one included), and the two
     kinds may interleave: ``non_spec_token_indx`` lists the prefill rows.
     """
-    prefill = None
-    if md.num_prefills > 0:
-        n = md.num_prefills
-        token_index = None
-        spec_rows = md.spec_sequence_masks is not None and md.num_spec_decodes > 0
-        if spec_rows:
-            token_index = md.non_spec_token_indx[: md.num_prefill_tokens].long()
-        context = _prefill_context_lens(md, m, spec_rows)
-        prefill = GDNPrefillMeta(
-            num_seqs=n,
-            num_tokens=md.num_prefill_tokens,
-            cu_seqlens=md.prefill_query_start_loc[: n + 1].to(torch.int32),
-            state_indices=md.prefill_state_indices[:n].to(torch.int32),
-            has_initial_state=md.prefill_has_initial_state[:n],
-            token_start=md.num_decode_tokens,
-            token_index=token_index,
-            context_lens=to_device(context, md.prefill_query_start_loc.device),
-            resume_pending=bool((context > 0).any()),
-        )
-    decodes: tuple[GDNDecodeMeta, ...] = ()
-    if md.num_decodes > 0:
-        decodes = (_decode_meta(md, bufs),)
-    verifies: tuple[GDNVerifyMeta, ...] = ()
-    if md.spec_sequence_masks is not None and md.num_spec_decodes > 0:
-        verifies = (_verify_meta(md, m, bufs),)
-    return GDNStepMeta(prefill=prefill, decodes=decodes, verifies=verifies)
+    return step_record(step_layout(md, m, _device_of(md)), md, bufs)
+
+
+def _device_of(md: GDNAttentionMetadata) -> torch.device:
+    """Where vLLM's metadata lives (the device of its state indices)."""
+    for t in (md.spec_state_indices_tensor, md.non_spec_state_indices_tensor, md.prefill_query_start_loc):
+        if t is not None:
+            return t.device
+    return torch.device("cpu")
 
 
 class AtomGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
@@ -214,6 +205,9 @@ class AtomGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # The step's layout, shared by the builders of every GDN group (in align mode each group builds): a
+    # group's build reuses it only for the same step (see ``LayoutCache``).
+    _layouts: ClassVar[LayoutCache] = LayoutCache()
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -239,24 +233,33 @@ class AtomGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             num_decode_draft_tokens_cpu,
             fast_build,
         )
-        step = gdn_step_from_vllm(md, common_attn_metadata, self.step_buffers)
+        if self.supports_update_block_table:  # the one build of the step
+            layout = step_layout(md, common_attn_metadata, self.device)
+        else:  # every group builds: the step's first build makes the layout
+            layout = self._layouts.get(md, common_attn_metadata, self.device)
+        step = step_record(layout, md, self.step_buffers)
         return AtomGDNAttentionMetadata(
-            **{f.name: getattr(md, f.name) for f in fields(md)}, step=step, common=common_attn_metadata
+            **{f.name: getattr(md, f.name) for f in fields(md)}, step=step, layout=layout
         )
 
     def update_block_table(
         self, metadata: AtomGDNAttentionMetadata, blk_table: torch.Tensor, slot_mapping: torch.Tensor
     ) -> AtomGDNAttentionMetadata:
         """This group's metadata from another GDN group's of the same step: vLLM's re-gather of the state
-        indices from this group's block table (staged in this builder's buffers), then the record made
-        again from them into this builder's ``StepBuffers`` (a full graph of this group's layers was
-        captured over these buffers). vLLM's batch-level work (``build``) runs once per step, not per group."""
-        if metadata.common is None:
+        indices from this group's block table (staged in this builder's buffers), then the record of that
+        step's layout with these slots, in this builder's ``StepBuffers`` (a full graph of this group's
+        layers was captured over these buffers): the slots copied, the accepted counts copied from the other
+        group's record, nothing read from the host."""
+        if metadata.layout is None or metadata.step is None:
             raise ValueError(
                 "update_block_table: the metadata was not made by AtomGDNAttentionMetadataBuilder.build"
             )
         md = super().update_block_table(metadata, blk_table, slot_mapping)
-        return replace(md, step=gdn_step_from_vllm(md, metadata.common, self.step_buffers))
+        verifies = metadata.step.verifies
+        accepted = verifies[0].num_accepted if verifies else None
+        # ``md`` is vLLM's fresh copy of ``metadata`` (its ``layout`` carried over); only the record is new
+        md.step = step_record(metadata.layout, md, self.step_buffers, accepted)
+        return md
 
 
 class AtomGDNAttentionBackend(GDNAttentionBackend):

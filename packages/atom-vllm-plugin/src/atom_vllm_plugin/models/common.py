@@ -97,8 +97,13 @@ def gdn_state_spec(vllm_config: Any, cfg: AtomVllmConfig | None = None) -> GDNSt
 
 
 def parameter_bytes(module: torch.nn.Module) -> int:
-    """Bytes of ``module``'s parameters (shared modules counted once)."""
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """Bytes of memory ``module``'s parameters hold (a storage shared by several counted once; a packed
+    linear's released weight, a one-element stand-in, counts as what it holds)."""
+    storages = {}
+    for p in module.parameters():
+        st = p.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
 
 
 def log_rank_memory(what: str, layout: Any, module: torch.nn.Module, cores: Any, vllm_config: Any) -> str:

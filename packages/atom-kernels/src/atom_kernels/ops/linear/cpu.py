@@ -17,6 +17,8 @@ oneDNN float32 primitive does not reproduce bit for bit at every shape, and the 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -31,24 +33,28 @@ of ~4 us, where the oneDNN call costs ~20 us at any row count (``benchmarks/cpu_
 ``in_proj_ba`` [8, K], the shared expert's gate [1, K])."""
 
 
-def packing_available() -> bool:
-    """Whether this CPU's oneDNN packs and multiplies bf16 weights. oneDNN's bf16 linear needs AVX512BW,
-    AVX512VL and AVX512DQ or AVX-NE-CONVERT; on an AVX2-only CPU (an AMD EPYC Zen 3, say)
-    ``mkldnn::_reorder_linear_weight`` raises, so nothing is packed there and :func:`linear` runs
-    ``F.linear``."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+@functools.cache
+def packing_supported(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs ``dtype`` linear weights on this CPU (asked once, with a small weight): its bf16
+    path needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, and raises on a CPU without them (e.g. AVX2 only)."""
+    if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(PACK_MIN_ROWS, PACK_MIN_ROWS, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """A oneDNN-packed copy of ``weight`` (``[N, K]``, CPU) for :func:`linear`'s ``packed``; None where the
     weight is not packed (a dtype outside :data:`PACKED_DTYPES`, fewer than :data:`PACK_MIN_ROWS` rows, not
-    on the CPU, or no bf16 oneDNN on this CPU: :func:`packing_available`)."""
+    on the CPU, or oneDNN unable to pack it on this CPU: :func:`packing_supported`)."""
     if (
         weight.dim() != 2
         or weight.shape[0] < PACK_MIN_ROWS
         or weight.device.type != "cpu"
-        or weight.dtype not in PACKED_DTYPES
-        or not packing_available()
+        or not packing_supported(weight.dtype)
     ):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
