@@ -44,6 +44,13 @@ TOL = {
     ("fused_gating", torch.float32): (0.0, 0.0),  # measured 0
     ("fused_gating", torch.bfloat16): (0.0, 0.0),  # measured 0
     ("fused_gating_bf16_state", torch.bfloat16): (0.0, 0.0),  # measured 0
+    # cpu: the C step computes the gates itself (glibc expf / log1pf vs torch's vectorised exp / log1p):
+    # an ulp of g or beta now and then.
+    ("fused_gating", torch.float32, "cpu"): (1e-6, 1e-6),  # measured outputs and states 0 (Q = 1, 3)
+    ("fused_gating", torch.bfloat16, "cpu"): (
+        4e-3,
+        1e-2,
+    ),  # measured outputs 0, states 6.0e-08; a g ulp may flip a bf16 output
     # Triton: the kernel's gate expression (log(1 + exp(-|x|))) vs torch's softplus (log1p): an ulp of g.
     ("fused_gating", torch.float32, "triton"): (1e-6, 1e-6),  # interpreter: outputs 2.2e-08, states 1.2e-07
     # a g ulp may flip the rounding of a bf16 output (one ulp of |o| < 0.5) or of a bf16 state (|S| ~ 1-2)

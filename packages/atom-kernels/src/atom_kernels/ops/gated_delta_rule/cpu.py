@@ -210,6 +210,10 @@ def gated_delta_rule_recurrent(
     check_gated_delta_rule_recurrent(
         q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm, A_log, dt_bias
     )
+    if cpu_native_verify.usable(q, k, v, g, beta, ssm_state, None, A_log, dt_bias, None):
+        return cpu_native_verify.decode_step(
+            q, k, v, g, beta, ssm_state, state_indices, scale, use_qk_l2norm, A_log, dt_bias
+        )
     check_slot_values("gated_delta_rule_recurrent", "state_indices", state_indices, ssm_state.shape[0])
     num_v_heads = v.shape[2]
     if cpu_native.usable(ssm_state, q.shape[1]):
@@ -270,14 +274,14 @@ def gated_delta_rule_verify(
     op = "gated_delta_rule_verify"
     num_seqs, q_len, num_k_heads, dk = k.shape
     num_v_heads, dv = v.shape[2], v.shape[3]
-    check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
-    r = pending.shape[1]
-    check_num_accepted_values(op, num_commit, r, f"R={r}", low=0, name="num_commit")
     if cpu_native_verify.usable(q, k, v, g, beta, ssm_state, pending, A_log, dt_bias, pending_pos):
         return cpu_native_verify.verify_step(
             q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log,
             dt_bias, pending_pos,
-        ).to(q.dtype)  # fmt: skip
+        )  # fmt: skip
+    check_slot_values(op, "state_indices", state_indices, ssm_state.shape[0])
+    r = pending.shape[1]
+    check_num_accepted_values(op, num_commit, r, f"R={r}", low=0, name="num_commit")
     if cpu_native.usable(ssm_state, q_len) and pending.stride(-1) == 1:
         return _verify_native(
             q, k, v, g, beta, ssm_state, pending, state_indices, num_commit, scale, use_qk_l2norm, A_log,

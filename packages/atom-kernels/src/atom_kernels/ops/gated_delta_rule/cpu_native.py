@@ -124,6 +124,7 @@ _SOURCE = (
 #define MAX_Q 8
 """
     + VECTOR_PRELUDE
+    + BF16_PRELUDE
     + r"""
 
 typedef struct {
@@ -147,7 +148,8 @@ typedef struct {
     /* advance (decode): NULL a_decay: none */
     const float *a_decay;    /* [N, Hv] */
     const float *a_coef;     /* [N, Q, Hv] */
-    float *out;              /* [N, Q, Hv, Dv] */
+    float *out;              /* [N, Q, Hv, Dv] float32, or NULL and: */
+    uint16_t *out16;         /* [N, Q, Hv, Dv] bf16 (rounded to nearest even) */
     float *stash;            /* NULL, or u of slot s, token j, head h written at stash + s*ss + j*st + h*dv */
     int64_t stash_slot, stash_tok;
     int nthreads;
@@ -222,7 +224,8 @@ static void NAME(const gdn_args *p, int64_t job) {                              
             const int64_t o = ((n * Q + j) * hv + h) * dv + i;                                           \
             uj[j] = beta[j] * (p->v[o] - acc_u);                                                         \
             if (p->stash && row) p->stash[slot * p->stash_slot + j * p->stash_tok + h * dv + i] = uj[j];  \
-            p->out[o] = acc_o + B[j][j] * uj[j];                                                         \
+            const float oj = acc_o + B[j][j] * uj[j];                                                    \
+            if (p->out16) p->out16[o] = f32_to_bf16(oj); else p->out[o] = oj;                            \
         }                                                                                                \
         if (row && p->a_decay) {                                                                         \
             float w[MAX_Q];                                                                              \
@@ -272,7 +275,7 @@ class _Args(ctypes.Structure):
         ("qs", ctypes.c_void_p), ("ks", ctypes.c_void_p), ("v", ctypes.c_void_p),
         ("beta", ctypes.c_void_p), ("ecum", ctypes.c_void_p), ("a", ctypes.c_void_p), ("b", ctypes.c_void_p),
         ("a_decay", ctypes.c_void_p), ("a_coef", ctypes.c_void_p),
-        ("out", ctypes.c_void_p), ("stash", ctypes.c_void_p), ("stash_slot", ctypes.c_int64),
+        ("out", ctypes.c_void_p), ("out16", ctypes.c_void_p), ("stash", ctypes.c_void_p), ("stash_slot", ctypes.c_int64),
         ("stash_tok", ctypes.c_int64), ("nthreads", ctypes.c_int),
     ]  # fmt: skip
 
