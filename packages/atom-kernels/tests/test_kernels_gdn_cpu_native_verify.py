@@ -134,14 +134,14 @@ def test_step_taken_only_where_it_applies():
 @pytest.mark.parametrize("gating", ["fused", "given"])
 @pytest.mark.parametrize(("heads", "q_len"), [((2, 4, 32, 16), 1), ((2, 4, 32, 16), 3), ((1, 2, 40, 24), 1)])
 def test_decode_step_equals_torch_prep_and_reference(heads, q_len, gating, dtype, threads):
-    """Two decode calls (a padding row, bf16 gating weights under bf16): outputs and the state pool of the
-    one-call step equal the torch-prepared pass's and the reference's."""
+    """Two decode calls (a padding row, bf16 gating weights under bf16, a pool whose slots are strided):
+    outputs and the state pool of the one-call step equal the torch-prepared pass's and the reference's."""
     hk, hv, dk, dv = heads
     n = 4
     slots = torch.tensor([2, -1, 0, 5], dtype=torch.int32)
     forms = ("step", "torch_prep", "reference")
-    pool = randn(6, hv, dv, dk, seed=7, dtype=torch.float32, device=CPU, scale=0.3)
-    pools = {f: pool.clone() for f in forms}
+    page = randn(6, 2, hv, dv, dk, seed=7, dtype=torch.float32, device=CPU, scale=0.3)
+    pools = {f: page.clone()[:, 1] for f in forms}  # slots 2 states apart, as views into vLLM's pages
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -19,9 +19,10 @@ Three ways through the state pool:
 - float32 pool (vLLM's CPU default, no rounding point between the commit and the verify) and at most
   :data:`.cpu_native.MAX_TOKENS` tokens, where a C compiler builds :mod:`.cpu_native`: the whole step in
   one C pass over each state row (commit, the products with ``[k | q]``, the tokens' outputs and ``u``,
-  decode's advance, the verify's stash of ``u``). A verify with float32 or bf16 tokens and gates whose
-  last dim is contiguous runs as one C call (:mod:`.cpu_native_verify`: the inputs' preparation, the
-  commit's and the stash's pending rows, then the pass); otherwise the per-head coefficients
+  decode's advance, the verify's stash of ``u``). A decode or verify with float32 or bf16 tokens and
+  gates whose last dim is contiguous runs as one C call (:mod:`.cpu_native_verify`: the range checks,
+  the gating, the inputs' preparation, the commit's and the stash's pending rows, then the pass);
+  otherwise the per-head coefficients
   (:func:`_token_coefs`), the pending gathers and the rest of the stash are torch ops here. Measured 2.3-3.7x the per-slot torch
   form's speed at N = 256, 1.6-2.4x at N = 16 (one thread, ``benchmarks/cpu_gdn_verify.py``);
 - float32 pool otherwise: per slot, in place, ``S *= e^C``, ``S += U K``, ``S [k | q]`` (three ops on a

@@ -1,26 +1,33 @@
-"""The cpu backend's whole GDN verify step in one C call: the inputs' preparation, then the C state pass.
+"""The cpu backend's whole GDN verify or decode step in one C call: the inputs' preparation, then the C
+state pass.
 
 :mod:`.cpu_native` takes its per-token and per-head inputs already prepared (q scaled and k normalised in
-float32, the gates, the closed form's coefficients, the pending tokens to commit); prepared in torch, that
-is some sixty small ops per layer and step, which at serving batch sizes cost about as much as the pass.
-Here a first C loop over the sequences prepares them from the op's own arguments (bf16 or float32, the
-conv output's row strides), each sequence's row of the pending pool and of ``pending_pos`` included:
+float32, the gates, the closed form's coefficients, the pending tokens to commit, decode's advance);
+prepared in torch, that is some sixty small ops per layer and step, which at serving batch sizes cost
+about as much as the pass. Here one C call (``gdn_step``) first checks the slots (``< S``) and the commit
+counts (in ``[0, R]``) and returns an error code before writing anything (the caller raises the shared
+checks' errors), then a loop over the sequences prepares the pass's inputs from the op's own arguments
+(bf16 or float32, the conv output's row strides), each sequence's row of the pending pool and of
+``pending_pos`` included:
 
-- gates: the given ``g`` / ``beta`` (under fused gating the reference gating op computes them first, in
-  torch: the fused op equals the unfused pair bit for bit); ``cum_j = g_0 + ... + g_j`` per value head,
-  ``ecum = e^{cum}``;
+- gates: the given ``g`` / ``beta``, or under fused gating the reference gating op's float32 expressions
+  ``g = -e^{A_log} softplus(a + dt_bias)`` (softplus ``log1p(e^x)``, ``x`` past 20 as is) and
+  ``beta = 1 / (1 + e^{-b})``; ``cum_j = g_0 + ... + g_j`` per value head, ``ecum = e^{cum}``;
 - q, k: float32, L2-normalised (``x * 1 / sqrt(sum x^2 + eps)``) per key head where asked, q then scaled;
 - ``A_{jl} = e^{cum_j - cum_l} (k_l . k_j)``, ``B_{jl} = e^{cum_j - cum_l} (k_l . q_j)``;
-- the commit of the first ``num_commit`` pending tokens: their k normalised, ``e^{C}`` and
-  ``e^{C - pcum_l}`` of their gates' cumsum (``C`` its last entry);
-- the stash of this step's tokens: raw k (as float32) and g into the slot's pending row (after the
-  commit read them), ``pending_pos += num_commit``;
+- verify: the commit of the first ``num_commit`` pending tokens (their k normalised, ``e^{C}`` and
+  ``e^{C - pcum_l}`` of their gates' cumsum, ``C`` its last entry) and the stash of this step's tokens
+  (raw k as float32 and g into the slot's pending row after the commit read them, ``pending_pos +=
+  num_commit``);
+- decode (no pending pool): the advance past the tokens, ``e^{C}`` and ``e^{C - cum_j}`` (``C = cum_{Q-1}``);
 
-then the same process runs :mod:`.cpu_native`'s pass over the ``N * Hv`` state heads (commit, outputs,
-``u`` into the pending pool). The math is :func:`.cpu._verify_native`'s, the float32 expressions in the
-same order (no contraction into fused multiply-adds in the preparation); ``exp`` and the
-dot products' summation order are the C library's and this loop's, not torch's (tolerances in the tests).
-Padding rows (``slot < 0``) prepare from their inputs, commit nothing and store nothing.
+then the same process runs :mod:`.cpu_native`'s pass over the ``N * Hv`` state heads (commit, outputs
+written in the tokens' dtype, ``u`` into the pending pool, or decode's advance). The math is
+:func:`.cpu._verify_native`'s and the recurrent op's torch preparation, the float32 expressions in the same
+order (no contraction into fused multiply-adds in the preparation); ``exp``, ``log1p`` and the dot
+products' summation order are the C library's and this loop's, not torch's (an ulp of a gate now and then;
+tolerances in the tests). Padding rows (``slot < 0``) prepare from their inputs, commit nothing and store
+nothing.
 """
 
 from __future__ import annotations
@@ -326,10 +333,8 @@ def _step(
     keep = [scratch, slots]
     bf16 = torch.bfloat16
     args = _StepArgs(
-        tq=q.data_ptr(), tk=k.data_ptr(), tv=v.data_ptr(), ga=g.data_ptr(), gb=beta.data_ptr(),
-        q_sn=q.stride(0), q_st=q.stride(1), q_sh=q.stride(2), k_sn=k.stride(0), k_st=k.stride(1),
-        k_sh=k.stride(2), v_sn=v.stride(0), v_st=v.stride(1), v_sh=v.stride(2),
-        ga_sn=g.stride(0), ga_st=g.stride(1), gb_sn=beta.stride(0), gb_st=beta.stride(1),
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),  # tq .. gb, then the strides
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:2], *beta.stride()[:2],
         qk_bf16=q.dtype == bf16, v_bf16=v.dtype == bf16, ga_bf16=g.dtype == bf16, gb_bf16=beta.dtype == bf16,
         scale=scale, eps=DEFAULT_EPS, l2norm=bool(use_qk_l2norm),
         slots=slots.data_ptr(), slots64=slots.dtype == torch.int64,
