@@ -23,7 +23,7 @@ TOL = {
     # the same C state pass, inputs prepared in C vs in torch: the L2 norms' and the k . k / k . q dot
     # products' summation order, the C library's expf / log1pf (the gates, under fused gating) vs torch's
     # exp / softplus / sigmoid
-    ("outputs", "torch_prep"): (2e-6, 1e-6),  # measured 4.5e-08 (verify), 6.0e-08 (decode); 1 and 2 threads
+    ("outputs", "torch_prep"): (2e-6, 1e-6),  # measured 4.5e-08 (verify), 7.5e-08 (decode); 1 and 2 threads
     # measured 2.4e-07 (verify state pool), 3.0e-07 (decode state pool), 1.9e-06 (pending pool: u up to ~30,
     # relative 1e-07, through an ulp of a C-computed gate)
     ("states", "torch_prep"): (4e-6, 1e-6),
