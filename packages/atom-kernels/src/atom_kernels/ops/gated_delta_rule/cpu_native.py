@@ -13,9 +13,9 @@ channel's outputs and update coefficients. So for each sequence ``n``, value hea
 
 with the per-head scalars (``dc``, ``cc``, ``ecum``, ``A``, ``B``, ``ad``, ``ac``: exponentials of the gate
 cumsums and the tokens' ``k . k`` / ``k . q`` products) computed by the caller (in C by
-:mod:`.cpu_native_verify`, else in torch). The outputs are written as float32 or, given ``out16``, bf16. Each row is read
-once, its products taken while it is in registers, and written at most once: the memory-bound minimum for
-a step (the torch forms pass over the state three times, or gather and scatter copies of it). Padding rows
+:mod:`.cpu_native_verify`, else in torch); the outputs written as float32 or, given ``out16``, bf16. Each
+row is read once, its products taken while it is in registers, and written at most once: the
+memory-bound minimum for a step (the torch forms pass over the state three times, or gather and scatter copies of it). Padding rows
 (``slot < 0``) run from a zero state and store nothing. Same float32 math as the torch forms up to the
 order of the sums (16 lanes, then a fixed pairwise tree); no fast-math flag (nothing changes the process's
 floating-point mode).
