@@ -23,6 +23,9 @@ TOL = {
     # reference at 4096 tokens, other shapes than this test's; bound kept.
     ("moe", torch.bfloat16): (3e-2, 2e-2),
 }
+# moe_router's one-warp vs four-warp weights: measured bit-equal under the interpreter and 1 float32 ulp
+# (1.2e-07 relative) on an H100 (the renormalisation's sum in another order); two ulps allowed
+ROUTER_WEIGHT_RTOL = 2.4e-7
 BLOCK = 16
 
 
@@ -190,12 +193,13 @@ def triton_module(op: str, device: torch.device, dtype: torch.dtype, module: str
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_experts", "num_shared"), [(512, 1), (60, 0)])
 def test_moe_router_variants_agree(device, dtype, num_experts, num_shared):
-    """``moe_router``'s one-warp and four-warp programs give the same ids and the same weight bits, on
-    the 80B shape (512 routed + the shared gate) and a non-power-of-two E, with exact ties (a constant row,
+    """``moe_router``'s one-warp and four-warp programs give the same ids and the same weights (float32:
+    bit-equal under the interpreter; on an H100 one ulp apart where the renormalisation sums in another
+    order: ``ROUTER_WEIGHT_RTOL``), on the 80B shape (512 routed + the shared gate) and a non-power-of-two E, with exact ties (a constant row,
     a row of three values), a NaN, a +inf, a row of -inf but one, and a NaN shared logit. The default
     picks the one-warp program at ``ROUTER_WARP_MIN_T`` tokens."""
     moe = triton_module("moe_router", device, dtype, "moe")
-    tokens, top_k = moe.ROUTER_WARP_MIN_T + 3, 10
+    tokens, top_k = moe.ROUTER_WARP_MIN_T + 18, 10
     logits = randn(tokens, num_experts + num_shared, seed=50, dtype=dtype, device=device, scale=2.0)
     logits[1] = 0.5
     logits[2, :num_experts] = torch.arange(num_experts, device=device).remainder(3).to(dtype)
@@ -210,7 +214,7 @@ def test_moe_router_variants_agree(device, dtype, num_experts, num_shared):
     default = moe.moe_router(logits, top_k, True, num_shared)
     for name, (w, i) in (("warp", warp), ("default", default)):
         assert torch.equal(i, block[1]), f"{name} ids differ from the four-warp program"
-        assert torch.equal(w.view(torch.int32), block[0].view(torch.int32)), f"{name} weight bits differ"
+        assert_close(w, block[0], (0.0, ROUTER_WEIGHT_RTOL), f"{name} weights")
     assert set(warp[1][2, :top_k].tolist()) == set(range(2, num_experts, 3)[-top_k:]), "ties: higher index"
     with pytest.raises(ValueError, match="variant"):
         moe.moe_router(logits, top_k, True, num_shared, variant="rows")

@@ -46,13 +46,11 @@ ALIGN_E_BLOCK = 256
 
 # Token count from which moe_router runs one warp per token (``_moe_router_warp_kernel``) instead of four
 # (``_moe_router_kernel``). The four-warp program pays two block-wide reductions (shared memory and a
-# barrier each) per top-k round, 2 + 2 K in all (22 at top-10), and that serial chain per token is what
-# grows with T (H100, 80B shapes: ~20 us at T = 512); one warp per token does 2 + K warp-shuffle
-# reductions and no barrier. The four-warp program spreads one token over more threads, which can only
-# pay off when few tokens leave most SMs idle; 16 is the smallest count the per-op comparison with stock
-# vLLM measured behind (docs/performance.md), below it the old program stays until
-# benchmarks/gpu/bench_router_conv.py measures the crossover.
-ROUTER_WARP_MIN_T = 16
+# barrier each) per top-k round, 2 + 2 K in all (22 at top-10); one warp per token does 2 + K warp-shuffle
+# reductions and no barrier. Measured (bench_router_conv.py, router_conv_h100.json, H100, 512 + 1 columns,
+# top-10, CUDA graphs): warp / block 3.78 / 4.00 us at T = 1, 3.84 / 4.05 at 16, 3.87 / 4.03 at 128,
+# 4.05 / 4.80 at 512, 5.41 / 8.60 at 1024: the one-warp program is never slower, so it runs at every T.
+ROUTER_WARP_MIN_T = 1
 
 
 @triton.jit
