@@ -83,7 +83,8 @@ def test_bf16_acceptance_not_below_stock(k: int, tag: str) -> None:
         f"k={k} {tag} on identical text: plugin {on_atom:.4f} < stock {on_stock:.4f} - {ACCEPTANCE_MARGIN}"
     )
     # every prompt, each generated alone (no batch-composition effects): measured eager stock 61.75%,
-    # plugin 63.83%
+    # plugin 63.83% (AMX Xeon). On an AVX2-only AMD EPYC this fails: compiled stock 64.86%, plugin 62.42%
+    # (identical text, 8 prompts: 73.89 / 73.59%); eager stock 66.37%, plugin 61.41% (68.94 / 68.95% on 8)
     assert all_atom >= all_stock - ACCEPTANCE_MARGIN, (
         f"k={k} {tag} over all prompts, each alone: plugin {all_atom:.4f} < stock {all_stock:.4f} - "
         f"{ACCEPTANCE_MARGIN}"
