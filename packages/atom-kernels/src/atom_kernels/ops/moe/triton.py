@@ -54,6 +54,27 @@ ROUTER_WARP_MIN_T = 1
 
 
 @triton.jit
+def _store_routing(
+    logits_ptr, w_ptr, ids_ptr, t, stride_l, num_experts, top_w, top_i, slots, TOP_K: tl.constexpr,
+    RENORM: tl.constexpr, NUM_SHARED: tl.constexpr,
+):  # fmt: skip
+    """Token ``t``'s routing row from its top-k (``top_w`` probabilities, ``top_i`` ids, ``K_P2`` lanes
+    ``slots``): renormalised (``RENORM``), rounded to the logits' dtype, then the shared columns
+    (``sigmoid`` of the logit after the routed ones, ids ``num_experts + j``)."""
+    if RENORM:
+        top_w = top_w / tl.sum(tl.where(slots < TOP_K, top_w, 0.0), 0)
+    top_w = top_w.to(logits_ptr.dtype.element_ty).to(tl.float32)  # rounded to the logits' dtype
+    row = TOP_K + NUM_SHARED  # output columns per token: routed, then shared
+    tl.store(w_ptr + t * row + slots, top_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + t * row + slots, top_i, mask=slots < TOP_K)
+    if NUM_SHARED > 0:  # the shared gate logit sits after the routed ones: sigmoid, one weight per slice
+        gate = tl.sigmoid(tl.load(logits_ptr + t * stride_l + num_experts).to(tl.float32))
+        for j in tl.static_range(NUM_SHARED):
+            tl.store(w_ptr + t * row + TOP_K + j, gate)
+            tl.store(ids_ptr + t * row + TOP_K + j, (num_experts + j).to(tl.int64))
+
+
+@triton.jit
 def _moe_router_kernel(
     logits_ptr, w_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr, RENORM: tl.constexpr,
     E_P2: tl.constexpr, K_P2: tl.constexpr, NUM_SHARED: tl.constexpr, PDL: tl.constexpr = False,
@@ -80,18 +101,8 @@ def _moe_router_kernel(
         top_w = tl.where(slots == j, w, top_w)
         top_i = tl.where(slots == j, i.to(tl.int64), top_i)
         free = free & (offs != i)
-    if RENORM:
-        top_w = top_w / tl.sum(tl.where(slots < TOP_K, top_w, 0.0), 0)
-    top_w = top_w.to(logits_ptr.dtype.element_ty).to(tl.float32)  # rounded to the logits' dtype
-    row = TOP_K + NUM_SHARED  # output columns per token: routed, then shared
-    tl.store(w_ptr + t * row + slots, top_w, mask=slots < TOP_K)
-    tl.store(ids_ptr + t * row + slots, top_i, mask=slots < TOP_K)
-    if NUM_SHARED > 0:  # the shared gate logit sits after the routed ones: sigmoid, one weight per slice
-        g = tl.load(logits_ptr + t * stride_l + num_experts).to(tl.float32)
-        gate = tl.sigmoid(g)
-        for j in tl.static_range(NUM_SHARED):
-            tl.store(w_ptr + t * row + TOP_K + j, gate)
-            tl.store(ids_ptr + t * row + TOP_K + j, (num_experts + j).to(tl.int64))
+    _store_routing(logits_ptr, w_ptr, ids_ptr, t, stride_l, num_experts, top_w, top_i, slots, TOP_K, RENORM,
+                   NUM_SHARED)  # fmt: skip
 
 
 @triton.jit
@@ -128,17 +139,8 @@ def _moe_router_warp_kernel(
     top_i = best & 0xFFFFFFFF
     top_key = (best >> 32).to(tl.int32)
     top_w = tl.where(top_key >= 0, top_key.to(tl.float32, bitcast=True), float("nan"))
-    if RENORM:
-        top_w = top_w / tl.sum(tl.where(slots < TOP_K, top_w, 0.0), 0)
-    top_w = top_w.to(logits_ptr.dtype.element_ty).to(tl.float32)  # rounded to the logits' dtype
-    row = TOP_K + NUM_SHARED  # output columns per token: routed, then shared
-    tl.store(w_ptr + t * row + slots, top_w, mask=slots < TOP_K)
-    tl.store(ids_ptr + t * row + slots, top_i, mask=slots < TOP_K)
-    if NUM_SHARED > 0:  # the shared gate logit sits after the routed ones: sigmoid, one weight per slice
-        gate = tl.sigmoid(tl.load(logits_ptr + t * stride_l + num_experts).to(tl.float32))
-        for j in tl.static_range(NUM_SHARED):
-            tl.store(w_ptr + t * row + TOP_K + j, gate)
-            tl.store(ids_ptr + t * row + TOP_K + j, (num_experts + j).to(tl.int64))
+    _store_routing(logits_ptr, w_ptr, ids_ptr, t, stride_l, num_experts, top_w, top_i, slots, TOP_K, RENORM,
+                   NUM_SHARED)  # fmt: skip
 
 
 @triton.jit
