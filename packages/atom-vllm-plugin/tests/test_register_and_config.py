@@ -30,7 +30,13 @@ class _HF(SimpleNamespace):
         return dict(vars(self))
 
 
-def _vllm_config(k: int | None, cache_dtype: str = "auto", draft_type: str = "qwen3_next_mtp"):
+def _vllm_config(
+    k: int | None,
+    cache_dtype: str = "auto",
+    draft_type: str = "qwen3_next_mtp",
+    ssm: str = "auto",
+    device="cpu",
+):
     hf = _HF(**FIXTURE_HF)
     spec = None
     if k is not None:
@@ -46,9 +52,10 @@ def _vllm_config(k: int | None, cache_dtype: str = "auto", draft_type: str = "qw
         ),
         speculative_config=spec,
         cache_config=SimpleNamespace(
-            cache_dtype=cache_dtype, block_size=16, mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto"
+            cache_dtype=cache_dtype, block_size=16, mamba_cache_dtype="auto", mamba_ssm_cache_dtype=ssm
         ),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        device_config=SimpleNamespace(device=device),
     )
 
 
@@ -176,6 +183,25 @@ def test_mamba_state_has_pending_tensor_only_with_mtp():
         page = MambaSpec(shapes=shapes_k, dtypes=dtypes_k, block_size=1).page_size_bytes
         without = MambaSpec(shapes=shapes_k[:2], dtypes=dtypes_k[:2], block_size=1).page_size_bytes
         assert page - without == (1 + k) * p * 4 + 4, (k, page, without)
+
+
+@pytest.mark.parametrize(
+    ("device", "ssm", "want"),
+    [
+        ("cpu", "auto", torch.float32),  # the CPU GDN passes' states, whatever the CPU's ISA
+        ("cpu", "bfloat16", torch.bfloat16),  # an explicit choice is kept (the torch forms serve it)
+        ("cuda", "auto", torch.bfloat16),  # vLLM's own rule on GPUs: the model dtype
+        ("cuda", "float32", torch.float32),
+    ],
+)
+def test_ssm_state_dtype_is_float32_on_cpus_unless_chosen(device, ssm, want):
+    """vLLM leaves ``mamba_ssm_cache_dtype="auto"`` at the model dtype on CPUs without AVX512-BF16 (it
+    resets it to float32 only where that ISA is present); the plugin's CPU GDN passes serve float32 pools
+    only, so ``auto`` is float32 on every CPU. The conv state keeps the model dtype."""
+    from atom_vllm_plugin.models.target import AtomQwen3NextForCausalLM as Target
+
+    conv, ssm_dtype = Target.get_mamba_state_dtype_from_config(_vllm_config(None, ssm=ssm, device=device))
+    assert (conv, ssm_dtype) == (torch.bfloat16, want)
 
 
 @pytest.mark.parametrize("fold", [False, True], ids=["separate-shared", "folded-shared"])

@@ -11,9 +11,10 @@ Per slot (one vLLM Mamba block) the tensors are ``conv`` (stored ``[W, C]``, vLL
 ``ssm`` and, with MTP, ``pending`` (float32) and ``pending_pos`` (int32, one value), shaped by
 :class:`~atom_models.gdn_state.GDNGeometry`. vLLM's ``MambaSpec`` takes any number of state tensors: the
 page is their summed bytes and ``MambaBase.bind_kv_cache`` slices one view per tensor in this order, so
-the extra tensors need no change in vLLM. One side effect: vLLM's CPU platform keeps an explicitly requested bf16/fp16 ``mamba_ssm_cache_dtype``
-only for models whose state dtypes are a pair (``platforms/cpu.py`` ``_cpu_mamba_backend``); with MTP it
-resets it to float32 (the default "auto" is reset to float32 there anyway).
+the extra tensors need no change in vLLM. One side effect: on CPUs with AVX512-BF16, vLLM's CPU platform
+keeps an explicitly requested bf16/fp16 ``mamba_ssm_cache_dtype`` only for models whose state dtypes are a
+pair (``platforms/cpu.py`` ``_cpu_mamba_backend``); with MTP it resets it to float32. The dtypes themselves
+come from ``models/common.py`` (``ssm_cache_dtype``: ``auto`` is float32 on every CPU).
 """
 
 from __future__ import annotations

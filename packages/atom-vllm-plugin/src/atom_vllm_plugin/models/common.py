@@ -77,6 +77,19 @@ def model_device(vllm_config: Any) -> torch.device:
     return torch.device(vllm_config.device_config.device)
 
 
+def ssm_cache_dtype(vllm_config: Any) -> str:
+    """vLLM's ``mamba_ssm_cache_dtype`` for the target's GDN states, with ``auto`` read as ``float32`` on a
+    CPU: the CPU GDN passes (``atom_kernels.ops.gated_delta_rule.cpu_native*``) keep float32 states, a
+    bf16 pool takes the torch forms. vLLM resets ``auto`` to float32 itself on CPUs with AVX512-BF16 or
+    AMX (``platforms/cpu.py``), not on others (an AVX2 EPYC), where the model dtype would follow; float32
+    on every CPU also matches atom-models' engine. An explicit choice is kept; on GPUs ``auto`` stays
+    vLLM's (the conv state's dtype)."""
+    choice = vllm_config.cache_config.mamba_ssm_cache_dtype
+    if choice == "auto" and model_device(vllm_config).type == "cpu":
+        return "float32"
+    return choice
+
+
 def gdn_state_spec(vllm_config: Any, cfg: AtomVllmConfig | None = None) -> GDNStateSpec:
     """The state of one target GDN layer on one TP rank (every rank holds equal sizes): vLLM asks for it
     through the model class before the model exists, and the model's GDN cores get the same spec."""
@@ -84,7 +97,7 @@ def gdn_state_spec(vllm_config: Any, cfg: AtomVllmConfig | None = None) -> GDNSt
     conv_dtype, ssm_dtype = MambaStateDtypeCalculator.gated_delta_net_state_dtype(
         vllm_config.model_config.dtype,
         vllm_config.cache_config.mamba_cache_dtype,
-        vllm_config.cache_config.mamba_ssm_cache_dtype,
+        ssm_cache_dtype(vllm_config),
     )
     return GDNStateSpec.from_config(
         cfg.model,
