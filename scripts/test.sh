@@ -22,8 +22,9 @@ echo "[test] Triton kernels under the CPU interpreter (TRITON_INTERPRET=1)"
 # GPU). Left out: MoE and paged attention, whose bf16 dot products and fp8 conversions the interpreter
 # gets wrong (Triton 3.9; they pass on the H200: benchmarks/README.md, docs/performance.md), and bf16 SwiGLU,
 # which rounds silu to bf16 inside the kernel: the interpreter's in-kernel bf16 cast rounds differently
-# (outputs 1-2 bf16 ulps off; passes on the GPU).
-TRITON_INTERPRET=1 uv run --no-sync pytest -q -p no:cacheprovider -k "triton and not (silu_and_mul and dtype1)" \
+# (outputs 1-2 bf16 ulps off; passes on the GPU). The interpreter runs one thread per test: two processes
+# (pytest-xdist) halve the stage on the 2-core CI machine.
+TRITON_INTERPRET=1 uv run --no-sync pytest -q -p no:cacheprovider -n 2 -k "triton and not (silu_and_mul and dtype1)" \
     packages/atom-kernels/tests/test_kernels_gdn.py packages/atom-kernels/tests/test_kernels_gdn_verify.py \
     packages/atom-kernels/tests/test_kernels_conv1d.py packages/atom-kernels/tests/test_kernels_triton_paths.py \
     packages/atom-kernels/tests/test_kernels_dense_ops.py packages/atom-kernels/tests/test_kernels_fp8.py \

@@ -54,12 +54,7 @@ def _case(shape: str, tokens: int, dtype: torch.dtype, seed: int = 0, stride_pad
 
 
 def _native(x, weights, ids, w13, w2) -> torch.Tensor:
-    """The C pass's result: through the cpu backend where it takes these operands (checked: it ran), else
-    called directly (bf16 tokens on a CPU without AMX / AVX512-BF16, where the backend takes the torch forms:
-    ``cpu_native.usable``)."""
-    if not cpu_native.usable(x, w13):
-        cpu.check_moe_experts(x, weights, ids, w13, w2, float32_weights=True)
-        return cpu_native.moe_experts(x, weights, ids, w13, w2)
+    """The C pass's result, through the cpu backend (checked: it ran)."""
     with mock.patch.object(cpu_native, "moe_experts", wraps=cpu_native.moe_experts) as spy:
         out = cpu.moe_experts(x, weights, ids, w13, w2)
     assert spy.call_count == 1, "the C experts did not run"

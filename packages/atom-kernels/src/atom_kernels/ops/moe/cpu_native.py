@@ -515,16 +515,8 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 def usable(x: torch.Tensor, w13: torch.Tensor) -> bool:
     """Whether :func:`moe_experts` takes these operands: CPU, float32 or bf16 tokens, float32 or bf16
-    weights, and a C build; bf16 tokens only where the build multiplies bf16 by bf16 in hardware (AMX or
-    AVX512-BF16).
-
-    On a CPU without either (an AVX2 AMD EPYC), the bundled model served in bf16 through vLLM, eager, k = 1
-    (``tests/test_vllm_bf16_acceptance.py``), emitted one token 1.67 logits below the float32 argmax with
-    this pass (stock: 0.45; the float32-FMA form with 16- and 8-float vectors alike) and 0.45 with the torch
-    forms; the cause is not found yet, so bf16 tokens take the torch forms there."""
-    if x.device.type != "cpu" or x.dtype not in _DTYPES or w13.dtype not in _DTYPES or load() is None:
-        return False
-    return x.dtype == torch.float32 or has_amx() or has_dpbf16()
+    weights, and a C build."""
+    return x.device.type == "cpu" and x.dtype in _DTYPES and w13.dtype in _DTYPES and load() is not None
 
 
 def moe_experts(
