@@ -463,7 +463,6 @@ int moe_experts(moe_args *p) {
 }
 
 int moe_has_dpbf16(void) { return HAVE_DPBF16; }
-int moe_has_amx(void) { return HAVE_AMX && amx_permitted(); }
 """
 )
 
@@ -495,17 +494,6 @@ def has_dpbf16() -> bool:
     if load() is None:
         return False
     fn = cpu_native.build(_SOURCE, "moe_experts", "moe_has_dpbf16", _Args)  # the same cached library
-    fn.argtypes, fn.restype = [], ctypes.c_int
-    return bool(fn())
-
-
-@functools.cache
-def has_amx() -> bool:
-    """Whether the build multiplies bf16 tokens by bf16 weights with AMX tiles (where H and I are multiples
-    of 32), the process allowed to use them."""
-    if load() is None:
-        return False
-    fn = cpu_native.build(_SOURCE, "moe_experts", "moe_has_amx", _Args)  # the same cached library
     fn.argtypes, fn.restype = [], ctypes.c_int
     return bool(fn())
 
