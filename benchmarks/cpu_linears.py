@@ -5,9 +5,11 @@ Per linear ``[N, K]`` of the bundled model (GDN's ``in_proj_qkvz`` / ``in_proj_b
 the LM head) and row count M, bf16, ms a call:
 
 - ``F.linear``: the unpacked weight (``aten::mm``);
-- ``oneDNN packed``: ``mkldnn::_linear_pointwise`` on a weight reordered once (``mkldnn::_reorder_linear_weight``);
-- ``atom cpu linear``: ``atom_kernels.ops.linear.cpu.linear`` with the weight packed by
-  ``pack_linear_weight`` (the same oneDNN call behind the kernels' custom op, as the model calls it);
+- ``oneDNN packed``: ``mkldnn::_linear_pointwise`` on a weight reordered once (``mkldnn::_reorder_linear_weight``;
+  left out where oneDNN does not pack the dtype on this CPU: bf16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT);
+- ``atom cpu linear``: ``atom_kernels.ops.linear.cpu.linear`` with the weight prepared by
+  ``pack_linear_weight``, as the model calls it: oneDNN's packed weight behind the kernels' custom op, or
+  on CPUs where oneDNN does not pack bf16 the float32 copy (``F.linear`` in float32, rounded once);
 - ``stock weight_packed_linear``: vLLM's ``_C::weight_packed_linear`` on ``_C::convert_weight_packed``'s
   weight (what stock calls for weights up to 1 MiB), where its shape rules allow;
 - ``stock onednn_mm``: vLLM's ``_C::onednn_mm`` on its handle (stock's form for larger weights).
@@ -67,13 +69,14 @@ def _stock_sgl(stock_ops, w: torch.Tensor):
 def _row(name, w, dtype, rows_m, gen, stock_ops) -> dict:
     n, k = w.shape
     x = torch.randn(rows_m, k, generator=gen).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w)
     ours = linear_cpu.pack_linear_weight(w)
-    fns = {
-        "F.linear": lambda: F.linear(x, w),
-        "oneDNN packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-        "atom cpu linear": lambda: linear_cpu.linear(x, w, None, packed=ours),
-    }
+    fns = {"F.linear": lambda: F.linear(x, w)}
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        fns["oneDNN packed"] = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except RuntimeError:  # oneDNN does not pack this dtype on this CPU
+        pass
+    fns["atom cpu linear"] = lambda: linear_cpu.linear(x, w, None, packed=ours)
     if dtype == torch.bfloat16 and stock_ops is not None:
         sgl = _stock_sgl(stock_ops, w)
         if sgl is not None:
@@ -89,6 +92,7 @@ def _row(name, w, dtype, rows_m, gen, stock_ops) -> dict:
             if not equal[key]:
                 equal[key + " max abs diff"] = float((y.float() - ref.float()).abs().max())
     row = {"linear": name, "N": n, "K": k, "M": rows_m, "dtype": str(dtype), "bit-equal to F.linear": equal}
+    row["atom prepared weight"] = "none" if ours is None else "oneDNN" if ours.is_mkldnn else str(ours.dtype)
     row["ms"] = _medians(fns, 60)
     return row
 

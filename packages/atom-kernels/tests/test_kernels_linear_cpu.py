@@ -1,6 +1,8 @@
-"""The cpu backend's ``linear`` on a weight packed once (``pack_linear_weight``): bit-equal to ``F.linear`` (the
-reference) in bf16 at every row count, bias or not, leading dims, strided and empty inputs, eager and
-compiled (Dynamo traces ``atom_kernels::linear_packed`` as one call); which weights are packed."""
+"""The cpu backend's ``linear`` on a weight prepared once (``pack_linear_weight``). oneDNN's packed weight:
+bit-equal to ``F.linear`` (the reference) in bf16 at every row count, bias or not, leading dims, strided and
+empty inputs, eager and compiled (Dynamo traces ``atom_kernels::linear_packed`` as one call). The float32
+copy (CPUs where oneDNN does not pack bf16): the float32 product of the widened tokens rounded once, within
+one bf16 rounding of ``F.linear``. Which weights are prepared, and how."""
 
 from __future__ import annotations
 
@@ -18,6 +20,27 @@ needs_packing = pytest.mark.skipif(
     not packing_supported(torch.bfloat16),
     reason="oneDNN does not pack bf16 linear weights on this CPU (needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)",
 )
+
+
+TOL = {
+    # the float32 form against the exact (float64) product: at most this fraction of the bound of one
+    # float32 accumulation and one bf16 rounding (float32_form_excess); measured over every case of
+    # test_float32_form_is_float32_sums_rounded_once: 0.98 (the bf16 rounding's half ulp dominates)
+    "float32_form_bound_fraction": 1.0,
+}
+
+
+def float32_form_excess(y, x, w, b) -> float:
+    """The largest ``|y - exact|`` over its bound ``ulp_bf16(|exact|) / 2 + K * eps32 * (|x| @ |w|.T + |b|)``
+    (one bf16 rounding of a float32 dot product of ``K`` terms), ``exact`` the float64 product."""
+    x64, w64 = x.reshape(-1, x.shape[-1]).double(), w.double()
+    b64 = None if b is None else b.double()
+    exact = F.linear(x64, w64, b64)
+    scale = F.linear(x64.abs(), w64.abs(), None if b64 is None else b64.abs())
+    mag = exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    half_ulp = torch.exp2(torch.floor(torch.log2(mag)) - 8)
+    bound = half_ulp + x.shape[-1] * torch.finfo(torch.float32).eps * scale
+    return ((y.reshape(exact.shape).double() - exact).abs() / bound).max().item()
 
 
 def cpu_linear():
@@ -77,14 +100,59 @@ def test_packed_linear_checks_its_inputs():
         cpu_linear()(x, w, b[:4], packed=packed)
 
 
-@needs_packing
-def test_which_weights_are_packed():
-    """bf16 2-D CPU weights of at least PACK_MIN_ROWS rows; float32 (exact path: F.linear, MKL), fewer rows
-    (F.linear's matrix-vector product is faster there) and other ranks are left to F.linear."""
-    assert pack_linear_weight(weights(PACK_MIN_ROWS, 64, False)[0]) is not None
+def test_which_weights_are_prepared():
+    """bf16 2-D CPU weights of at least PACK_MIN_ROWS rows, packed by oneDNN where it packs bf16, else held in
+    float32 (equal values); float32 (exact path: F.linear, MKL), fewer rows (F.linear's matrix-vector
+    product is faster there) and other ranks are left to F.linear."""
+    w = weights(PACK_MIN_ROWS, 64, False)[0]
+    packed = pack_linear_weight(w)
+    assert packed is not None
+    if packing_supported(torch.bfloat16):
+        assert packed.is_mkldnn
+    else:
+        assert packed.dtype == torch.float32 and torch.equal(packed, w.float()) and packed.is_contiguous()
     assert pack_linear_weight(weights(PACK_MIN_ROWS - 1, 64, False)[0]) is None
     assert pack_linear_weight(weights(64, 64, False)[0].float()) is None
     assert pack_linear_weight(weights(64, 64, False)[0][None]) is None
+
+
+@pytest.mark.parametrize("m", [1, 2, 16, 33, 256])
+@pytest.mark.parametrize("n,k", [(16, 256), (256, 512), (1536, 256), (4096, 256)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_form_is_float32_sums_rounded_once(m, n, k, bias):
+    """A float32 copy as ``packed`` (what CPUs without bf16 packing hold): bit-equal to the float32 product of
+    the widened operands rounded once, and within the bound of that to the exact product (on every CPU)."""
+    w, b = weights(n, k, bias, seed=m + n + k)
+    x = randn(m, k, seed=m, dtype=torch.bfloat16, device=CPU)
+    y = cpu_linear()(x, w, b, packed=w.float())
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    exact = F.linear(x.float(), w.float(), None if b is None else b.float()).to(torch.bfloat16)
+    assert torch.equal(y, exact)
+    excess = float32_form_excess(y, x, w, b)
+    assert excess <= TOL["float32_form_bound_fraction"], f"max error {excess:.3f} of the rounding bound"
+
+
+def test_float32_form_leading_dims_strided_compiled_and_checked():
+    w, b = weights(256, 512, True)
+    fn, w32 = cpu_linear(), w.float()
+    x3 = randn(3, 5, 512, seed=1, dtype=torch.bfloat16, device=CPU)
+    strided = randn(7, 1024, seed=2, dtype=torch.bfloat16, device=CPU)[:, ::2]
+    for x in (x3, strided):
+        y = fn(x, w, b, packed=w32)
+        assert y.shape == (*x.shape[:-1], 256)
+        assert float32_form_excess(y, x, w, b) <= TOL["float32_form_bound_fraction"]
+    assert fn(x3[:, :0], w, b, packed=w32).shape == (3, 0, 256)
+
+    def f(x):
+        return fn(x, w, b, packed=w32) * 2  # doubling is exact: compiled / 2 is the product inductor made
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for m in (16, 1, 3):
+        x = randn(m, 512, seed=m, dtype=torch.bfloat16, device=CPU)
+        assert float32_form_excess(compiled(x) / 2, x, w, b) <= TOL["float32_form_bound_fraction"]
+    with pytest.raises(ValueError, match=r"linear: packed must be pack_linear_weight's copy of the \[N=256"):
+        fn(x3, w, b, packed=w32[:128])
 
 
 @needs_packing
@@ -120,9 +188,9 @@ def test_packed_linear_op_fake_shape():
     assert fake.shape == real.shape and fake.dtype == real.dtype and fake.stride() == real.stride()
 
 
-def test_cpu_without_bf16_packing_packs_nothing(monkeypatch):
+def test_cpu_without_bf16_packing_holds_float32(monkeypatch):
     """Where oneDNN refuses to pack bf16 (it raises on a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT),
-    no weight is packed and nothing raises: the linears run ``F.linear`` on their weights."""
+    nothing raises and the weights are held in float32: the linears run the float32 form."""
 
     class Refusing:
         @staticmethod
@@ -133,7 +201,9 @@ def test_cpu_without_bf16_packing_packs_nothing(monkeypatch):
     packing_supported.cache_clear()
     try:
         assert not packing_supported(torch.bfloat16)
-        assert pack_linear_weight(weights(64, 64, False)[0]) is None
+        w = weights(64, 64, False)[0]
+        packed = pack_linear_weight(w)
+        assert packed is not None and packed.dtype == torch.float32 and torch.equal(packed, w.float())
     finally:
         monkeypatch.undo()
         packing_supported.cache_clear()

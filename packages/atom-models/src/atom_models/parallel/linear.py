@@ -99,7 +99,9 @@ class Linear(nn.Module):
         if packed is None:
             return 0
         self.kernels, self.packed = kernels, packed
-        nbytes = self.weight.numel() * self.weight.element_size()
+        # oneDNN's blocked copy holds the weight's bytes; the float32 copy (CPUs without bf16 packing) twice them
+        w = packed if not packed.is_mkldnn else self.weight
+        nbytes = w.numel() * w.element_size()
         if release:
             w = self.weight
             stand_in = torch.empty((), dtype=w.dtype, device=w.device).expand(w.shape)

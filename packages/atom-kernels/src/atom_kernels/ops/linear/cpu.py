@@ -1,17 +1,25 @@
-"""CPU dense linear on a bf16 weight packed once into oneDNN's blocked layout.
+"""CPU dense linear on a bf16 weight prepared once: packed into oneDNN's blocked layout, or held in float32.
 
 ``aten::mm`` on a plain ``[N, K]`` bf16 weight lets oneDNN reorder the weight into its blocked (AMX / AVX-512
 VNNI) layout on every call; at decode and verify row counts that reorder is most of the call. The owner of a
-linear asks :func:`pack_linear_weight` for a packed copy once, after loading, and passes it to
-:func:`linear` as ``packed``: the product is ``mkldnn::_linear_pointwise`` on the packed weight (the call
-inductor's weight freezing makes), bit-equal to ``F.linear`` (same oneDNN kernel, float32 accumulation,
-one rounding; ``test_kernels_linear_cpu.py``).
+linear asks :func:`pack_linear_weight` for a prepared copy once, after loading, and passes it to
+:func:`linear` as ``packed``:
 
-The packed weight is an opaque ``torch._mkldnn`` tensor that inductor cannot lower an op on, so the product
+- where oneDNN packs bf16 (AVX512-BW/VL/DQ or AVX-NE-CONVERT: :func:`packing_supported`), the copy is
+  oneDNN's packed weight and the product is ``mkldnn::_linear_pointwise`` on it (the call inductor's weight
+  freezing makes), bit-equal to ``F.linear`` (same oneDNN kernel, float32 accumulation, one rounding;
+  ``test_kernels_linear_cpu.py``);
+- elsewhere (AVX2 CPUs) ``aten::mm`` on bf16 runs ATen's fallback GEMM, 3-10x slower than MKL's float32
+  GEMM from 16 rows on (``benchmarks/cpu_linears.py``), so the copy is the weight in float32 (exact) and the
+  product is ``F.linear`` in float32 on the tokens widened to float32, rounded once to their dtype: the same
+  float32 sums of the same bf16 products, in another order (within one bf16 rounding of ``F.linear``).
+
+The packed weight is an opaque ``torch._mkldnn`` tensor that inductor cannot lower an op on, so that product
 runs behind the operator ``atom_kernels::linear_packed`` (a fake implementation gives the output's shape):
-Dynamo traces it as one call and the compiled graph calls oneDNN with the packed weight it was given.
+Dynamo traces it as one call and the compiled graph calls oneDNN with the packed weight it was given. The
+float32 form is plain torch, traced and fused by inductor like any linear.
 
-Only bf16 weights are packed (:data:`PACKED_DTYPES`): float32 ``F.linear`` runs MKL's sgemm, whose sums a
+Only bf16 weights are prepared (:data:`PACKED_DTYPES`): float32 ``F.linear`` runs MKL's sgemm, whose sums a
 oneDNN float32 primitive does not reproduce bit for bit at every shape, and the float32 path is the exact one.
 """
 
@@ -25,7 +33,7 @@ import torch.nn.functional as F
 from atom_kernels.ops.linear.checks import check_linear
 
 PACKED_DTYPES = (torch.bfloat16,)
-"""Weight dtypes :func:`pack_linear_weight` packs (others: None, and :func:`linear` runs ``F.linear``)."""
+"""Weight dtypes :func:`pack_linear_weight` prepares (others: None, and :func:`linear` runs ``F.linear``)."""
 
 PACK_MIN_ROWS = 16
 """Weights with fewer output rows are not packed: there ``F.linear`` at one row is a matrix-vector product
@@ -47,17 +55,20 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-packed copy of ``weight`` (``[N, K]``, CPU) for :func:`linear`'s ``packed``; None where the
-    weight is not packed (a dtype outside :data:`PACKED_DTYPES`, fewer than :data:`PACK_MIN_ROWS` rows, not
-    on the CPU, or oneDNN unable to pack it on this CPU: :func:`packing_supported`)."""
+    """The prepared copy of ``weight`` (``[N, K]``, CPU) for :func:`linear`'s ``packed`` (module docstring):
+    oneDNN's packed weight where :func:`packing_supported`, else the weight in float32. None where the
+    weight is not prepared: a dtype outside :data:`PACKED_DTYPES`, fewer than :data:`PACK_MIN_ROWS` rows, not
+    2-D or not on the CPU."""
     if (
         weight.dim() != 2
         or weight.shape[0] < PACK_MIN_ROWS
         or weight.device.type != "cpu"
-        or not packing_supported(weight.dtype)
+        or weight.dtype not in PACKED_DTYPES
     ):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    if packing_supported(weight.dtype):
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    return weight.detach().to(torch.float32).contiguous()
 
 
 def _linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -96,9 +107,17 @@ def linear(
     *,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` (the reference's contract); ``packed``: ``weight`` packed by
+    """``x @ weight.T + bias`` (the reference's contract); ``packed``: ``weight`` prepared by
     :func:`pack_linear_weight` (None: ``F.linear`` on ``weight``)."""
     check_linear(x, weight, bias)
     if packed is None:
         return F.linear(x, weight, bias)
-    return _LINEAR_PACKED(x, packed, bias, weight.shape[0])
+    if packed.dtype != torch.float32:  # oneDNN's packed bf16 weight (its layout is opaque to Dynamo)
+        return _LINEAR_PACKED(x, packed, bias, weight.shape[0])
+    if packed.shape != weight.shape:
+        raise ValueError(
+            f"linear: packed must be pack_linear_weight's copy of the [N={weight.shape[0]}, "
+            f"K={weight.shape[1]}] weight, got a float32 tensor of shape {tuple(packed.shape)}"
+        )
+    y = F.linear(x.to(torch.float32), packed, None if bias is None else bias.to(torch.float32))
+    return y.to(x.dtype)
