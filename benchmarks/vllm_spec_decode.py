@@ -4,7 +4,8 @@ For each mode (eager: enforce_eager; compiled: vLLM's default compilation), each
 implementation (stock: ATOM_DISABLE_VLLM_PLUGIN=1; atom: the plugin), one vLLM engine (a fresh child
 process, via tests/_harness.py) runs one timed job per concurrency c in --concurrency: c requests submitted
 at once (prompts.json's 16 prompts, cycled), greedy, ignore_eos, 128 tokens each (32 at c >= 256, see
---max-tokens-256). Reported per row: output tokens/s (wall time of the generate call), the acceptance rate
+--max-tokens-256); at c = 1, SINGLE_STREAMS single-request jobs one after the other (prompts 0, 1, ...),
+pooled (one request lasts about a second, and its acceptance is one text's). Reported per row: output tokens/s (wall time of the generate call), the acceptance rate
 (accepted / drafted tokens), the mean acceptance length (1 + accepted / drafts) and the per-position
 acceptance. Results go to benchmarks/results/vllm_spec_decode.json, rewritten after every engine run
 (+ .png when matplotlib is installed: uv sync --extra bench).
@@ -42,9 +43,44 @@ def _prompts() -> tuple[list[list[int]], int]:
     return [x["prompt_token_ids"] for x in raw["prompts"]], int(raw["max_tokens"])
 
 
+SINGLE_STREAMS = 4
+"""Single-request jobs (prompts 0 .. SINGLE_STREAMS - 1) pooled into the c = 1 row."""
+
+
 def _concurrency_prompts(prompts: list[list[int]], n: int) -> list[list[int]]:
     """``n`` prompts: prompts.json's, cycled (256 = 16 copies of the 16 prompts)."""
     return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def _jobs_of(c: int, prompts: list[list[int]]) -> list[tuple[str, list[list[int]]]]:
+    """The timed jobs of concurrency ``c`` (name, prompts): one batch of ``c`` requests, or at c = 1
+    :data:`SINGLE_STREAMS` single-request jobs."""
+    if c == 1:
+        return [(f"c1_{i}", [prompts[i % len(prompts)]]) for i in range(SINGLE_STREAMS)]
+    return [(f"c{c}", _concurrency_prompts(prompts, c))]
+
+
+def _pooled(jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row's figures from jobs run one after the other: tokens over summed wall time, acceptance from
+    the summed spec-decode counters."""
+    if len(jobs) == 1:
+        return jobs[0]
+    from _harness import summarize
+
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    counters: dict[str, Any] = {key: sum(j["spec"][key] for j in jobs) for key in keys}
+    per_pos = [j["spec"]["accepted_per_pos"] for j in jobs if j["spec"]["accepted_per_pos"]]
+    counters["accepted_per_pos"] = [sum(col) for col in zip(*per_pos)] if per_pos else []
+    wall = sum(j["wall_s"] for j in jobs)
+    tokens = sum(j["output_tokens"] for j in jobs)
+    return {
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall,
+        "spec": counters,
+        "token_ids": [t for j in jobs for t in j["token_ids"]],
+        **summarize(counters),
+    }
 
 
 def run_one(
@@ -56,8 +92,9 @@ def run_one(
     concurrency: list[int],
     max_tokens_for: dict[int, int],
 ) -> list[dict[str, Any]]:
-    """One engine (impl, k, eager/compiled); one timed job per concurrency c: c requests submitted at once
-    (c = 1: a single stream), each ``max_tokens_for[c]`` greedy tokens. One row per c."""
+    """One engine (impl, k, eager/compiled); the timed jobs of each concurrency c (:func:`_jobs_of`: c
+    requests submitted at once, or at c = 1 single streams one after the other), each request
+    ``max_tokens_for[c]`` greedy tokens. One row per c."""
     from _harness import run
 
     prompts, _ = _prompts()
@@ -74,12 +111,9 @@ def run_one(
             {"name": "warmup", "prompt_token_ids": prompts[:2], "max_tokens": 8},
         ]
         + [
-            {
-                "name": f"c{c}",
-                "prompt_token_ids": _concurrency_prompts(prompts, c),
-                "max_tokens": max_tokens_for[c],
-            }
+            {"name": name, "prompt_token_ids": ids, "max_tokens": max_tokens_for[c]}
             for c in concurrency
+            for name, ids in _jobs_of(c, prompts)
         ],
     }
     r = run(spec, str(workdir), timeout=3600, log_name=f"{impl}_k{k}_{dtype}_{mode}")
@@ -99,7 +133,7 @@ def run_one(
             row["error"] = r["error"]
             rows.append(row)
             continue
-        job = r["jobs"][f"c{c}"]
+        job = _pooled([r["jobs"][name] for name, _ in _jobs_of(c, prompts)])
         row.update(
             startup_s=r["startup_s"],
             wall_s=job["wall_s"],
