@@ -150,4 +150,6 @@ def linear(
             f"linear: packed must be pack_linear_weight's copy of the [N={weight.shape[0]}, "
             f"K={weight.shape[1]}] weight, got a float32 tensor of shape {tuple(packed.shape)}"
         )
+    if not torch.compiler.is_compiling() and x.numel() < WIDEN_MIN_ROWS * x.shape[-1]:
+        return F.linear(x, weight, bias)  # eager: the op's own choice, without the dispatch
     return _LINEAR_WIDENED(x, weight, packed, bias)
