@@ -5,9 +5,9 @@ implementation (stock: ATOM_DISABLE_VLLM_PLUGIN=1; atom: the plugin), one vLLM e
 process, via tests/_harness.py) runs one timed job per concurrency c in --concurrency: c requests submitted
 at once (prompts.json's 16 prompts, cycled), greedy, ignore_eos, 128 tokens each (32 at c >= 256, see
 --max-tokens-256); at c = 1, SINGLE_STREAMS single-request jobs one after the other (prompts 0, 1, ...),
-pooled (one request lasts about a second, and its acceptance is one text's). Reported per row: output tokens/s (wall time of the generate call), the acceptance rate
-(accepted / drafted tokens), the mean acceptance length (1 + accepted / drafts) and the per-position
-acceptance. Results go to benchmarks/results/vllm_spec_decode.json, rewritten after every engine run
+pooled (one request lasts about a second, and its acceptance is one text's). Reported per row: output
+tokens/s (wall time of the generate calls), the acceptance rate (accepted / drafted tokens), the mean
+acceptance length (1 + accepted / drafts) and the per-position acceptance. Results go to benchmarks/results/vllm_spec_decode.json, rewritten after every engine run
 (+ .png when matplotlib is installed: uv sync --extra bench).
 
     uv run python benchmarks/vllm_spec_decode.py       # bf16, eager + compiled, k = 0 1 3, c = 1 16 256

@@ -9,7 +9,7 @@ linear asks :func:`pack_linear_weight` for a prepared copy once, after loading, 
   oneDNN's packed weight and the product is ``mkldnn::_linear_pointwise`` on it (the call inductor's weight
   freezing makes), bit-equal to ``F.linear`` (same oneDNN kernel, float32 accumulation, one rounding;
   ``test_kernels_linear_cpu.py``);
-- elsewhere (AVX2 CPUs) ``aten::mm`` on bf16 runs ATen's fallback GEMM, 3-10x slower than MKL's float32
+- elsewhere (AVX2 CPUs) ``aten::mm`` on bf16 runs ATen's fallback GEMM, 2.3-8.4x slower than MKL's float32
   GEMM from 16 rows on (``benchmarks/cpu_linears.py``), so the copy is the weight in float32 (exact), kept
   beside the bf16 weight: from :data:`WIDEN_MIN_ROWS` token rows the product is ``F.linear`` in float32 on
   the tokens widened to float32, rounded once to their dtype (the same float32 sums of the same bf16
@@ -152,6 +152,6 @@ def linear(
             f"linear: packed must be pack_linear_weight's copy of the [N={weight.shape[0]}, "
             f"K={weight.shape[1]}] weight, got a float32 tensor of shape {tuple(packed.shape)}"
         )
-    if not torch.compiler.is_compiling() and x.numel() < WIDEN_MIN_ROWS * x.shape[-1]:
-        return F.linear(x, weight, bias)  # eager: the op's own choice, without the dispatch
+    if not torch.compiler.is_compiling():
+        return _linear_widened(x, weight, packed, bias)  # eager: the op's body, without its dispatch
     return _LINEAR_WIDENED(x, weight, packed, bias)
