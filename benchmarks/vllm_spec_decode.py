@@ -43,7 +43,7 @@ def _prompts() -> tuple[list[list[int]], int]:
     return [x["prompt_token_ids"] for x in raw["prompts"]], int(raw["max_tokens"])
 
 
-SINGLE_STREAMS = 4
+SINGLE_STREAMS = 8
 """Single-request jobs (prompts 0 .. SINGLE_STREAMS - 1) pooled into the c = 1 row."""
 
 

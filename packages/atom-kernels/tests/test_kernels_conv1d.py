@@ -256,7 +256,8 @@ def test_bad_inputs(impl, device):
         with pytest.raises(ValueError, match=r"num_accepted must lie in \[1, W - K \+ 2 = 3\]"):
             update(x, weight, None, pool, slots, torch.tensor([1, 4], dtype=torch.int32))
         with pytest.raises(ValueError, match="state_indices must be < S=2"):
-            update(x, weight, None, pool, slots + 2, None)
+            update(x, weight, None, pool, torch.tensor([0, 2], dtype=torch.int32), None)
+        assert not pool.any(), "a rejected call wrote the state"
     cu = torch.tensor([0, 3], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match=r"has_initial_state must have shape \[N=1\]"):
         varlen(

@@ -1,10 +1,9 @@
 """The cpu backend's ``linear`` on a weight prepared once (``pack_linear_weight``). oneDNN's packed weight:
 bit-equal to ``F.linear`` (the reference) in bf16 at every row count, bias or not, leading dims, strided and
 empty inputs, eager and compiled (Dynamo traces ``atom_kernels::linear_packed`` as one call). The float32
-copy (CPUs where oneDNN does not pack bf16): from WIDEN_MIN_ROWS rows the float32 product of the widened
-tokens rounded once (within the bound of one float32 accumulation and one bf16 rounding of the exact
-product), below ``F.linear`` on the bf16 weight, chosen at run time also when compiled. Which weights are
-prepared, and how."""
+copy (CPUs where oneDNN does not pack bf16): at every row count the float32 product of the widened tokens
+rounded once (within the bound of one float32 accumulation and one bf16 rounding of the exact product),
+eager and compiled. Which weights are prepared, and how."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 from atom_kernels import registry
 from atom_kernels.ops.linear import PACKED_WEIGHT_BACKENDS, pack_linear_weight
 from atom_kernels.ops.linear import cpu as linear_cpu
-from atom_kernels.ops.linear.cpu import PACK_MIN_ROWS, WIDEN_MIN_ROWS, needs_weight, packing_supported
+from atom_kernels.ops.linear.cpu import PACK_MIN_ROWS, packing_supported
 from atom_kernels.testing import randn
 
 CPU = torch.device("cpu")
@@ -122,16 +121,13 @@ def test_which_weights_are_prepared():
 @pytest.mark.parametrize("n,k", [(16, 256), (256, 512), (1536, 256), (4096, 256)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_float32_form_is_float32_sums_rounded_once(m, n, k, bias):
-    """A float32 copy as ``packed`` (what CPUs without bf16 packing hold), on every CPU: from WIDEN_MIN_ROWS
-    rows bit-equal to the float32 product of the widened operands rounded once, and within the bound of that
-    to the exact product; below, ``F.linear`` on the bf16 weight bit for bit."""
+    """A float32 copy as ``packed`` (what CPUs without bf16 packing hold), on every CPU: bit-equal to the
+    float32 product of the widened operands rounded once, and within the bound of that to the exact
+    product."""
     w, b = weights(n, k, bias, seed=m + n + k)
     x = randn(m, k, seed=m, dtype=torch.bfloat16, device=CPU)
     y = cpu_linear()(x, w, b, packed=w.float())
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    if m < WIDEN_MIN_ROWS:
-        assert torch.equal(y, F.linear(x, w, b))
-        return
     widened = F.linear(x.float(), w.float(), None if b is None else b.float()).to(torch.bfloat16)
     assert torch.equal(y, widened)
     excess = float32_form_excess(y, x, w, b)
@@ -142,7 +138,6 @@ def test_float32_form_leading_dims_strided_compiled_and_checked():
     """Leading dims and row-strided tokens; compiled (fullgraph, dynamic rows); a copy of another shape."""
     w, b = weights(256, 512, True)
     fn, w32 = cpu_linear(), w.float()
-    assert needs_weight(w32)
     x3 = randn(3, 6, 512, seed=1, dtype=torch.bfloat16, device=CPU)  # 18 rows: the float32 product
     strided = randn(17, 1024, seed=2, dtype=torch.bfloat16, device=CPU)[:, ::2]
     for x in (x3, strided):
@@ -150,18 +145,15 @@ def test_float32_form_leading_dims_strided_compiled_and_checked():
         assert y.shape == (*x.shape[:-1], 256)
         assert float32_form_excess(y, x, w, b) <= TOL["float32_form_bound_fraction"]
     assert fn(x3[:, :0], w, b, packed=w32).shape == (3, 0, 256)
-    assert not needs_weight(w)  # a oneDNN-packed (non-float32) copy: the product reads only it
 
     def f(x):
         return fn(x, w, b, packed=w32) * 2  # doubling is exact: compiled / 2 is the product inductor made
 
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, dynamic=True)
-    for m in (16, 1, 3, 64):  # the choice by rows is made per call, not frozen at the traced count
+    for m in (16, 1, 3, 64):
         x = randn(m, 512, seed=m, dtype=torch.bfloat16, device=CPU)
         assert torch.equal(compiled(x), f(x))
-        if m < WIDEN_MIN_ROWS:
-            assert torch.equal(compiled(x), F.linear(x, w, b) * 2)
     with pytest.raises(ValueError, match=r"linear: packed must be pack_linear_weight's copy of the \[N=256"):
         fn(x3, w, b, packed=w32[:128])
 

@@ -93,9 +93,9 @@ def _float32_copies(monkeypatch) -> None:
 
 
 def test_float32_copies_where_bf16_is_not_packed(model_dir, monkeypatch):
-    """The float32 form: every wide linear holds a float32 copy (twice its bf16 bytes) beside its weight
-    (read below WIDEN_MIN_ROWS rows); with 48 token rows its logits are as close to the float32 model's as
-    the bf16 model's on F.linear are (TOL)."""
+    """The float32 form: every wide linear holds a float32 copy (twice its bf16 bytes) in place of its
+    weight (released: the product reads only the copy); with 48 token rows its logits are as close to the
+    float32 model's as the bf16 model's on F.linear are (TOL)."""
     exact = _logits(_target(model_dir, torch.float32)[0]).float()
     model, kernels = _target(model_dir, torch.bfloat16)
     before = (_logits(model).float() - exact).abs()
@@ -104,7 +104,7 @@ def test_float32_copies_where_bf16_is_not_packed(model_dir, monkeypatch):
     wide = [m for m in linears if m.pack and m.weight.shape[0] >= linear_cpu.PACK_MIN_ROWS]
     added = hold_packed_linears(model, kernels)
     assert added == sum(m.weight.numel() * 4 for m in wide) > 0
-    assert all(m.packed.dtype == torch.float32 and not m.weight_released for m in wide)
+    assert all(m.packed.dtype == torch.float32 and m.weight_released for m in wide)
     after = (_logits(model).float() - exact).abs()
     for stat in (torch.max, torch.mean):
         ratio = (stat(after) / stat(before)).item()

@@ -67,35 +67,36 @@ class Checker:
                 f"{name} must be a torch.Tensor of shape {self._expected(shape)}, got {type(t).__name__}"
             )
         assert isinstance(t, torch.Tensor)
-        spec = list(shape)
-        actual = tuple(t.shape)
+        actual = t.shape
+        spec = shape
         if spec and spec[0] == ELLIPSIS:
             spec = spec[1:]
-            ok = t.dim() >= len(spec)
-            tail = actual[t.dim() - len(spec) :] if ok else ()
+            if len(actual) < len(spec):
+                self.fail(f"{name} must have shape {self._expected(shape)}, got {tuple(actual)}")
+            tail = actual[len(actual) - len(spec) :]
+        elif len(actual) != len(spec):
+            self.fail(f"{name} must have shape {self._expected(shape)}, got {tuple(actual)}")
         else:
-            ok = t.dim() == len(spec)
             tail = actual
-        if ok:
-            for d, n in zip(spec, tail):
-                if isinstance(d, int):
-                    ok = ok and n == d
-                elif d in self.dims:
-                    ok = ok and n == self.dims[d]
-        if not ok:
-            self.fail(f"{name} must have shape {self._expected(shape)}, got {actual}")
+        dims = self.dims
+        bound: list[str] = []  # names this tensor binds (unbound again if a later dimension disagrees)
         for d, n in zip(spec, tail):
-            if isinstance(d, str):
-                self.dims.setdefault(d, n)
+            want = d if d.__class__ is int else dims.get(d)  # type: ignore[arg-type]
+            if want is None:
+                dims[d] = n  # type: ignore[index]
+                bound.append(d)  # type: ignore[arg-type]
+            elif n != want:
+                for name_ in bound:
+                    del dims[name_]
+                self.fail(f"{name} must have shape {self._expected(shape)}, got {tuple(actual)}")
         if dtypes is not None and t.dtype not in dtypes:
             self.fail(f"{name} must have dtype {_fmt_dtypes(dtypes)}, got {t.dtype}")
         if same_device:
+            device = t.device
             if self.device is None:
-                self.device, self.device_arg = t.device, name
-            elif t.device != self.device:
-                self.fail(
-                    f"{name} is on {t.device}, expected {self.device} (the device of {self.device_arg})"
-                )
+                self.device, self.device_arg = device, name
+            elif device != self.device:
+                self.fail(f"{name} is on {device}, expected {self.device} (the device of {self.device_arg})")
         return t
 
     def optional(

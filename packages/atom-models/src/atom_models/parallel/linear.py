@@ -19,7 +19,7 @@ from collections import Counter
 
 import torch
 import torch.nn.functional as F
-from atom_kernels.ops.linear import PACKED_WEIGHT_BACKENDS, needs_weight, pack_linear_weight
+from atom_kernels.ops.linear import PACKED_WEIGHT_BACKENDS, pack_linear_weight
 from torch import nn
 
 from atom_models.parallel.context import ParallelContext
@@ -86,9 +86,8 @@ class Linear(nn.Module):
         """Hold the (loaded) weight packed by ``kernels``' ``linear`` backend, for every later call, where
         that backend takes packed weights (:data:`~atom_kernels.ops.linear.PACKED_WEIGHT_BACKENDS`) and
         packs this one; the product is the same. ``release``: then drop the original weight (the caller
-        knows nothing else holds it; see the class), unless the kernels' product still reads it
-        (:func:`~atom_kernels.ops.linear.needs_weight`). Call again after the weight changes (not possible
-        once released: loading into the stand-in raises). Returns the bytes of the packed copy (0: nothing
+        knows nothing else holds it; see the class), which the product never reads again. Call again after
+        the weight changes (not possible once released: loading into the stand-in raises). Returns the bytes of the packed copy (0: nothing
         packed, also for a weight already released)."""
         if (
             not self.pack
@@ -103,7 +102,7 @@ class Linear(nn.Module):
         # oneDNN's blocked copy holds the weight's bytes; the float32 copy (CPUs without bf16 packing) twice them
         w = packed if not packed.is_mkldnn else self.weight
         nbytes = w.numel() * w.element_size()
-        if release and not needs_weight(packed):
+        if release:
             w = self.weight
             stand_in = torch.empty((), dtype=w.dtype, device=w.device).expand(w.shape)
             self.weight = nn.Parameter(stand_in, requires_grad=False)

@@ -170,11 +170,11 @@ def causal_conv1d_update(
     num_seqs, q_len, channels = x.shape
     width = weight.shape[1]
     num_slots, _, state_width = conv_state.shape
+    if cpu_native.usable(x, weight, conv_state, activation):  # checks the value ranges itself
+        return cpu_native.conv_update(x, weight, bias, conv_state, state_indices, num_accepted, activation)
     check_slot_values("causal_conv1d_update", "state_indices", state_indices, num_slots)
     limit = state_width - width + 2
     check_num_accepted_values("causal_conv1d_update", num_accepted, limit, f"W - K + 2 = {limit}")
-    if cpu_native.usable(x, weight, conv_state, activation):
-        return cpu_native.conv_update(x, weight, bias, conv_state, state_indices, num_accepted, activation)
     slots = state_indices.long()
     valid = slots >= 0
     all_valid = bool(valid.all())

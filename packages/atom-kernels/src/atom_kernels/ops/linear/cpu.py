@@ -9,18 +9,16 @@ linear asks :func:`pack_linear_weight` for a prepared copy once, after loading, 
   oneDNN's packed weight and the product is ``mkldnn::_linear_pointwise`` on it (the call inductor's weight
   freezing makes), bit-equal to ``F.linear`` (same oneDNN kernel, float32 accumulation, one rounding;
   ``test_kernels_linear_cpu.py``);
-- elsewhere (AVX2 CPUs) ``aten::mm`` on bf16 runs ATen's fallback GEMM, 2.3-8.4x slower than MKL's float32
-  GEMM from 16 rows on (``benchmarks/cpu_linears.py``), so the copy is the weight in float32 (exact), kept
-  beside the bf16 weight: from :data:`WIDEN_MIN_ROWS` token rows the product is ``F.linear`` in float32 on
-  the tokens widened to float32, rounded once to their dtype (the same float32 sums of the same bf16
-  products, in another order); below, ``F.linear`` on the bf16 weight (as fast there, without the two
-  conversions).
+- elsewhere (AVX2 CPUs) ``aten::mm`` on bf16 runs ATen's fallback GEMM, slower than MKL's float32 GEMM at
+  every row count (``benchmarks/cpu_linears.py``: up to 2.0x at one token row, 2.1-3.6x at four, 4.6-6.7x at
+  sixteen, up to 8.4x beyond), so the copy is the weight in float32 (exact) and the product is ``F.linear``
+  in float32 on the tokens widened to float32, rounded once to their dtype (the same float32 sums of the
+  same bf16 products, in another order). The bf16 weight is not read again.
 
-The packed weight is an opaque ``torch._mkldnn`` tensor that inductor cannot lower an op on, so that product
-runs behind the operator ``atom_kernels::linear_packed`` (a fake implementation gives the output's shape):
-Dynamo traces it as one call and the compiled graph calls oneDNN with the packed weight it was given. The
-float32 form chooses by the token count at run time, so it runs behind ``atom_kernels::linear_widened``
-(a graph traced at one token count would otherwise keep that count's choice).
+The oneDNN-packed weight is an opaque ``torch._mkldnn`` tensor that inductor cannot lower an op on, so that
+product runs behind the operator ``atom_kernels::linear_packed`` (a fake implementation gives the output's
+shape): Dynamo traces it as one call and the compiled graph calls oneDNN with the packed weight it was
+given. The float32 form is plain torch ops, which inductor compiles like any other.
 
 Only bf16 weights are prepared (:data:`PACKED_DTYPES`): float32 ``F.linear`` runs MKL's sgemm, whose sums a
 oneDNN float32 primitive does not reproduce bit for bit at every shape, and the float32 path is the exact one.
@@ -42,12 +40,6 @@ PACK_MIN_ROWS = 16
 """Weights with fewer output rows are not packed: there ``F.linear`` at one row is a matrix-vector product
 of ~4 us, where the oneDNN call costs ~20 us at any row count (``benchmarks/cpu_linears.py``: GDN's
 ``in_proj_ba`` [8, K], the shared expert's gate [1, K])."""
-
-
-WIDEN_MIN_ROWS = 16
-"""Token rows from which the float32 form computes in float32 (fewer: ``F.linear`` on the bf16 weight), on
-the AVX2 EPYC (``results/cpu_linears_avx2.json``, one thread): at one row the bf16 product is as fast as the
-float32 one plus its two conversions (LM head 0.30 / 0.33 ms), from 16 rows 2.3-8.4x slower."""
 
 
 @functools.cache
@@ -80,12 +72,6 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return weight.detach().to(torch.float32).contiguous()
 
 
-def needs_weight(packed: torch.Tensor) -> bool:
-    """Whether :func:`linear` reads the original weight beside this prepared copy (the float32 form does,
-    below :data:`WIDEN_MIN_ROWS` rows), so that its owner must keep it."""
-    return packed.dtype == torch.float32
-
-
 def _linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     if x.dim() == 2 and x.is_contiguous() and x.shape[0] > 0:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -102,21 +88,6 @@ def _linear_packed_fake(
     return x.new_empty((*x.shape[:-1], n))
 
 
-def _linear_widened(
-    x: torch.Tensor, weight: torch.Tensor, w32: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    if x.numel() < WIDEN_MIN_ROWS * x.shape[-1]:
-        return F.linear(x, weight, bias)
-    y = F.linear(x.to(torch.float32), w32, None if bias is None else bias.to(torch.float32))
-    return y.to(x.dtype)
-
-
-def _linear_widened_fake(
-    x: torch.Tensor, weight: torch.Tensor, w32: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
 # The op library, defined once at import like any torch operator (never changed afterwards). A plain
 # ``Library`` kernel, not ``torch.library.custom_op``: the latter's Python wrappers cost ~30-50 us a call
 # here, as much as the product at decode sizes. CompositeExplicitAutograd, because the packed weight's
@@ -125,12 +96,8 @@ _LIB = torch.library.Library("atom_kernels", "FRAGMENT")
 _LIB.define("linear_packed(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor")
 _LIB.impl("linear_packed", _linear_packed, "CompositeExplicitAutograd")
 torch.library.register_fake("atom_kernels::linear_packed", _linear_packed_fake, lib=_LIB)
-_LIB.define("linear_widened(Tensor x, Tensor weight, Tensor w32, Tensor? bias) -> Tensor")
-_LIB.impl("linear_widened", _linear_widened, "CompositeExplicitAutograd")
-torch.library.register_fake("atom_kernels::linear_widened", _linear_widened_fake, lib=_LIB)
-# the overloads (the packets resolve them per call)
+# the overload (the packet resolves it per call)
 _LINEAR_PACKED = torch.ops.atom_kernels.linear_packed.default
-_LINEAR_WIDENED = torch.ops.atom_kernels.linear_widened.default
 
 
 def linear(
@@ -152,6 +119,5 @@ def linear(
             f"linear: packed must be pack_linear_weight's copy of the [N={weight.shape[0]}, "
             f"K={weight.shape[1]}] weight, got a float32 tensor of shape {tuple(packed.shape)}"
         )
-    if not torch.compiler.is_compiling():
-        return _linear_widened(x, weight, packed, bias)  # eager: the op's body, without its dispatch
-    return _LINEAR_WIDENED(x, weight, packed, bias)
+    y = F.linear(x.to(torch.float32), packed, None if bias is None else bias.to(torch.float32))
+    return y.to(x.dtype)
