@@ -43,7 +43,7 @@ LINEARS = {
     "shared_expert_gate": (1, 256),
     "lm_head": (4096, 256),
 }
-ROWS = (1, 16, 32, 256, 512)
+ROWS = (1, 2, 4, 8, 16, 32, 256, 512)  # one decode step at c = 1 with k = 0, 1, 3 is M = 1, 2, 4
 
 
 def _medians(fns: dict, reps: int) -> dict:

@@ -9,8 +9,10 @@ the server busy for ``--duration`` seconds with a random mix: greedy requests fr
 not; each output is compared with its single-request output), sampled ones (temperature, top_p, top_k,
 seeds; streamed or not), and streams the client drops after a few chunks (``--abort`` of all requests).
 Reported per implementation: requests done / aborted, errors (HTTP or connection errors, wrong lengths, a
-dead server), greedy requests checked and wrong, server RSS (process tree) at start and end, KV-cache usage
-and running requests after the load, ERROR lines in the server log. Results go to
+dead server), greedy requests checked and wrong, server RSS (process tree) at start and end and sampled
+every ``--rss-every`` seconds under load (with the growth and the fitted slope over the second half, where a
+leak would show once the caches have warmed), KV-cache usage and running requests after the load, ERROR
+lines in the server log. Results go to
 ``benchmarks/results/soak.json``.
 
     uv run python benchmarks/soak.py                         # 600 s each, 256 clients, k = 3
@@ -105,7 +107,26 @@ def _sampling(rng: random.Random) -> dict[str, Any]:
     return s
 
 
-async def load(base: str, args, greedy: list[tuple[list[int], int]], refs: list[list[int]], prompts) -> dict:
+def rss_trend(samples: list[tuple[float, float]]) -> dict[str, float]:
+    """Growth (MiB) and least-squares slope (MiB per minute) of ``(seconds, MiB)`` samples over their
+    second half in time."""
+    half = samples[-1][0] / 2
+    tail = [(t, m) for t, m in samples if t >= half]
+    if len(tail) < 2:
+        return {}
+    mean_t = sum(t for t, _ in tail) / len(tail)
+    mean_m = sum(m for _, m in tail) / len(tail)
+    var = sum((t - mean_t) ** 2 for t, _ in tail)
+    slope = sum((t - mean_t) * (m - mean_m) for t, m in tail) / var if var else 0.0
+    return {
+        "rss_growth_second_half_mib": round(tail[-1][1] - tail[0][1], 1),
+        "rss_slope_second_half_mib_per_min": round(slope * 60, 2),
+    }
+
+
+async def load(
+    base: str, args, greedy: list[tuple[list[int], int]], refs: list[list[int]], prompts, pid: int
+) -> dict:
     stats = {"done": 0, "aborted": 0, "greedy_checked": 0, "greedy_wrong": 0, "errors": 0}
     errors: list[str] = []
     wrong: list[dict[str, Any]] = []
@@ -151,8 +172,21 @@ async def load(base: str, args, greedy: list[tuple[list[int], int]], refs: list[
                         return  # the server is gone: every client stops
                     await asyncio.sleep(1)
 
-    await asyncio.gather(*(client_loop(1000 + c) for c in range(args.concurrency)))
-    return {**stats, "first_errors": errors[:20], "first_wrong_greedy": wrong[:20]}
+    rss: list[tuple[float, float]] = []
+
+    async def rss_sampler() -> None:
+        t0 = time.time()
+        while True:
+            rss.append((round(time.time() - t0, 1), round(_rss_mib(pid), 1)))
+            if time.time() >= stop:
+                return
+            await asyncio.sleep(min(args.rss_every, max(stop - time.time(), 0.0)))
+
+    await asyncio.gather(rss_sampler(), *(client_loop(1000 + c) for c in range(args.concurrency)))
+    return {
+        **stats, "rss_mib_samples": rss, **rss_trend(rss), "first_errors": errors[:20],
+        "first_wrong_greedy": wrong[:20],
+    }  # fmt: skip
 
 
 def soak(impl: str, args, prompts: list[list[int]], workdir: Path) -> dict[str, Any]:
@@ -167,7 +201,7 @@ def soak(impl: str, args, prompts: list[list[int]], workdir: Path) -> dict[str, 
         ]  # single-request outputs, one request at a time
         rss_start = _rss_mib(pid)
         t0 = time.time()
-        result = asyncio.run(load(base, args, greedy, refs, prompts))
+        result = asyncio.run(load(base, args, greedy, refs, prompts, pid))
         wall = time.time() - t0
         deadline = time.time() + 120
         while "server_died_after_s" not in result and time.time() < deadline:
@@ -234,6 +268,7 @@ def main() -> int:
     ap.add_argument("--abort", type=float, default=0.2, help="fraction of requests the client drops")
     ap.add_argument("--greedy-set", type=int, default=32, help="distinct greedy requests checked")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--rss-every", type=float, default=30, help="seconds between server RSS samples")
     ap.add_argument("--out", default=str(RESULTS / "soak.json"))
     ap.add_argument("--append", action="store_true", help="keep the other implementations' runs in --out")
     args = ap.parse_args()
@@ -254,7 +289,10 @@ def main() -> int:
         print(f"[soak] {impl}: {args.duration:.0f} s, {args.concurrency} clients, k={args.k}", flush=True)
         runs.append({**soak(impl, args, prompts, workdir), "command": " ".join(sys.argv)})
         print(
-            json.dumps({k: v for k, v in runs[-1].items() if not k.startswith("first_")}, indent=1),
+            json.dumps(
+                {k: v for k, v in runs[-1].items() if not k.startswith("first_") and k != "rss_mib_samples"},
+                indent=1,
+            ),
             flush=True,
         )
     runs = [r for r in kept if r["impl"] not in args.impls] + runs

@@ -81,11 +81,17 @@ class Checker:
         dims = self.dims
         bound: list[str] = []  # names this tensor binds (unbound again if a later dimension disagrees)
         for d, n in zip(spec, tail):
-            want = d if d.__class__ is int else dims.get(d)  # type: ignore[arg-type]
-            if want is None:
-                dims[d] = n  # type: ignore[index]
-                bound.append(d)  # type: ignore[arg-type]
-            elif n != want:
+            if isinstance(d, str):
+                want = dims.get(d)
+                if want is None:
+                    dims[d] = n
+                    bound.append(d)
+                    continue
+            elif isinstance(d, int):
+                want = d
+            else:  # a traced size (a SymInt of another tensor's shape under torch.compile): not compared
+                continue
+            if n != want:
                 for name_ in bound:
                     del dims[name_]
                 self.fail(f"{name} must have shape {self._expected(shape)}, got {tuple(actual)}")
