@@ -1,6 +1,6 @@
 """The cpu backend's ``linear`` on a weight prepared once (``pack_linear_weight``). oneDNN's packed weight:
-bit-equal to ``F.linear`` (the reference) in bf16 at every row count, bias or not, leading dims, strided and
-empty inputs, eager and compiled (Dynamo traces ``atom_kernels::linear_packed`` as one call). The float32
+bit-equal to ``F.linear`` (the reference) in bf16, or within the one-rounding bound where oneDNN's kernel sums
+in another order, at every row count, bias or not, leading dims, strided and empty inputs, eager and compiled (Dynamo traces ``atom_kernels::linear_packed`` as one call). The float32
 copy (CPUs where oneDNN does not pack bf16): at every row count the float32 product of the widened tokens
 rounded once (within the bound of one float32 accumulation and one bf16 rounding of the exact product),
 eager and compiled. Which weights are prepared, and how."""
@@ -24,9 +24,10 @@ needs_packing = pytest.mark.skipif(
 
 
 TOL = {
-    # the float32 form against the exact (float64) product: at most this fraction of the bound of one
-    # float32 accumulation and one bf16 rounding (float32_form_excess); measured over every case of
-    # test_float32_form_is_float32_sums_rounded_once: 0.98 (the bf16 rounding's half ulp dominates)
+    # the float32 form (and a packed product that is not F.linear's bit for bit) against the exact (float64)
+    # product: at most this fraction of the bound of one float32 accumulation and one bf16 rounding
+    # (float32_form_excess); measured over every case of test_float32_form_is_float32_sums_rounded_once:
+    # 0.98 (the bf16 rounding's half ulp dominates); the packed product's excess is not measured yet
     "float32_form_bound_fraction": 1.0,
 }
 
@@ -64,14 +65,19 @@ def test_cpu_backend_takes_packed_weights():
 @pytest.mark.parametrize("n,k", [(16, 256), (256, 512), (1536, 256), (4096, 256), (512, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_bit_equal(m, n, k, bias):
-    """bf16: the packed product is ``F.linear``'s bit for bit (measured: every case)."""
+    """bf16: the packed product is ``F.linear``'s bit for bit, or, where oneDNN's packed kernel sums in
+    another order than ``F.linear``'s, within the bound of one float32 accumulation and one bf16 rounding of
+    the exact product (bit-equal in every case on the AMX Xeon; not bit-equal at K = 2048 from 16 rows on
+    the GPU machine's host CPU)."""
     w, b = weights(n, k, bias, seed=m + n + k)
     packed = pack_linear_weight(w)
     assert packed is not None and packed.is_mkldnn
     x = randn(m, k, seed=m, dtype=torch.bfloat16, device=CPU)
     y = cpu_linear()(x, w, b, packed=packed)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    assert torch.equal(y, F.linear(x, w, b))
+    if not torch.equal(y, F.linear(x, w, b)):
+        excess = float32_form_excess(y, x, w, b)
+        assert excess <= TOL["float32_form_bound_fraction"], f"max error {excess:.3f} of the rounding bound"
 
 
 @needs_packing

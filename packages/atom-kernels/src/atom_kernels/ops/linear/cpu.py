@@ -7,8 +7,9 @@ linear asks :func:`pack_linear_weight` for a prepared copy once, after loading, 
 
 - where oneDNN packs bf16 (AVX512-BW/VL/DQ or AVX-NE-CONVERT: :func:`packing_supported`), the copy is
   oneDNN's packed weight and the product is ``mkldnn::_linear_pointwise`` on it (the call inductor's weight
-  freezing makes), bit-equal to ``F.linear`` (same oneDNN kernel, float32 accumulation, one rounding;
-  ``test_kernels_linear_cpu.py``);
+  freezing makes): float32 accumulation, one rounding, bit-equal to ``F.linear`` on the AMX Xeon at every
+  shape measured, in another summation order on the GPU machine's host CPU at K = 2048 from 16 rows
+  (``test_kernels_linear_cpu.py``);
 - elsewhere (AVX2 CPUs) ``aten::mm`` on bf16 runs ATen's fallback GEMM, slower than MKL's float32 GEMM at
   every row count (``benchmarks/cpu_linears.py``: up to 2.0x at one token row, 2.1-3.6x at four, 4.6-6.7x at
   sixteen, up to 8.4x beyond), so the copy is the weight in float32 (exact) and the product is ``F.linear``
