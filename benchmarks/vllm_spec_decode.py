@@ -10,8 +10,15 @@ tokens/s (wall time of the generate calls), the acceptance rate (accepted / draf
 acceptance length (1 + accepted / drafts) and the per-position acceptance. Results go to benchmarks/results/vllm_spec_decode.json, rewritten after every engine run
 (+ .png when matplotlib is installed: uv sync --extra bench).
 
+``--rounds R`` runs the whole matrix R times, the modes in reverse order every other round, each engine fresh:
+on these shared 2-core machines two engines of the same tree have differed by up to 45% in a c = 256 job,
+more than most effects measured with them. The summaries pair rows of the same round and report each
+round's ratio and the median (``atom_vs_stock``: plugin over stock per mode, k, c; ``compiled_vs_eager``:
+per implementation, k, c); the plot shows the median tokens/s of each cell.
+
     uv run python benchmarks/vllm_spec_decode.py       # bf16, eager + compiled, k = 0 1 3, c = 1 16 256
     uv run python benchmarks/vllm_spec_decode.py --modes compiled --ks 1 --concurrency 1 16 --impls atom
+    uv run python benchmarks/vllm_spec_decode.py --impls atom --ks 1 3 --concurrency 256 --rounds 3
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -149,6 +157,75 @@ def run_one(
     return rows
 
 
+def _cell(rows: list[dict[str, Any]], impl: str, mode: str, k: int, c: int) -> list[dict[str, Any]]:
+    """The rows of one cell (every round), errors left out."""
+    return [
+        r
+        for r in rows
+        if r["impl"] == impl
+        and r["mode"] == mode
+        and r["k"] == k
+        and r["concurrency"] == c
+        and "error" not in r
+    ]
+
+
+def _per_round(num: list[dict[str, Any]], den: list[dict[str, Any]]) -> list[float]:
+    """tokens/s of ``num`` over ``den``, one ratio per round that both have."""
+    by_round = {r["round"]: r for r in den}
+    return [
+        r["output_tokens_per_s"] / by_round[r["round"]]["output_tokens_per_s"]
+        for r in num
+        if r["round"] in by_round
+    ]
+
+
+def summarize(
+    rows: list[dict[str, Any]], modes: list[str], ks: list[int], cs: list[int], impls: list[str]
+) -> dict[str, dict[str, Any]]:
+    """``atom_vs_stock`` per (mode, k, c) and ``compiled_vs_eager`` per (impl, k, c): each round's ratio of
+    the two engines' tokens/s and their median (cells missing a side are left out)."""
+    atom_vs_stock: dict[str, Any] = {}
+    compiled_vs_eager: dict[str, Any] = {}
+    for k in ks:
+        for c in cs:
+            for mode in modes:
+                st, at = _cell(rows, "stock", mode, k, c), _cell(rows, "atom", mode, k, c)
+                ratios = _per_round(at, st)
+                if ratios:
+                    atom_vs_stock[f"{mode} k={k} c={c}"] = {
+                        "tokens_per_s_atom_over_stock": statistics.median(ratios),
+                        "per_round": ratios,
+                        "acceptance_atom_minus_stock": None
+                        if k == 0
+                        else at[0]["acceptance_rate"] - st[0]["acceptance_rate"],
+                        "same_outputs": all(a["token_ids"] == s["token_ids"] for a in at for s in st),
+                    }
+            for impl in impls:
+                comp, eager = _cell(rows, impl, "compiled", k, c), _cell(rows, impl, "eager", k, c)
+                ratios = _per_round(comp, eager)
+                if ratios:
+                    compiled_vs_eager[f"{impl} k={k} c={c}"] = {
+                        "median": statistics.median(ratios),
+                        "per_round": ratios,
+                        "compiled_tokens_per_s": [r["output_tokens_per_s"] for r in comp],
+                        "eager_tokens_per_s": [r["output_tokens_per_s"] for r in eager],
+                    }
+    return {"atom_vs_stock": atom_vs_stock, "compiled_vs_eager": compiled_vs_eager}
+
+
+def _median_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per cell (impl, mode, k, c) holding the median tokens/s of its rounds."""
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        if "error" not in r:
+            cells.setdefault((r["impl"], r["mode"], r["k"], r["concurrency"]), []).append(r)
+    return [
+        {**group[0], "output_tokens_per_s": statistics.median(r["output_tokens_per_s"] for r in group)}
+        for group in cells.values()
+    ]
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     try:
         import matplotlib
@@ -160,7 +237,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
             f"[plot] matplotlib is not installed (uv sync --all-packages --extra cpu --extra bench); {path.name} not written"
         )
         return False
-    ok = [r for r in rows if "error" not in r]
+    ok = _median_rows(rows)
     if not ok:
         return False
     modes = list(dict.fromkeys(r["mode"] for r in ok))
@@ -214,8 +291,13 @@ def main() -> None:
     ap.add_argument(
         "--max-tokens-256", type=int, default=32, help="tokens per request at concurrency >= 256 (CPU time)"
     )
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="runs of the whole matrix, modes alternated (docstring)"
+    )
     ap.add_argument("--out", default=str(RESULTS / "vllm_spec_decode.json"))
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="vllm_spec_decode_"))  # engine logs (paths in the JSON rows)
@@ -225,36 +307,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     t0 = time.time()
 
-    def save() -> None:  # after every engine run, so that a partial matrix survives an interruption
-        ratios = {}
-        for mode in args.modes:
-            for k in args.ks:
-                for c in args.concurrency:
-
-                    def pick(impl: str, mode=mode, k=k, c=c):
-                        return next(
-                            (
-                                r
-                                for r in rows
-                                if r["impl"] == impl
-                                and r["mode"] == mode
-                                and r["k"] == k
-                                and r["concurrency"] == c
-                                and "error" not in r
-                            ),
-                            None,
-                        )
-
-                    st, at = pick("stock"), pick("atom")
-                    if st and at:
-                        ratios[f"{mode} k={k} c={c}"] = {
-                            "tokens_per_s_atom_over_stock": at["output_tokens_per_s"]
-                            / st["output_tokens_per_s"],
-                            "acceptance_atom_minus_stock": None
-                            if k == 0
-                            else at["acceptance_rate"] - st["acceptance_rate"],
-                            "same_outputs": at["token_ids"] == st["token_ids"],
-                        }
+    def save() -> dict[str, dict[str, Any]]:  # after every engine run: a partial matrix survives
+        summary = summarize(rows, args.modes, args.ks, args.concurrency, args.impls)
         payload = {
             "benchmark": "vllm_spec_decode",
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -262,30 +316,38 @@ def main() -> None:
             "args": vars(args),
             "total_s": time.time() - t0,
             "rows": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows],
-            "atom_vs_stock": ratios,
+            **summary,
         }
         out.write_text(json.dumps(payload, indent=1))
-        return ratios
+        return summary
 
-    for mode in args.modes:
-        for k in args.ks:
-            for impl in args.impls:
-                new = run_one(impl, k, args.dtype, mode == "eager", workdir, args.concurrency, max_tokens_for)
-                rows.extend(new)
-                for row in new:
-                    tag = f"{impl:5s} {mode:8s} k={k} c={row['concurrency']:3d}"
-                    if "error" in row:
-                        print(f"{tag}: ERROR {row['error']} (log {row['log']})", flush=True)
-                        continue
-                    rate = row["acceptance_rate"]
-                    print(
-                        f"{tag}: {row['output_tokens_per_s']:7.1f} tok/s  acceptance "
-                        f"{rate if rate is not None else float('nan'):.3f}  startup {row['startup_s']:.0f} s",
-                        flush=True,
+    for rnd in range(args.rounds):
+        modes = args.modes if rnd % 2 == 0 else args.modes[::-1]
+        for mode in modes:
+            for k in args.ks:
+                for impl in args.impls:
+                    new = run_one(
+                        impl, k, args.dtype, mode == "eager", workdir, args.concurrency, max_tokens_for
                     )
-                save()
-    ratios = save()
-    print(json.dumps(ratios, indent=1))
+                    for row in new:
+                        row["round"] = rnd
+                    rows.extend(new)
+                    for row in new:
+                        tag = f"{impl:5s} {mode:8s} k={k} c={row['concurrency']:3d}"
+                        if args.rounds > 1:
+                            tag = f"round {rnd} {tag}"
+                        if "error" in row:
+                            print(f"{tag}: ERROR {row['error']} (log {row['log']})", flush=True)
+                            continue
+                        rate = row["acceptance_rate"]
+                        print(
+                            f"{tag}: {row['output_tokens_per_s']:7.1f} tok/s  acceptance "
+                            f"{rate if rate is not None else float('nan'):.3f}  startup {row['startup_s']:.0f} s",
+                            flush=True,
+                        )
+                    save()
+    summary = save()
+    print(json.dumps(summary, indent=1))
     print(f"wrote {out}")
     plot(rows, out.with_suffix(".png"))
 
