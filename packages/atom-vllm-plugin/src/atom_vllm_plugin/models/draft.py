@@ -106,6 +106,10 @@ class AtomQwen3NextMTP(nn.Module):
         materialize([mtp], device)
         self.model = mtp
         self.lm_head = mtp.lm_head
+        # vLLM's proposer takes the argmax of these logits for every draft token. On a CPU they go out in
+        # float32 (the model dtype's values widened: the same argmax): ATen's CPU argmax over a bf16 row
+        # is several times slower than over float32 (benchmarks/cpu_argmax.py).
+        self.logits_dtype = torch.float32 if device.type == "cpu" else None
         self._sharing_checked = False
         log_compilation("ATOM Qwen3-Next MTP draft", vllm_config)
 
@@ -164,7 +168,7 @@ class AtomQwen3NextMTP(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         if not self._sharing_checked:
             self._check_sharing()
-        return self.model.compute_logits(hidden_states)
+        return self.model.compute_logits(hidden_states, self.logits_dtype)
 
     def expected_checkpoint_names(self) -> list[str]:
         """The ``mtp.*`` tensors this draft reads (checkpoint names: MTP layer j is ``mtp.layers.j``)."""
