@@ -19,25 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
+from _timing import medians
 
 VOCABS = {"bundled model": 4096, "Qwen3-Next-80B": 151936}
 ROWS = (1, 16, 256)
-
-
-def _medians(fns: dict, reps: int) -> dict:
-    for f in fns.values():
-        f()
-    ts: dict = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            ts[k].append(time.perf_counter() - t0)
-    return {k: round(sorted(v)[len(v) // 2] * 1e3, 4) for k, v in ts.items()}
 
 
 def run() -> list[dict]:
@@ -58,7 +46,7 @@ def run() -> list[dict]:
                 "argmax float32": lambda x32=x32: x32.argmax(-1),
                 "widen + argmax": lambda x16=x16: x16.float().argmax(-1),
             }
-            ms = _medians(fns, reps=max(5, min(200, 2_000_000 // (m * vocab))))
+            ms = medians(fns, reps=max(5, min(200, 2_000_000 // (m * vocab))))
             row = {"logits": name, "vocab": vocab, "rows": m, "ms": ms}
             row["bf16_over_float32"] = round(ms["argmax bf16"] / ms["argmax float32"], 2)
             row["bf16_over_widen_argmax"] = round(ms["argmax bf16"] / ms["widen + argmax"], 2)

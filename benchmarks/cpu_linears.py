@@ -26,11 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _timing import medians
 from atom_kernels.ops.linear import cpu as linear_cpu
 
 LINEARS = {
@@ -44,18 +44,6 @@ LINEARS = {
     "lm_head": (4096, 256),
 }
 ROWS = (1, 2, 4, 8, 16, 32, 256, 512)  # one decode step at c = 1 with k = 0, 1, 3 is M = 1, 2, 4
-
-
-def _medians(fns: dict, reps: int) -> dict:
-    for f in fns.values():
-        f()
-    ts: dict = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            ts[k].append(time.perf_counter() - t0)
-    return {k: round(sorted(v)[len(v) // 2] * 1e3, 4) for k, v in ts.items()}
 
 
 def _stock_sgl(stock_ops, w: torch.Tensor):
@@ -93,7 +81,7 @@ def _row(name, w, dtype, rows_m, gen, stock_ops) -> dict:
                 equal[key + " max abs diff"] = float((y.float() - ref.float()).abs().max())
     row = {"linear": name, "N": n, "K": k, "M": rows_m, "dtype": str(dtype), "bit-equal to F.linear": equal}
     row["atom prepared weight"] = "none" if ours is None else "oneDNN" if ours.is_mkldnn else str(ours.dtype)
-    row["ms"] = _medians(fns, 60)
+    row["ms"] = medians(fns, 60)
     return row
 
 
