@@ -5,9 +5,10 @@ draft's logits have. Per vocabulary size (the bundled model's 4096, the 80B's 15
 per request drafting: c = 1, 16, 256), ms a call, medians of round-robin repetitions:
 
 - ``argmax bf16``: ``logits.argmax(-1)`` on bf16 logits (what a bf16 draft hands out);
-- ``argmax float32``: the same logits widened beforehand (what the plugin's draft hands out on a CPU: its LM
-  head's product is float32 before it is rounded, see ``atom_vllm_plugin.models.draft``);
-- ``widen + argmax``: ``logits.float().argmax(-1)`` from bf16, the conversion included.
+- ``argmax float32``: the same logits widened beforehand, the argmax alone;
+- ``widen + argmax``: ``logits.float().argmax(-1)`` from bf16, the conversion included: what a step pays with
+  the plugin's draft on a CPU, which widens its bf16 logits before vLLM's proposer takes the argmax
+  (``atom_vllm_plugin.models.draft``).
 
 Every form's ids are checked equal to ``argmax bf16``'s (widening bf16 is exact).
 

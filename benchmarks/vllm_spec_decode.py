@@ -329,10 +329,9 @@ def main() -> None:
                     new = run_one(
                         impl, k, args.dtype, mode == "eager", workdir, args.concurrency, max_tokens_for
                     )
-                    for row in new:
-                        row["round"] = rnd
                     rows.extend(new)
                     for row in new:
+                        row["round"] = rnd
                         tag = f"{impl:5s} {mode:8s} k={k} c={row['concurrency']:3d}"
                         if args.rounds > 1:
                             tag = f"round {rnd} {tag}"
