@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL, Hopper) on a chain of decode-sized GEMVs in one CUDA graph.
 
-A decode step at batch 1 is ~1000 small kernels in a row, each waiting for the previous one to finish
+A decode step at batch 1 is ~600 small kernels in a row, each waiting for the previous one to finish
 before it launches and starts streaming its weights. With PDL a kernel is launched while its
 predecessor still runs; ``griddepcontrol.wait`` (``gdc_wait``) holds it until the predecessor's memory is
 visible, and everything before the wait (its weight loads) overlaps the predecessor. This script measures
@@ -8,10 +8,14 @@ what that is worth on one chain ``x_{i+1} = W_i x_i`` of ``L`` distinct bf16 wei
 in a CUDA graph, per kernel:
 
 - ``serial``: plain launches (each kernel waits for the previous one to complete);
-- ``pdl``: PDL launches, ``gdc_wait`` first (only the launch overlaps);
-- ``pdl_prefetch``: PDL launches, each program loads its weight rows before ``gdc_wait``.
+- ``pdl``: PDL launches, ``gdc_wait`` then ``gdc_launch_dependents`` first (only the launch overlaps);
+- ``pdl_prefetch``: as ``pdl``, each program loads its weight rows into registers before ``gdc_wait``;
+- ``pdl_l2``: as ``pdl``, each program asks the L2 for its weight rows line by line
+  (``prefetch.global.L2``, :func:`atom_kernels.ops._pdl.prefetch_rows`) before ``gdc_wait``;
+- ``early`` / ``early_l2``: ``gdc_launch_dependents`` before ``gdc_wait`` (the next kernel may launch
+  while this one still waits), without / with the L2 prefetch.
 
-Every variant's result is checked against the serial one. ``--out``: ``pdl_h200.json``.
+Every variant's result is checked against the serial one. ``--out``: ``pdl_<gpu>.json``.
 """
 
 from __future__ import annotations
@@ -27,33 +31,48 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from atom_kernels.ops._pdl import prefetch_rows  # noqa: E402
+
+# variant -> (PDL: 0 off, 1 wait then trigger, 2 trigger then wait; PREFETCH: 0 none, 1 registers, 2 L2)
+VARIANTS = {
+    "serial": (0, 0),
+    "pdl": (1, 0),
+    "pdl_prefetch": (1, 1),
+    "pdl_l2": (1, 2),
+    "early": (2, 0),
+    "early_l2": (2, 2),
+}
 
 
 @triton.jit
-def _gemv_kernel(w_ptr, x_ptr, y_ptr, K, PDL: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gemv_kernel(w_ptr, x_ptr, y_ptr, N, K, PDL: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
-    if PREFETCH:
+    if PREFETCH == 1:
         w = tl.load(w_ptrs).to(tl.float32)  # independent of the previous kernel: before the wait
-    if PDL:
+    if PREFETCH == 2:
+        prefetch_rows(w_ptr, rows, N, K, 0, K)
+    if PDL == 2:
+        gdc_launch_dependents()
+        gdc_wait()
+    elif PDL == 1:
         gdc_wait()
         gdc_launch_dependents()
-    if not PREFETCH:
+    if PREFETCH != 1:
         w = tl.load(w_ptrs).to(tl.float32)
     x = tl.load(x_ptr + cols)
     tl.store(y_ptr + rows, tl.sum(w * x[None, :], 1))
 
 
 def chain(ws, xs, variant: str, block_n: int) -> None:
-    pdl = variant != "serial"
-    prefetch = variant == "pdl_prefetch"
+    pdl, prefetch = VARIANTS[variant]
     for i, w in enumerate(ws):
         n, k = w.shape
         _gemv_kernel[(n // block_n,)](
-            w, xs[i], xs[i + 1], k, PDL=pdl, PREFETCH=prefetch, BLOCK_N=block_n, BLOCK_K=k, num_warps=4,
-            launch_pdl=pdl,
+            w, xs[i], xs[i + 1], n, k, PDL=pdl, PREFETCH=prefetch, BLOCK_N=block_n, BLOCK_K=k, num_warps=4,
+            launch_pdl=pdl > 0,
         )  # fmt: skip
 
 
@@ -71,7 +90,7 @@ def main() -> None:
         ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5 for _ in range(args.layers)]
         base = {}
         x0 = torch.randn(max(n, k), device=device)
-        for variant in ("serial", "pdl", "pdl_prefetch"):
+        for variant in VARIANTS:
             xs = [torch.zeros(max(n, k), device=device) for _ in range(args.layers + 1)]
             xs[0].copy_(x0)
             chain(ws, xs, variant, block_n)  # compile
@@ -100,7 +119,7 @@ def main() -> None:
             }
             rows.append(r)
             print(r, flush=True)
-    common.write_json(out / "pdl_h200.json", {"env": common.environment(), "ceilings": ceil, "rows": rows})
+    common.write_json(out / f"pdl_{common.gpu_tag(device)}.json", {"env": common.environment(), "ceilings": ceil, "rows": rows})
 
 
 if __name__ == "__main__":

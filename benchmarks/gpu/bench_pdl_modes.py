@@ -1,0 +1,133 @@
+"""The FP8 engine's graphed step under each launch mode of the Triton kernels, side by side in one process.
+
+One engine (80B-A3B width, FP8, ``--layers`` layers + MTP, fp8 KV cache, random weights, k = ``--k``) is built
+once. For every batch size and round, each mode sets its environment, drops the engine's CUDA graphs (they
+are captured again under the mode's launch options), places ``B`` fresh requests at ``--ctx`` tokens and
+times ``--steps`` graphed engine steps (median wall time, host included) and the target and propose graphs
+alone (replays). Rounds alternate the order of the modes. Modes:
+
+- ``off``: ``ATOM_KERNELS_PDL=0`` (plain launches);
+- ``pdl``: programmatic dependent launch, each kernel waits for its predecessor, then lets the next launch;
+- ``prefetch``: as ``pdl``, and the kernels that read static weights (the FP8 linears, the bf16 GEMV, the
+  fused router) ask the L2 for their weight slice, line by line, before the wait;
+- ``prefetch_moe``: as ``prefetch``, and the MoE pair GEMMs ask the L2 for their expert's weight slice
+  right after the wait (the expert ids are known only then);
+- ``early``: each kernel lets the next launch before it waits.
+
+``--out``: ``pdl_modes_<gpu>_<layers>layers.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_engine  # noqa: E402
+import common  # noqa: E402
+
+MODES = {
+    "off": {"ATOM_KERNELS_PDL": "0", "ATOM_KERNELS_PDL_EXP": ""},
+    "pdl": {"ATOM_KERNELS_PDL": "1", "ATOM_KERNELS_PDL_EXP": ""},
+    "prefetch": {"ATOM_KERNELS_PDL": "1", "ATOM_KERNELS_PDL_EXP": "prefetch"},
+    "prefetch_moe": {"ATOM_KERNELS_PDL": "1", "ATOM_KERNELS_PDL_EXP": "prefetch,moe_prefetch"},
+    "early": {"ATOM_KERNELS_PDL": "1", "ATOM_KERNELS_PDL_EXP": "trigger_first"},
+}
+
+
+def drop_graphs(engine) -> None:
+    g = engine.graphs
+    g._targets.clear()
+    g._proposers.clear()
+    gc.collect()
+
+
+def main() -> None:
+    from atom_models.engine import EngineConfig, LLMEngine
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--k", type=int, default=1)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script)")
+    args = ap.parse_args()
+    out = common.out_dir(args.out)
+    if args.smoke:
+        device, dtype, ceil = torch.device("cpu"), torch.float32, {}
+        dims = {**bench_engine.SMOKE, "num_hidden_layers": 2}
+        args.ctx, args.steps, args.batches = 32, 2, [1, 2]
+    else:
+        device, dtype = common.require_cuda(), torch.bfloat16
+        ceil = common.ceilings(out, device)
+        dims = {**bench_engine.WIDE, "num_hidden_layers": args.layers}
+    cfg = bench_engine.model_config(dims, True)
+    max_tokens = 4 * (args.steps + 4) * (1 + args.k) + 32
+    ec = EngineConfig(
+        num_speculative_tokens=args.k,
+        max_num_seqs=max(args.batches),
+        max_model_len=args.ctx + max_tokens,
+        cuda_graphs=True,
+        kv_cache_dtype="fp8",
+    )
+    t0 = time.perf_counter()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows: list[dict] = []
+    with torch.no_grad():
+        engine = LLMEngine(cfg, ec, dtype=dtype, device=device)
+        bench_engine.randomize(engine, seed=args.k)
+        print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
+        for b in args.batches:
+            for rnd in range(args.rounds):
+                order = args.modes if rnd % 2 == 0 else args.modes[::-1]
+                for mode in order:
+                    os.environ.update(MODES[mode])
+                    drop_graphs(engine)
+                    bench_engine.place_running(engine, b, args.ctx, max_tokens, seed=b)
+                    bench_engine.time_steps(engine, 3, sync)  # capture this bucket under the mode
+                    step = bench_engine.time_steps(engine, args.steps, sync)
+                    g = engine.graphs
+                    bucket = g.bucket(b)
+                    target = bench_engine.gpu_ms(g._targets[(1 + args.k, bucket)], args.smoke)
+                    prop = g._proposers.get((args.k, bucket))
+                    propose = bench_engine.gpu_ms(prop, args.smoke) if prop is not None else None
+                    bench_engine.clear_running(engine)
+                    r = {"bench": "engine_pdl_mode", "mode": mode, "B": b, "k": args.k, "round": rnd,
+                         "step_ms": step, "target_ms": target, "propose_ms": propose}  # fmt: skip
+                    rows.append(r)
+                    print(r, flush=True)
+    summary = []
+    for b in args.batches:
+        for mode in args.modes:
+            rs = [r for r in rows if r["B"] == b and r["mode"] == mode]
+            summary.append(
+                {
+                    "B": b,
+                    "mode": mode,
+                    "step_ms": statistics.median(r["step_ms"] for r in rs),
+                    "target_ms": statistics.median(r["target_ms"] for r in rs),
+                    "propose_ms": statistics.median(r["propose_ms"] or 0.0 for r in rs),
+                }
+            )
+    common.print_table(summary, ["B", "mode", "step_ms", "target_ms", "propose_ms"])
+    name = f"pdl_modes_{common.gpu_tag(device)}_{cfg.num_hidden_layers}layers.json"
+    common.write_json(
+        out / name,
+        {"env": common.environment() if not args.smoke else {}, "ceilings": ceil, "layers": args.layers, "k": args.k, "rows": rows,
+         "summary": summary, "wall_s": time.perf_counter() - t0},
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
