@@ -1,20 +1,19 @@
-"""The FP8 engine's graphed step under each launch mode of the Triton kernels, side by side in one process.
+"""The FP8 engine's graphed step under each launch / metadata mode, side by side in one process.
 
 One engine (80B-A3B width, FP8, ``--layers`` layers + MTP, fp8 KV cache, random weights, k = ``--k``) is built
 once. For every batch size and round, each mode sets its environment, drops the engine's CUDA graphs (they
 are captured again under the mode's launch options), places ``B`` fresh requests at ``--ctx`` tokens and
-times ``--steps`` graphed engine steps (median wall time, host included) and the target and propose graphs
-alone (replays). Rounds alternate the order of the modes. Modes:
+times ``--steps`` graphed engine steps (median wall time, host included; ``bench_engine.host_breakdown``'s
+phases) and the target and propose graphs alone (replays). Rounds alternate the order of the modes. Modes:
 
 - ``off``: ``ATOM_KERNELS_PDL=0`` (plain launches);
-- ``pdl``: programmatic dependent launch, each kernel waits for its predecessor, then lets the next launch;
-- ``prefetch``: as ``pdl``, and the kernels that read static weights (the FP8 linears, the bf16 GEMV, the
-  fused router) ask the L2 for their weight slice, line by line, before the wait;
-- ``prefetch_moe``: as ``prefetch``, and the MoE pair GEMMs ask the L2 for their expert's weight slice
-  right after the wait (the expert ids are known only then);
-- ``early``: each kernel lets the next launch before it waits.
+- ``pdl``: programmatic dependent launch (the default);
+- ``host_fill``: as ``pdl``, but every step's metadata is filled on the host and copied, as if the
+  previous step had not advanced it on the device (``DecodeGraphs._continues`` answers no).
 
-``--out``: ``pdl_modes_<gpu>_<layers>layers.json``.
+Launch forms measured slower in the engine and removed (trigger before the wait, L2 prefetch of static
+weights before it): ``benchmarks/results/pdl_launch_modes_h100_32layers.json``. ``--out``:
+``pdl_modes_<gpu>_<layers>layers.json``.
 """
 
 from __future__ import annotations
@@ -34,11 +33,9 @@ import bench_engine  # noqa: E402
 import common  # noqa: E402
 
 MODES = {
-    "off": {"ATOM_KERNELS_PDL": "0", "ATOM_KERNELS_PDL_EXP": ""},
-    "pdl": {"ATOM_KERNELS_PDL": "1", "ATOM_KERNELS_PDL_EXP": ""},
-    "prefetch": {"ATOM_KERNELS_PDL": "1", "ATOM_KERNELS_PDL_EXP": "prefetch"},
-    "prefetch_moe": {"ATOM_KERNELS_PDL": "1", "ATOM_KERNELS_PDL_EXP": "prefetch,moe_prefetch"},
-    "early": {"ATOM_KERNELS_PDL": "1", "ATOM_KERNELS_PDL_EXP": "trigger_first"},
+    "off": {"ATOM_KERNELS_PDL": "0"},
+    "pdl": {"ATOM_KERNELS_PDL": "1"},
+    "host_fill": {"ATOM_KERNELS_PDL": "1"},
 }
 
 
@@ -93,18 +90,24 @@ def main() -> None:
                 order = args.modes if rnd % 2 == 0 else args.modes[::-1]
                 for mode in order:
                     os.environ.update(MODES[mode])
+                    g = engine.graphs
+                    if mode == "host_fill":  # every step filled on the host: no device-advanced metadata
+                        g._continues = lambda *a: False
+                    else:
+                        g.__dict__.pop("_continues", None)
                     drop_graphs(engine)
                     bench_engine.place_running(engine, b, args.ctx, max_tokens, seed=b)
                     bench_engine.time_steps(engine, 3, sync)  # capture this bucket under the mode
                     step = bench_engine.time_steps(engine, args.steps, sync)
-                    g = engine.graphs
+                    host = bench_engine.host_breakdown(engine, args.steps, sync)
                     bucket = g.bucket(b)
                     target = bench_engine.gpu_ms(g._targets[(1 + args.k, bucket)], args.smoke)
                     prop = g._proposers.get((args.k, bucket))
                     propose = bench_engine.gpu_ms(prop, args.smoke) if prop is not None else None
                     bench_engine.clear_running(engine)
                     r = {"bench": "engine_pdl_mode", "mode": mode, "B": b, "k": args.k, "round": rnd,
-                         "step_ms": step, "target_ms": target, "propose_ms": propose}  # fmt: skip
+                         "step_ms": step, "target_ms": target, "propose_ms": propose, "host_ms": host,
+                         "advanced_steps": g.advanced_steps}  # fmt: skip
                     rows.append(r)
                     print(r, flush=True)
     summary = []

@@ -320,7 +320,7 @@ def test_gated_norm_kernel_compiles_for_sm90(rows, swap, split):
     for gated in (False, True):
         consts = dict(EPS=1e-10, FMAX=448.0, BN_Q=128, GROUP=128, ROWS=rows, BLOCK_N=32, SWAP_AB=swap,
                       EVEN_K=True, SPLIT=split, HAS_BIAS=False, PDL=rows == 2, GATED_NORM=gated,
-                      NORM_EPS=1e-6 if gated else 0.0, RMS_NORM=False, HAS_RES=False, SS_BLOCK=128, PREFETCH=False)  # fmt: skip
+                      NORM_EPS=1e-6 if gated else 0.0, RMS_NORM=False, HAS_RES=False, SS_BLOCK=128)  # fmt: skip
         src = ASTSource(
             triton_decode._fp8_linear_decode_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
         )

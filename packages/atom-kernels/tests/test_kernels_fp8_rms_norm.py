@@ -356,7 +356,7 @@ def test_rms_norm_kernel_compiles_for_sm90(rows, swap, split, res, one):
         consts = dict(EPS=1e-10, FMAX=448.0, BN_Q=128, GROUP=128, ROWS=rows, BLOCK_N=32, SWAP_AB=swap,
                       EVEN_K=True, SPLIT=split, HAS_BIAS=False, PDL=rows == 2, GATED_NORM=False,
                       NORM_EPS=1e-6 if on else 0.0, RMS_NORM=on, HAS_RES=on and res,
-                      SS_BLOCK=max(128, 2048 // rows), PREFETCH=False, **dict.fromkeys(one, 1))  # fmt: skip
+                      SS_BLOCK=max(128, 2048 // rows), **dict.fromkeys(one, 1))  # fmt: skip
         src = ASTSource(
             triton_decode._fp8_linear_decode_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts
         )

@@ -52,7 +52,7 @@ import triton.language as tl
 
 from atom_kernels.ops._device import device_name, device_sms
 from atom_kernels.ops._fp8_math import FP8_MAX, scale_tensor
-from atom_kernels.ops._pdl import launch_options, pdl_enter, prefetch_options, prefetch_rows
+from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.fp8.checks import (
     check_fp8_act_quant,
     check_fp8_block_dequant,
@@ -101,11 +101,11 @@ def _fp8_gemm_kernel(
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs, TILES_PER_SPLIT,
     BN_Q: tl.constexpr, BK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """``c[m, n] = sum_k a[m, k] b[n, k] as[m, k // BK_Q] bs[n // BN_Q, k // BK_Q]`` over this program's
-    K tiles; PARTIAL: float32 partial sums to ``c[pid_k]`` (no bias), else the output in c's dtype.
-    PREFETCH: the program's weight slice is prefetched into L2 before the PDL wait."""
+    K tiles; PARTIAL: float32 partial sums to ``c[pid_k]`` (no bias), else the output in c's dtype."""
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -127,9 +127,6 @@ def _fp8_gemm_kernel(
     b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
     bs_ptrs = bs_ptr + (offs_n // BN_Q).to(tl.int64) * stride_bsn
-    if PREFETCH:  # static weights: their stream starts while the previous kernel runs
-        prefetch_rows(b_ptr, offs_n, N, stride_bn, t0 * BLOCK_K, tl.minimum(t1 * BLOCK_K, K) - t0 * BLOCK_K)
-    pdl_enter(PDL)  # the first memory access after it: wait for the previous kernel (PDL launches)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for kt in range(t0, t1):
         k0 = kt * BLOCK_K
@@ -314,7 +311,6 @@ def _launch_gemm(a, a_scales, w, w_scales, block, out_dtype, bias, cfg) -> torch
         BN_Q=bn, BK_Q=bk, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         GROUP_M=cfg["GROUP_M"], PARTIAL=partial, HAS_BIAS=has_bias,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(a.device),
-        **(prefetch_options(w, cfg["BLOCK_K"]) if m <= 64 else {}),
     )  # fmt: skip
     if partial:
         block_r = 1024

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from atom_kernels.ops._fp8_math import FP8_MAX
-from atom_kernels.ops._pdl import launch_options, pdl_enter, prefetch_options, prefetch_rows
+from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.fp8.reference import ACT_SCALE_EPS
 
 
@@ -86,7 +86,7 @@ def _fp8_linear_decode_kernel(
     BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False, GATED_NORM: tl.constexpr = False,
     NORM_EPS: tl.constexpr = 0.0, RMS_NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
-    SS_BLOCK: tl.constexpr = 128, PREFETCH: tl.constexpr = False,
+    SS_BLOCK: tl.constexpr = 128,
 ):  # fmt: skip
     """``y[:M, n-tile] = x @ w.T`` for decode-sized ``M <= ROWS``; program ``(pid_n, pid_k)``
     covers ``BLOCK_N`` columns and K groups ``[pid_k * GROUPS_PER_SPLIT, ...)`` of ``GROUP`` channels.
@@ -108,9 +108,8 @@ def _fp8_linear_decode_kernel(
     ``stride_rm``), ``nw`` the ``[K]`` zero-centred norm weight; each group is replaced by ``_rms_norm_group``
     of it (the row's ``_row_inv_rms`` computed first by every program) before ``_quant_e4m3``; the programs
     with ``pid_n == 0`` store ``h = x + res`` (``h_ptr``, HAS_RES) and the normed values (``yn_ptr``) of
-    their K groups (``rms_norm`` then this kernel, up to the float32 order of the sum of squares).
-
-    PREFETCH: the program's weight slice is prefetched into L2 before the PDL wait."""
+    their K groups (``rms_norm`` then this kernel, up to the float32 order of the sum of squares)."""
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_r = tl.arange(0, ROWS)
@@ -120,9 +119,6 @@ def _fp8_linear_decode_kernel(
     n_ok = offs_n < N
     g0 = pid_k * GROUPS_PER_SPLIT
     g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, tl.cdiv(K, GROUP))
-    if PREFETCH:  # static weights: their stream starts while the previous kernel runs
-        prefetch_rows(w_ptr, offs_n, N, stride_wn, g0 * GROUP, tl.minimum(g1 * GROUP, K) - g0 * GROUP)
-    pdl_enter(PDL)  # the first memory access after it: wait for the previous kernel (PDL launches)
     ws_ptrs = ws_ptr + (offs_n // BN_Q).to(tl.int64) * stride_wsn
     if GATED_NORM:
         nw = tl.load(nw_ptr + offs_g).to(tl.float32)
@@ -281,6 +277,5 @@ def launch_decode(x, w, w_scales, block, bias, cfg, tickets=None, gate=None, nor
         HAS_RES=norm is not None and residual is not None,
         SS_BLOCK=_ss_block(k, bk, rows) if norm is not None else 128,  # the plain kernel: one specialisation
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x.device),
-        **prefetch_options(w, bk),
     )  # fmt: skip
     return out if norm is None else (out, normed, h)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from atom_kernels.ops._device import device_sms
-from atom_kernels.ops._pdl import launch_options, pdl_enter, prefetch_options, prefetch_rows
+from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.linear.checks import check_linear
 
 # Largest row count on the GEMV path: every program multiplies all M rows with its weight tile, so the
@@ -44,17 +44,14 @@ MIN_BLOCK_K = 32
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """``y[:M, n-tile] = x @ w[n-tile].T (+ b[n-tile])`` for ``M <= ROWS``; program ``pid`` covers the
-    ``BLOCK_N`` features from ``pid * BLOCK_N``. ``y`` is contiguous ``[M, N]``. PREFETCH: the program's
-    weight rows are prefetched into L2 before the PDL wait."""
+    ``BLOCK_N`` features from ``pid * BLOCK_N``. ``y`` is contiguous ``[M, N]``."""
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     pid = tl.program_id(0)
     offs_r = tl.arange(0, ROWS)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PREFETCH:  # static weights: their stream starts while the previous kernel runs
-        prefetch_rows(w_ptr, offs_n, N, stride_wn, 0, K)
-    pdl_enter(PDL)  # the first memory access after it: wait for the previous kernel (PDL launches)
     offs_k = tl.arange(0, BLOCK_K)
     # 3-d pointer tiles ([ROWS, 1, BLOCK_K] and [1, BLOCK_N, BLOCK_K]): the loads take the accumulator's
     # layout (16-byte vectors along K), so the product needs no layout conversion
@@ -147,6 +144,5 @@ def linear(
         stride_xm=x2.stride(0), stride_wn=weight.stride(0), ROWS=cfg["ROWS"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0, HAS_BIAS=bias is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x.device),
-        **prefetch_options(weight),
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], n)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from atom_kernels.ops._fp8_math import FP8_MAX
-from atom_kernels.ops._pdl import experts_prefetch_options, launch_options, pdl_enter, prefetch_rows
+from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.fp8.reference import ACT_SCALE_EPS
 from atom_kernels.ops.fp8.triton_decode import _quant_e4m3
 from atom_kernels.ops.moe.triton import weighted_sum
@@ -73,21 +73,16 @@ def _moe_pair_gemm1_fp8_kernel(
     x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, H, inter, nb_inter,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_at,
     EPS: tl.constexpr, FMAX: tl.constexpr, BN_Q: tl.constexpr, GROUP: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """``act[p, n-tile] = silu(g) * u`` for pair ``p = program_id(0)`` (token ``p // TOP_K``, expert
-    ``ids[p]``), ``g`` / ``u`` its gate / up rows of ``w13[e]`` times the quantised token. PREFETCH: the
-    program's gate and up rows are asked of the L2 in bulk before the K loop."""
+    ``ids[p]``), ``g`` / ``u`` its gate / up rows of ``w13[e]`` times the quantised token."""
     pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + p).to(tl.int64)
     if e < 0:  # an expert this rank does not hold: no activation row (the second GEMM skips the pair)
         return
-    if PREFETCH:
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        prefetch_rows(w_ptr + e * stride_we, rows, inter, stride_wn, 0, H)
-        prefetch_rows(w_ptr + e * stride_we + inter * stride_wn, rows, inter, stride_wn, 0, H)
     tok = (p // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_g = tl.arange(0, GROUP)
@@ -124,7 +119,6 @@ def _moe_pair_gemm2_fp8_kernel(
     stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt, stride_ot,
     EPS: tl.constexpr, FMAX: tl.constexpr, BN_Q: tl.constexpr, GROUP: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, FUSED_SUM: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """``y[p, n-tile] = quant(act[p]) @ w2[ids[p]].T`` for pair ``p = program_id(0)``, in y's dtype.
 
@@ -142,8 +136,6 @@ def _moe_pair_gemm2_fp8_kernel(
     c_ok = offs_c < 1
     n_ok = offs_n < H
     if e >= 0:  # id -1: an expert this rank does not hold; no row, but the pair still takes its ticket
-        if PREFETCH:  # the program's rows of w2[e], asked of the L2 in bulk before the K loop
-            prefetch_rows(w_ptr + e * stride_we, offs_n, H, stride_wn, 0, inter)
         a_ptrs = a_ptr + p.to(tl.int64) * stride_at + offs_g[:, None] + offs_c[None, :] * 0
         w_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_g[None, :]
         s_ptrs = ws_ptr + e * stride_se + (offs_n // BN_Q) * stride_sn
@@ -211,7 +203,7 @@ def pair_experts_fp8(
         stride_wn=w13.stride(1), stride_se=w13_scale.stride(0), stride_sn=w13_scale.stride(1),
         stride_at=act.stride(0), EPS=ACT_SCALE_EPS, FMAX=FP8_MAX, BN_Q=bn, GROUP=bk, TOP_K=top_k,
         BLOCK_N=cfg["PN1"], EVEN_K=hidden % bk == 0, num_warps=cfg["PW1"], num_stages=cfg["PS1"],
-        **launch_options(dev), **experts_prefetch_options(w13),
+        **launch_options(dev),
     )  # fmt: skip
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=dev)
     _moe_pair_gemm2_fp8_kernel[(num_pairs, tiles)](
@@ -220,6 +212,6 @@ def pair_experts_fp8(
         stride_wn=w2.stride(1), stride_se=w2_scale.stride(0), stride_sn=w2_scale.stride(1),
         stride_yt=y.stride(0), stride_ot=out.stride(0), EPS=ACT_SCALE_EPS, FMAX=FP8_MAX, BN_Q=bn, GROUP=bk,
         TOP_K=top_k, BLOCK_N=cfg["PN2"], EVEN_K=inter % bk == 0, FUSED_SUM=fused, num_warps=cfg["PW2"],
-        num_stages=cfg["PS2"], **launch_options(dev), **experts_prefetch_options(w2),
+        num_stages=cfg["PS2"], **launch_options(dev),
     )  # fmt: skip
     return out if fused else weighted_sum(y, flat_w, flat_ids, out, top_k)

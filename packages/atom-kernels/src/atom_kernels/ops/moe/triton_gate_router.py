@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from atom_kernels.ops._pdl import launch_options, pdl_enter, prefetch_options, prefetch_rows
+from atom_kernels.ops._pdl import launch_options, pdl_enter
 from atom_kernels.ops.moe.checks import check_moe_gate_router
 from atom_kernels.ops.moe.triton import moe_router
 
@@ -50,17 +50,13 @@ def _gate_router_kernel(
     TOP_K: tl.constexpr, RENORM: tl.constexpr, NUM_SHARED: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr,
     SUB: tl.constexpr, GROUPS: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """Logits of router rows ``[pid * BLOCK_E, +BLOCK_E)`` for tokens ``0 .. T - 1`` (``T <= ROWS``), then,
-    in the last program to arrive, the routing of every token (module docstring). PREFETCH: the
-    program's router rows are prefetched into L2 before the PDL wait."""
+    in the last program to arrive, the routing of every token (module docstring)."""
+    pdl_enter(PDL)  # first: wait for the previous kernel (PDL launches)
     pid = tl.program_id(0)
     offs_t = tl.arange(0, ROWS)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
-    if PREFETCH:  # static weights: their stream starts while the previous kernel runs
-        prefetch_rows(w_ptr, offs_e, cols, stride_w, 0, H)
-    pdl_enter(PDL)  # the first memory access after it: wait for the previous kernel (PDL launches)
     offs_h = tl.arange(0, BLOCK_H)
     t_ok = offs_t < T
     e_ok = offs_e < cols
@@ -186,6 +182,6 @@ def moe_gate_router(
         ROWS=rows, BLOCK_E=block_e, BLOCK_H=min(triton.next_power_of_2(hidden), MAX_TILE // block_e),
         E_P2=e_p2, K_P2=triton.next_power_of_2(top_k), SUB=e_p2 // (groups * lanes), GROUPS=groups,
         LANES=lanes, num_warps=num_warps,
-        **launch_options(x.device), **prefetch_options(gate_weight),
+        **launch_options(x.device),
     )  # fmt: skip
     return weights, ids
