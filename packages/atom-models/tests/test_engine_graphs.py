@@ -144,6 +144,73 @@ def test_graph_replays_reproduce_greedy_and_do_not_sync_on_cuda(model_dir, greed
     assert eng.graphs.num_captured >= 2 and replays
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_device_advanced_metadata_equals_a_host_fill(model_dir, greedy_cases, k):
+    """Consecutive greedy steps of the same requests run over the metadata the previous propose forward
+    wrote on the device, without a host fill: before each such step it equals, row for row (padding rows
+    included), what ``StepMetadata.fill`` writes for the requests as the host booked them; a step whose
+    requests changed (one finished) fills; tokens equal the float32 greedy reference."""
+    from atom_models.engine.step_buffers import StepMetadata
+
+    eng = float32_engine(model_dir, k)
+    g = eng.graphs
+    real = g.run_target
+    checked: list[int] = []
+
+    def run_target(decodes):
+        b, q = g.bucket(len(decodes)), 1 + decodes[0].num_spec
+        if g._continues(decodes, b, q):
+            m = g.meta
+            ref = StepMetadata(max_tokens=m.input_ids.numel(), max_batch=m.seq_lens.numel(),
+                               max_blocks=m.max_blocks, block_size=m.block_size, device=m.device)  # fmt: skip
+            ref.fill(decodes, b, q)
+            for name, n in (("input_ids", b * q), ("positions", b * q), ("slot_mapping", b * q),
+                            ("seq_lens", b), ("gdn_slots", b), ("num_accepted", b), ("tables", b)):  # fmt: skip
+                got, want = getattr(m, name)[:n], getattr(ref, name)[:n]
+                assert torch.equal(got, want), f"{name} after step {g.target_runs}: {got} != {want}"
+            checked.append(b)
+        return real(decodes)
+
+    g.run_target = run_target
+    cases = greedy_cases["cases"][:3]
+    lens = [30, 17, 9]
+    res = eng.generate(
+        [c["prompt_ids"] for c in cases], [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens]
+    )
+    for i, (r, c, n) in enumerate(zip(res, cases, lens)):
+        assert r.output_ids == c["greedy_ids"][:n], f"k={k} case {i}"
+    assert g.advanced_steps == len(checked) > 0
+    assert set(checked) >= {4, 1}, checked  # three requests (bucket 4) and the last one alone
+    assert g.meta.h2d_copies == g.target_runs - g.advanced_steps
+
+
+def test_a_step_run_elsewhere_makes_the_next_step_fill(model_dir, greedy_cases):
+    """Two greedy requests run bucketed; a third arrives and finishes in its prompt step (max_tokens 1),
+    which runs eagerly and advances the two on the host. The next step holds the same two requests in
+    the same rows, but the device's metadata is a step behind: it must fill, and tokens stay exact."""
+    cases = greedy_cases["cases"][:3]
+    eng = float32_engine(model_dir, 1)
+    g = eng.graphs
+    ids = [
+        eng.add_request(c["prompt_ids"], SamplingParams(max_tokens=24, ignore_eos=True)) for c in cases[:2]
+    ]
+    reqs = [r for r in eng.waiting if r.request_id in ids]
+    for _ in range(4):
+        eng.step()
+    assert g.advanced_steps > 0
+    rid = eng.add_request(cases[2]["prompt_ids"], SamplingParams(max_tokens=1, ignore_eos=True))
+    reqs += [r for r in eng.waiting if r.request_id == rid]
+    before = (g.advanced_steps, g.meta.h2d_copies)
+    eng.step()  # the prompt step: eager, the two advance on the host
+    eng.step()  # the same two requests again: a fill, not the device's stale metadata
+    assert (g.advanced_steps, g.meta.h2d_copies) == (before[0], before[1] + 1)
+    while eng.has_unfinished():
+        eng.step()
+    assert [len(r.output_ids) for r in reqs] == [24, 24, 1]
+    for i, (c, r) in enumerate(zip(cases, reqs)):
+        assert r.output_ids == c["greedy_ids"][: len(r.output_ids)], f"request {i}"
+
+
 def _request(rid: int, blocks: list[int], slot: int, computed: int, drafts: list[int]):
     from atom_models.engine.request import Request
 

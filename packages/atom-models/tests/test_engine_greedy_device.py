@@ -79,8 +79,9 @@ def test_graphed_greedy_steps_equal_the_host_path(model_dir, greedy_cases, k, mo
     """Lock-step: a graphed and a host-decided engine over the same 5 greedy requests; after every step
     the requests' states are equal. Request 0 stops on an eos token first emitted at output 14, the
     others at max_tokens not aligned to 1 + k, and with k = 3 both stops fall inside an accepted span
-    (tokens read from the device that are not emitted). Every graphed greedy step copies its metadata
-    once and reads its results once, and never reads the logits."""
+    (tokens read from the device that are not emitted). Every graphed greedy step reads its results once
+    and never reads the logits; it copies its metadata once, or not at all when the same requests continue
+    over the metadata the previous step advanced on the device."""
     cases = greedy_cases["cases"][:5]
     eos_tok = cases[0]["greedy_ids"][_first_new_token(cases[0]["greedy_ids"], 14)]
     engines = [_engine(model_dir, k, graphs, (eos_tok,)) for graphs in (True, False)]
@@ -106,18 +107,22 @@ def test_graphed_greedy_steps_equal_the_host_path(model_dir, greedy_cases, k, mo
     monkeypatch.setattr(g, "run_greedy", run_greedy)
 
     def counters():
-        return g.propose_runs, g.reader.reads, g.meta.h2d_copies, len(logit_reads)
+        return g.propose_runs, g.reader.reads, g.meta.h2d_copies, len(logit_reads), g.advanced_steps
 
-    graphed_steps, cut = 0, set()
+    graphed_steps, advanced_steps, cut = 0, 0, set()
     while host.has_unfinished():
         before = counters()
         results.clear()
         info = graphed.step()  # counted alone: the host engine reads its logits
-        runs, reads, copies, logits = (now - then for now, then in zip(counters(), before))
+        runs, reads, copies, logits, advanced = (now - then for now, then in zip(counters(), before))
         infos = [info, host.step()]
         if runs:
             graphed_steps += 1
-            assert (reads, copies, logits) == (1, 1, 0), "a graphed greedy step: one copy each way"
+            assert (reads, copies + advanced, logits) == (1, 1, 0), (
+                "a graphed greedy step: one result read; one metadata copy, or none over the metadata the "
+                "device advanced"
+            )
+            advanced_steps += advanced
         assert infos[0] == infos[1]
         assert _state(graphed) == _state(host)
         for req, res, pre in results:
@@ -126,6 +131,7 @@ def test_graphed_greedy_steps_equal_the_host_path(model_dir, greedy_cases, k, mo
         assert all(len(r.drafts) == k for r in graphed.running)
     assert not graphed.has_unfinished()
     assert graphed_steps > 5
+    assert 0 < advanced_steps < graphed_steps  # steps after a finish fill
     if k == 3:
         assert cut == {"stop", "length"}, cut
 

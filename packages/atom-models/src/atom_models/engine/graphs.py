@@ -20,7 +20,12 @@ metadata is copied into buffers sized for the largest bucket. Two forwards per b
   trip. For a request that finishes inside its emitted tokens (eos, max_tokens) the MTP inputs past the
   stop differ from the request's tokens: its drafts are dropped.
 
-The step's metadata reaches the device with one copy (:class:`~atom_models.engine.step_buffers.StepMetadata`).
+The step's metadata reaches the device with one copy (:class:`~atom_models.engine.step_buffers.StepMetadata`),
+or with none: the acceptance + propose forward ends by writing the next step's metadata over the step's own
+(:meth:`DecodeGraphs._advance`: each sequence's corrected / bonus token and new drafts at the positions after
+its accepted ones, their KV slots through its block table, ``seq_len`` and ``num_accepted``), so when the
+next step holds the same requests in the same rows (none finished, none admitted) the host only checks that
+their blocks cover the new positions and replays (``advanced_steps`` counts those steps).
 
 Padding rows use GDN slot -1 and KV slot -1 (nothing read from or written to any real slot), block
 table row 0s and ``seq_len = q``; their outputs are ignored. With ``capture`` (CUDA) each forward is
@@ -128,6 +133,10 @@ class DecodeGraphs:
         self._last_target: TargetOutputs | None = None
         self.target_runs = 0  # bucketed target forwards run (replayed when captured)
         self.propose_runs = 0  # bucketed MTP propose forwards run
+        self.advanced_steps = 0  # target forwards run over metadata the previous step wrote on the device
+        # the last propose forward's (requests, bucket, q, each request's next position): the device holds
+        # their next step's metadata
+        self._continuing: tuple[tuple[Request, ...], int, int, tuple[int, ...]] | None = None
 
     @property
     def num_captured(self) -> int:
@@ -162,12 +171,33 @@ class DecodeGraphs:
         b = self.bucket(n)
         key = (q, b)
         if key not in self._targets:
-            self._capture_bucket(q, b)
-        self.meta.fill(decodes, b, q)
+            self._capture_bucket(q, b)  # over padding rows: whatever the buffers held is gone
+            self._continuing = None
+        if self._continues(decodes, b, q):
+            self.meta.check_blocks(decodes, q)
+            self.advanced_steps += 1
+        else:
+            self.meta.fill(decodes, b, q)
+        self._continuing = None
         spans = tuple(SeqSpan(req, req.num_computed, q, False, i * q, i * q) for i, req in enumerate(decodes))
         self._last_target = self._targets[key]()
         self.target_runs += 1
         return self._last_target, spans
+
+    def _continues(self, decodes: tuple[Request, ...], b: int, q: int) -> bool:
+        """Whether ``decodes`` are the requests of the last propose forward, in its rows and bucket: then
+        the device holds their metadata for this step (:meth:`_advance`), as the host booked their tokens."""
+        c = self._continuing
+        return (
+            c is not None
+            and c[1:3] == (b, q)
+            and len(c[0]) == len(decodes)
+            and all(x is y and x.num_computed == p for x, y, p in zip(c[0], decodes, c[3]))
+        )
+
+    def forget(self) -> None:
+        """The device's next-step metadata no longer describes the requests (a step ran elsewhere)."""
+        self._continuing = None
 
     def _attn(self, q: int, b: int) -> AttentionMeta:
         t = b * q
@@ -198,7 +228,10 @@ class DecodeGraphs:
         q = 1 + s
         packed = self._proposers[(s, self.bucket(n))]()
         self.propose_runs += 1
-        return [GreedyResult(r[0], r[1 : 2 + r[0]], r[1 + q :]) for r in self.reader.read(packed[:n])]
+        rows = self.reader.read(packed[:n])
+        nxt = tuple(sp.start + r[0] + 1 for sp, r in zip(spans, rows))  # where _advance put each sequence
+        self._continuing = (tuple(sp.request for sp in spans), self.bucket(n), q, nxt)
+        return [GreedyResult(r[0], r[1 : 2 + r[0]], r[1 + q :]) for r in rows]
 
     def _propose_forward(self, s: int, b: int, target: TargetOutputs | None) -> torch.Tensor:
         """Greedy acceptance, MTP inputs, MTP propose -> packed ``[b, 1 + q + s]`` int64 (module
@@ -225,7 +258,33 @@ class DecodeGraphs:
             return drafts[-1], None
 
         self.proposer.draft(h, pos, self.tables[:b], s, choose, valid)
-        return torch.cat([accepted[:, None], tokens, torch.stack(drafts, dim=1)], dim=1)
+        new_drafts = torch.stack(drafts, dim=1)
+        self._advance(accepted, tokens, new_drafts, valid, b, q)
+        return torch.cat([accepted[:, None], tokens, new_drafts], dim=1)
+
+    def _advance(self, accepted, tokens, drafts, valid, b: int, q: int) -> None:
+        """The next step's metadata of rows ``0 .. b - 1``, written over this step's after its last read: a
+        valid sequence continues at ``positions + accepted + 1`` with its corrected / bonus token
+        ``tokens[i, accepted[i]]`` and its new ``drafts``, KV slots through its block table row (columns
+        clamped to the table: :meth:`~atom_models.engine.step_buffers.StepMetadata.check_blocks` rejects a
+        request whose blocks do not cover the positions before they are used), ``seq_len + accepted + 1``
+        and ``num_accepted = accepted + 1``; padding rows keep theirs. What :meth:`StepMetadata.fill` writes
+        for the requests once the host has booked the step."""
+        t, bs = b * q, self.builder.block_size
+        v = valid[:, None]
+        a1 = accepted + 1
+        a1_32 = a1.to(self.seq_lens.dtype)
+        ids = torch.cat([tokens.gather(1, accepted[:, None]), drafts], dim=1)
+        old_pos = self.positions[:t].view(b, q)
+        pos = old_pos + a1[:, None]
+        col = torch.clamp(pos // bs, max=self.tables.shape[1] - 1)
+        slots = self.tables[:b].gather(1, col) * bs + pos % bs
+        for buf, new in ((self.input_ids, ids), (self.slot_mapping, slots), (self.positions, pos)):
+            out = buf[:t].view(b, q)  # elementwise in place: each element reads only itself
+            torch.where(v, new, out, out=out)
+        seq, acc = self.seq_lens[:b], self.num_accepted[:b]
+        torch.where(valid, seq + a1_32, seq, out=seq)
+        torch.where(valid, a1_32, acc, out=acc)
 
     # ---- buffers and capture -------------------------------------------------------------------------
     def _pad(self, b: int, q: int) -> None:

@@ -177,6 +177,8 @@ class ModelRunner:
     def _run_host_decided(self, sched: ScheduledStep) -> StepOutput:
         """Any step (prompts, mixed draft counts, sampled requests): the target forward (bucketed when
         :meth:`DecodeGraphs.supports` it, else eager), tokens decided on the host (:meth:`_decide`)."""
+        if self.graphs is not None:
+            self.graphs.forget()  # these tokens are decided here, not where the device advanced them
         graphed = self.graphs is not None and self.graphs.supports(sched)
         if graphed:
             out, spans = self.graphs.run_target(sched.decodes)

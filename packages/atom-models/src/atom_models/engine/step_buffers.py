@@ -99,16 +99,11 @@ class StepMetadata:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
+        self.check_blocks(decodes, q)
         for req in decodes:
             ids.append(req.last_token)
             ids += req.drafts
             start, blocks = req.num_computed, req.blocks
-            last_block = (start + q - 1) // bs
-            if last_block >= len(blocks):
-                raise ValueError(
-                    f"request {req.request_id}: positions up to {start + q - 1} need block {last_block}, but it "
-                    f"holds {len(blocks)} blocks of {bs}"
-                )
             for p in range(start, start + q):
                 pos.append(p)
                 slots.append(blocks[p // bs] * bs + p % bs)
@@ -130,6 +125,17 @@ class StepMetadata:
         self.h2d_copies += 1
         if self._copied is not None:
             self._copied.record()
+
+    def check_blocks(self, decodes: tuple[Request, ...], q: int) -> None:
+        """Every request of ``decodes`` holds the KV blocks of its ``q`` positions from ``num_computed``."""
+        bs = self.block_size
+        for req in decodes:
+            last = req.num_computed + q - 1
+            if last // bs >= len(req.blocks):
+                raise ValueError(
+                    f"request {req.request_id}: positions up to {last} need block {last // bs}, but it "
+                    f"holds {len(req.blocks)} blocks of {bs}"
+                )
 
     def _host_table_row(self, i: int, req: Request | None) -> None:
         """Host table row ``i`` holds ``req``'s blocks (zeros for padding); a request's blocks are fixed from
