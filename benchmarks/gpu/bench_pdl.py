@@ -53,7 +53,12 @@ def _prefetch_rows(ptr, rows, K, LINES: tl.constexpr):
     for c in range(0, K, LINES * 64):
         ptrs = ptr + rows[:, None].to(tl.int64) * K + tl.minimum(c + lines, K - 1)[None, :]
         tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+            "=r,l",
+            [ptrs],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
         )
 
 
@@ -132,7 +137,10 @@ def main() -> None:
             }
             rows.append(r)
             print(r, flush=True)
-    common.write_json(out / f"pdl_{common.gpu_tag(device)}.json", {"env": common.environment(), "ceilings": ceil, "rows": rows})
+    common.write_json(
+        out / f"pdl_{common.gpu_tag(device)}.json",
+        {"env": common.environment(), "ceilings": ceil, "rows": rows},
+    )
 
 
 if __name__ == "__main__":
