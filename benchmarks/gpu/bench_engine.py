@@ -284,7 +284,8 @@ def time_steps(engine, n: int, sync) -> float:
 
 def host_breakdown(engine, n: int, sync) -> dict:
     """Median milliseconds per graphed step in each host phase (wall clock around the engine's own calls,
-    no added synchronisation): ``schedule``, ``fill`` (metadata staging + its one copy), ``target_launch`` /
+    no added synchronisation): ``schedule``, ``fill`` (metadata staging + its one copy; absent from the steps
+    that run over the metadata the previous step advanced on the device), ``target_launch`` /
     ``propose_launch`` (the CPU side of the graph replays), ``read`` (result copy, the wait for the GPU,
     ``tolist``), ``finish`` (the scheduler's end of step), ``other`` (the rest of ``step``: the per-request
     bookkeeping) and ``step``. The GPU runs from the first launch to the end of ``read``'s wait, so every

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -19,11 +20,11 @@ from atom_models.engine.scheduler import ScheduledStep
 from atom_models.gdn_meta import GDNDecodeMeta, GDNPrefillMeta, GDNStepMeta, GDNVerifyMeta
 
 
-@dataclass(frozen=True)
-class SeqSpan:
+class SeqSpan(NamedTuple):
     """One sequence of the flat batch: its tokens are rows ``[token_offset, token_offset + num_tokens)``
     at positions ``start ..``; its logits are rows ``[logit_row, logit_row + num_logit_rows)`` of the
-    step's logits (a prompt: its last token only; a decode / verification: every token)."""
+    step's logits (a prompt: its last token only; a decode / verification: every token). A named tuple:
+    a bucketed step makes one per request, and a frozen dataclass costs several times more to build."""
 
     request: Request
     start: int

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -67,9 +67,9 @@ class TargetOutputs:
     best: torch.Tensor  # [b*q] int64 argmax of logits
 
 
-@dataclass(frozen=True)
-class GreedyResult:
-    """The host's copy of one sequence's greedy acceptance and next drafts (:meth:`DecodeGraphs.run_greedy`)."""
+class GreedyResult(NamedTuple):
+    """The host's copy of one sequence's greedy acceptance and next drafts (:meth:`DecodeGraphs.run_greedy`;
+    a named tuple: one per request and step)."""
 
     accepted: int  # drafts accepted
     tokens: list[int]  # the emitted tokens: the accepted drafts, then the corrected / bonus token

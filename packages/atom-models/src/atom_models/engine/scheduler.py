@@ -136,6 +136,9 @@ class Scheduler:
     def emit(self, req: Request, tokens: list[int]) -> int:
         """Append ``tokens`` to ``req``'s outputs up to its stop (eos unless ignored, ``max_tokens``)."""
         eos = () if req.params.ignore_eos else self.eos_token_id
+        if len(req.output_ids) + len(tokens) < req.params.max_tokens and not any(t in eos for t in tokens):
+            req.output_ids += tokens  # no stop among them: all of them
+            return len(tokens)
         n = 0
         for t in tokens:
             req.output_ids.append(t)
