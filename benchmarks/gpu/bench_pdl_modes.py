@@ -125,11 +125,16 @@ def main() -> None:
             )
     common.print_table(summary, ["B", "mode", "step_ms", "target_ms", "propose_ms"])
     name = f"pdl_modes_{common.gpu_tag(device)}_{cfg.num_hidden_layers}layers.json"
-    common.write_json(
-        out / name,
-        {"env": common.environment() if not args.smoke else {}, "ceilings": ceil, "layers": args.layers, "k": args.k, "rows": rows,
-         "summary": summary, "wall_s": time.perf_counter() - t0},
-    )  # fmt: skip
+    payload = {
+        "env": common.environment() if not args.smoke else {},
+        "ceilings": ceil,
+        "layers": cfg.num_hidden_layers,
+        "k": args.k,
+        "rows": rows,
+        "summary": summary,
+        "wall_s": time.perf_counter() - t0,
+    }
+    common.write_json(out / name, payload)
 
 
 if __name__ == "__main__":

@@ -226,11 +226,12 @@ class DecodeGraphs:
         acceptance + propose forward, read its packed results with one copy and one synchronisation."""
         n, s = len(spans), spans[0].request.num_spec
         q = 1 + s
-        packed = self._proposers[(s, self.bucket(n))]()
+        b = self.bucket(n)
+        packed = self._proposers[(s, b)]()
         self.propose_runs += 1
         rows = self.reader.read(packed[:n])
         nxt = tuple(sp.start + r[0] + 1 for sp, r in zip(spans, rows))  # where _advance put each sequence
-        self._continuing = (tuple(sp.request for sp in spans), self.bucket(n), q, nxt)
+        self._continuing = (tuple(sp.request for sp in spans), b, q, nxt)
         return [GreedyResult(r[0], r[1 : 2 + r[0]], r[1 + q :]) for r in rows]
 
     def _propose_forward(self, s: int, b: int, target: TargetOutputs | None) -> torch.Tensor:
